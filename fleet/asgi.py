@@ -1,0 +1,14 @@
+"""ASGI entry point: HTTP (Django), the node link (/ws/node/) and client streams (/ws/v1/generate)."""
+
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fleet.settings")
+django_app = get_asgi_application()
+
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+
+from fleet.routing import websocket_urlpatterns  # noqa: E402
+
+application = ProtocolTypeRouter({"http": django_app, "websocket": URLRouter(websocket_urlpatterns)})

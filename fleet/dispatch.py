@@ -1,0 +1,290 @@
+"""Dispatch: place a generation, send it to its node, relay the node's frames, fail over when a node is lost.
+
+`generation_stream(spec)` is the one entry point for every interface (/v1 REST and SSE, the client websocket,
+batch jobs). It yields `Started`, `Tokens` and finally `Finished`, or raises `GenerationError`. The caller
+writes the durable record once, at the end, from `stream.outcome`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleet.links import NodeLost, registry
+from nodes.link.prefix import PrefixKey, prefix_keys
+from nodes.link.messages import Accepted, Done, Error, TokenBatch
+from nodes.link.spec import GenerateSpec
+
+log = logging.getLogger("fleet")
+
+MAX_ATTEMPTS = 3
+RETRYABLE_CODES = {"engine_crashed", "node_lost"}
+
+
+class GenerationError(Exception):
+    """A generation that cannot be served, with an OpenAI-style code and the HTTP status it maps to."""
+
+    def __init__(self, code: str, message: str, *, status: int = 500, param: str | None = None,
+                 retry_after: int | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.status, self.param, self.retry_after = code, message, status, param, retry_after
+        self.kind = kind or ("invalid_request_error" if 400 <= status < 500 else "server_error")
+
+
+@dataclass
+class Started:
+    node: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Tokens:
+    seq: int
+    text: str
+    pieces: list[str]
+    ids: list[int]
+    logprobs: list[dict] | None = None
+
+
+@dataclass
+class Finished:
+    finish_reason: str
+    usage: dict[str, int]
+    timings: dict[str, float]
+    node: str
+
+
+@dataclass
+class Outcome:
+    """Everything the durable Generation record needs, filled in as the stream runs."""
+
+    node_id: str | None = None
+    node: str = ""
+    nodes_used: list[str] = field(default_factory=list)
+    placement: dict[str, Any] = field(default_factory=dict)
+    text: str = ""
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+    first_token_at: float | None = None
+    error: GenerationError | None = None
+
+
+class _Waiters:
+    """Generations waiting for a lane, so the earliest deadline gets the next free lane of its model."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[float, str, str]] = []  # (deadline, gen_id, model)
+
+    def ahead_of(self, gen_id: str, model: str, deadline: float) -> int:
+        return sum(1 for d, g, m in self.entries if m == model and (d, g) < (deadline, gen_id))
+
+
+_waiters = _Waiters()
+
+
+def queue_length() -> int:
+    return len(_waiters.entries)
+
+
+class GenerationStream:
+    """One generation's life on the head: placement, relay, failover. Iterate it once."""
+
+    def __init__(self, spec: GenerateSpec, *, deadline: float):
+        self.spec = spec
+        self.deadline = deadline
+        self.keys: list[PrefixKey] = prefix_keys(model=spec.model, prompt=spec.prompt, messages=spec.messages)
+        self.outcome = Outcome()
+        self._seq = 0
+        self._cancelled = False
+        self._current: tuple[str, Any] | None = None  # (node_id, link)
+
+    async def __aiter__(self):
+        reg = registry()
+        excluded: set[str] = set()
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            choice = await self._place(excluded)
+            link = reg.links.get(choice.node_id)
+            if link is None:  # the node left between choosing and sending
+                reg.placement.release(choice.node_id)
+                continue
+            self._record_choice(choice, attempt)
+            try:
+                async for event in self._run_on(link):
+                    yield event
+                return
+            except _NodeFailed as failed:
+                excluded.add(choice.node_id)
+                if attempt == MAX_ATTEMPTS:
+                    raise GenerationError(failed.code, failed.message, status=502) from None
+                log.warning("fleet generation %s: %s on node %r; placing it again (attempt %d)",
+                            self.spec.gen_id, failed.code, choice.identity, attempt + 1)
+        raise GenerationError("node_unavailable", "no node could serve this generation", status=503)
+
+    def _record_choice(self, choice, attempt: int) -> None:
+        self.outcome.node_id, self.outcome.node = choice.node_id, choice.identity
+        self.outcome.nodes_used.append(choice.identity)
+        evidence = choice.evidence()
+        if attempt == 1:
+            self.outcome.placement = evidence
+        else:
+            self.outcome.placement.setdefault("failover", []).append(evidence)
+
+    async def _place(self, excluded: set[str]):
+        """Reserve a lane, waiting in deadline order; past the deadline, fail without ever starting."""
+        reg = registry()
+        model = self.spec.model
+        entry = (self.deadline, self.spec.gen_id, model)
+        _waiters.entries.append(entry)
+        try:
+            while True:
+                if model not in reg.placement.models():
+                    served = ", ".join(reg.placement.models()) or "none"
+                    raise GenerationError("model_not_found", f"The model {model!r} is not served by any node "
+                                          f"(served: {served}).", status=404, param="model")
+                ahead = _waiters.ahead_of(self.spec.gen_id, model, self.deadline)
+                if ahead < reg.placement.free_lanes(model):
+                    choice = reg.placement.choose(model, self.keys, exclude=excluded)
+                    if choice is None and excluded:
+                        choice = reg.placement.choose(model, self.keys)
+                    if choice is not None:
+                        return choice
+                left = self.deadline - time.time()
+                if left <= 0:
+                    raise GenerationError("deadline_exceeded", "Every lane serving this model stayed busy until the "
+                                          "request's deadline; retry later or raise deadline_ms.", status=503,
+                                          retry_after=1, kind="server_error")
+                await reg.lanes.wait(min(left, 0.25))
+        finally:
+            _waiters.entries.remove(entry)
+            reg.lanes.notify()
+
+    async def _run_on(self, link):
+        reg = registry()
+        relay_gen = self.spec.gen_id
+        from fleet.links import Relay
+
+        relay = reg.relays[relay_gen] = Relay(relay_gen)
+        self._current = (link.node_id, link)
+        spec = GenerateSpec(**{**self.spec.__dict__, "resume_text": self.spec.resume_text + self.outcome.text})
+        spec.deadline = self.deadline
+        spec.max_tokens = max(self.spec.max_tokens - self.outcome.completion_tokens, 1)
+        expected_seq = 1
+        finished = False
+        try:
+            await link.send_generate(relay_gen, spec.to_dict())
+            while True:
+                if relay.overflowed:
+                    raise GenerationError("client_too_slow", "the client read tokens too slowly", status=500)
+                try:
+                    event = await relay.get(timeout=max(self.deadline - time.time(), 0) + 5)
+                except TimeoutError:
+                    raise GenerationError("deadline_exceeded", "the generation passed its deadline",
+                                          status=504, kind="server_error") from None
+                if isinstance(event, Error | NodeLost):
+                    finished = True
+                if isinstance(event, Accepted):
+                    started = self._on_accepted(event, link)
+                    if started is not None:
+                        yield started
+                elif isinstance(event, TokenBatch):
+                    if event.seq < expected_seq:
+                        continue  # a duplicate batch
+                    expected_seq = event.seq + 1
+                    yield self._on_tokens(event)
+                elif isinstance(event, Done):
+                    finished = True
+                    yield self._on_done(event, link)
+                    return
+                elif isinstance(event, Error):
+                    if event.code in RETRYABLE_CODES or event.retryable:
+                        raise _NodeFailed(event.code, event.message)
+                    raise GenerationError(event.code, event.message, status=_status_for(event.code),
+                                          param="messages" if event.code == "context_length_exceeded" else None)
+                elif isinstance(event, NodeLost):
+                    raise _NodeFailed("node_lost", f"node {link.identity!r} was lost: {event.reason}")
+        finally:
+            reg.relays.pop(relay_gen, None)
+            self._current = None
+            if not finished:
+                # The client went away or failed mid-stream: free the node's lane now. Not awaited, because a
+                # generator closed by the garbage collector may not await in its finally.
+                asyncio.ensure_future(_cancel_quietly(link, relay_gen))
+
+    def _on_accepted(self, event: Accepted, link) -> Started | None:
+        resumed = bool(self.outcome.completion_tokens)
+        if not resumed:
+            self.outcome.prompt_tokens, self.outcome.cached_tokens = event.prompt_tokens, event.cached_tokens
+            return Started(link.identity, event.prompt_tokens, event.cached_tokens)
+        return None
+
+    def _on_tokens(self, event: TokenBatch) -> Tokens:
+        if self.outcome.first_token_at is None:
+            self.outcome.first_token_at = time.time()
+        self._seq += 1
+        text = "".join(event.text)
+        self.outcome.text += text
+        self.outcome.completion_tokens += len(event.ids)
+        return Tokens(self._seq, text, list(event.text), list(event.ids), event.logprobs)
+
+    def _on_done(self, event: Done, link) -> Finished:
+        reg = registry()
+        answer = [{"role": "assistant", "content": self.outcome.text}]
+        held = self.keys + (prefix_keys(model=self.spec.model, messages=(self.spec.messages or []) + answer)
+                            if self.spec.messages is not None else [])
+        reg.placement.record(link.node_id, self.spec.gen_id, held, prompt_tokens=event.usage.get("prompt_tokens", 0))
+        if event.evicted:
+            reg.placement.evict(link.node_id, list(event.evicted))
+        self.outcome.finish_reason = event.finish_reason
+        self.outcome.timings = dict(event.timings)
+        usage = {
+            "prompt_tokens": self.outcome.prompt_tokens or event.usage.get("prompt_tokens", 0),
+            "completion_tokens": self.outcome.completion_tokens,
+            "cached_tokens": self.outcome.cached_tokens,
+        }
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return Finished(event.finish_reason, usage, self.outcome.timings, link.identity)
+
+    async def cancel(self, reason: str = "cancelled") -> None:
+        """The client went away (or asked): stop the node's lane now."""
+        self._cancelled = True
+        current = self._current
+        if current is not None:
+            node_id, link = current
+            try:
+                await link.send_cancel(self.spec.gen_id, reason)
+            except Exception:  # the link may be closing; its own teardown releases the lane
+                log.debug("cancel of %s on %s failed", self.spec.gen_id, node_id, exc_info=True)
+
+
+async def _cancel_quietly(link, gen_id: str) -> None:
+    try:
+        await link.send_cancel(gen_id, "client went away")
+    except Exception:  # the link may be closing; its own teardown releases the lane
+        log.debug("cancel of %s failed", gen_id, exc_info=True)
+
+
+class _NodeFailed(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _status_for(code: str) -> int:
+    return {
+        "context_length_exceeded": 400,
+        "invalid_grammar": 400,
+        "invalid_request": 400,
+        "deadline_exceeded": 504,
+    }.get(code, 500)
+
+
+def generation_stream(spec: GenerateSpec, *, deadline: float) -> GenerationStream:
+    return GenerationStream(spec, deadline=deadline)

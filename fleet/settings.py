@@ -1,0 +1,217 @@
+"""Fleet's one settings module, driven by the environment (see .env.example).
+
+With nothing set, the head runs on the embedded default: SQLite in WAL mode, the in-memory channel
+layer, a local-memory cache and a filesystem Celery broker that a separate worker process can consume.
+DATABASE_URL switches the database to PostgreSQL; REDIS_URL switches the channel layer, the cache, the
+placement state and Celery to Redis.
+"""
+
+import os
+import secrets
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def env_bool(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value else default
+
+
+FLEET_HOME = Path(os.environ.get("FLEET_HOME") or BASE_DIR / ".fleet").resolve()
+FLEET_HOME.mkdir(parents=True, exist_ok=True)
+
+
+def _secret_key() -> str:
+    """SECRET_KEY from the environment, or one generated on first start and kept in FLEET_HOME."""
+    if os.environ.get("SECRET_KEY"):
+        return os.environ["SECRET_KEY"]
+    path = FLEET_HOME / "secret_key"
+    if not path.exists():
+        # O_EXCL: two processes starting together must not write two different keys.
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(secrets.token_urlsafe(50))
+    return path.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
+DEBUG = env_bool("FLEET_DEBUG")
+ALLOWED_HOSTS = [h.strip() for h in os.environ.get("FLEET_ALLOWED_HOSTS", "*").split(",") if h.strip()]
+CSRF_TRUSTED_ORIGINS = [o.strip() for o in os.environ.get("FLEET_CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "rest_framework",
+    "drf_spectacular",
+    "fleet",
+    "nodes",
+    "sessions.apps.InferenceSessionsConfig",
+    "api",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "fleet.urls"
+ASGI_APPLICATION = "fleet.asgi.application"
+WSGI_APPLICATION = None
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASE_URL = os.environ.get("DATABASE_URL", "").strip()
+if DATABASE_URL:
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": os.environ.get("FLEET_SQLITE_PATH") or str(FLEET_HOME / "fleet.sqlite3"),
+            "OPTIONS": {
+                # WAL lets the head, the Celery worker and readers work side by side; IMMEDIATE
+                # transactions take the write lock up front, so a busy database waits instead of failing.
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 20,
+            },
+        }
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = os.environ.get("REDIS_URL", "").strip()
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            # The default capacity of 100 raised ChannelFull under a token stream; batches keep
+            # the message rate low, and a larger capacity absorbs bursts.
+            "CONFIG": {"hosts": [REDIS_URL], "capacity": 2000, "expiry": 30},
+        }
+    }
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
+    CELERY_BROKER_URL = REDIS_URL
+    CELERY_RESULT_BACKEND = REDIS_URL
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "fleet"}}
+    # A filesystem broker: a separate `celery worker` process on this machine really consumes it.
+    _broker_dir = FLEET_HOME / "celery" / "broker"
+    _broker_dir.mkdir(parents=True, exist_ok=True)
+    (FLEET_HOME / "celery" / "processed").mkdir(parents=True, exist_ok=True)
+    (FLEET_HOME / "celery" / "results").mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_broker_dir),
+        "data_folder_out": str(_broker_dir),
+        "processed_folder": str(FLEET_HOME / "celery" / "processed"),
+        "store_processed": False,
+    }
+    CELERY_RESULT_BACKEND = "file://" + str(FLEET_HOME / "celery" / "results")
+
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_SOFT_TIME_LIMIT = 60
+CELERY_TASK_TIME_LIMIT = 90
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+CELERY_BEAT_SCHEDULE = {
+    "sweep-lost-nodes": {"task": "nodes.tasks.node_sweep_lost", "schedule": 30.0},
+}
+CELERY_BEAT_SCHEDULE_FILENAME = str(FLEET_HOME / "celerybeat-schedule")
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = Path(os.environ.get("FLEET_STATIC_ROOT") or FLEET_HOME / "static")
+# The finders serve the admin's files without `collectstatic` (embedded default: one command, nothing else).
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = DEBUG
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "api.auth.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_THROTTLE_CLASSES": ["api.throttles.ApiKeyRateThrottle"],
+    "DEFAULT_THROTTLE_RATES": {"api_key": os.environ.get("FLEET_THROTTLE_RATE", "600/min")},
+    "EXCEPTION_HANDLER": "api.errors.management_exception_handler",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 50,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Fleet management API",
+    "DESCRIPTION": "Nodes, fleet tokens, API keys, sessions, handles and generations of a llama.cpp fleet.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+# The fleet's own knobs.
+FLEET_LOAD_TOKENS = env_int("FLEET_LOAD_TOKENS", 3000)
+FLEET_DEFAULT_DEADLINE_MS = env_int("FLEET_DEFAULT_DEADLINE_MS", 60_000)
+FLEET_HEARTBEAT_S = env_int("FLEET_HEARTBEAT_S", 5)
+FLEET_NODE_TIMEOUT_S = env_int("FLEET_NODE_TIMEOUT_S", 20)
+FLEET_MAX_HANDSHAKES = env_int("FLEET_MAX_HANDSHAKES", 8)
+FLEET_MDNS = env_bool("FLEET_MDNS", True)
+FLEET_ALLOW_LOOPBACK_WITHOUT_TOKEN = env_bool("FLEET_ALLOW_LOOPBACK_WITHOUT_TOKEN", True)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {
+        "fleet": {"handlers": ["console"], "level": os.environ.get("FLEET_LOG_LEVEL", "INFO"), "propagate": False},
+        "nodes": {"handlers": ["console"], "level": os.environ.get("FLEET_LOG_LEVEL", "INFO"), "propagate": False},
+        "api": {"handlers": ["console"], "level": os.environ.get("FLEET_LOG_LEVEL", "INFO"), "propagate": False},
+        "django.request": {"handlers": ["console"], "level": "ERROR", "propagate": False},
+    },
+}

@@ -1,0 +1,13 @@
+"""HTTP routes: the admin (with the fleet page), the OpenAI-compatible /v1 API and the management /api."""
+
+from django.contrib import admin
+from django.urls import include, path
+
+from fleet import views
+
+urlpatterns = [
+    path("admin/fleet/", admin.site.admin_view(views.fleet_overview), name="fleet-overview"),
+    path("admin/", admin.site.urls),
+    path("healthz", views.healthz, name="healthz"),
+    path("", include("api.urls")),
+]

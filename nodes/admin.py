@@ -1,0 +1,93 @@
+"""Admin for nodes and fleet tokens: the operator's view of who is in the fleet and with which credential."""
+
+from django.contrib import admin, messages
+from django.utils.html import format_html
+
+from nodes.models import FleetToken, Node
+from nodes.services import fleet_token_create, fleet_token_revoke, node_set_hold
+
+
+@admin.register(Node)
+class NodeAdmin(admin.ModelAdmin):
+    list_display = ("identity", "state_badge", "models_list", "lanes", "context_window", "address", "engine",
+                    "last_seen_at")
+    list_filter = ("state", "hold", "engine")
+    search_fields = ("identity", "address")
+    readonly_fields = ("id", "identity", "models_served", "lanes", "context_window", "state", "address", "version",
+                       "engine", "capabilities", "replicas", "token", "joined_at", "last_seen_at", "created_at",
+                       "updated_at")
+    fields = ("id", "identity", "state", "hold", "labels", "models_served", "lanes", "context_window", "address",
+              "version", "engine", "capabilities", "replicas", "token", "joined_at", "last_seen_at", "created_at",
+              "updated_at")
+    list_select_related = ("token",)
+    actions = ("drain", "cordon", "uncordon")
+
+    def has_add_permission(self, request):
+        return False  # nodes join with `manage.py node_join`
+
+    @admin.display(description="state", ordering="state")
+    def state_badge(self, node):
+        colour = {"online": "#2e7d32", "offline": "#999", "draining": "#e65100", "cordoned": "#e65100"}[node.state]
+        return format_html('<b style="color:{}">{}</b>', colour, node.state)
+
+    @admin.display(description="models")
+    def models_list(self, node):
+        return ", ".join(node.models_served)
+
+    def _hold(self, request, queryset, hold, verb):
+        for node in queryset:
+            node_set_hold(node=node, hold=hold)
+        self.message_user(request, f"{queryset.count()} node(s) {verb}.", messages.SUCCESS)
+
+    @admin.action(description="Drain: take no new generations, finish running ones")
+    def drain(self, request, queryset):
+        self._hold(request, queryset, Node.Hold.DRAIN, "draining")
+
+    @admin.action(description="Cordon: take no new generations")
+    def cordon(self, request, queryset):
+        self._hold(request, queryset, Node.Hold.CORDON, "cordoned")
+
+    @admin.action(description="Uncordon: take new generations again")
+    def uncordon(self, request, queryset):
+        self._hold(request, queryset, Node.Hold.NONE, "back in service")
+
+    def save_model(self, request, obj, form, change):
+        # The hold goes through its service so the node's live link hears about it.
+        if change and "hold" in form.changed_data:
+            node_set_hold(node=obj, hold=obj.hold)
+            obj.refresh_from_db()
+        super().save_model(request, obj, form, change)
+
+
+@admin.register(FleetToken)
+class FleetTokenAdmin(admin.ModelAdmin):
+    list_display = ("name", "public_id", "active", "created_at", "last_used_at", "revoked_at")
+    list_filter = ("revoked_at",)
+    search_fields = ("name", "public_id")
+    readonly_fields = ("public_id", "created_at", "last_used_at", "revoked_at")
+    fields = ("name", "public_id", "created_at", "last_used_at", "revoked_at")
+    actions = ("revoke",)
+
+    @admin.display(boolean=True)
+    def active(self, token):
+        return token.is_active
+
+    def save_model(self, request, obj, form, change):
+        if change:
+            super().save_model(request, obj, form, change)
+            return
+        token, secret = fleet_token_create(name=obj.name)
+        obj.pk, obj.public_id, obj.secret_encrypted = token.pk, token.public_id, token.secret_encrypted
+        obj._state.adding = False
+        self.message_user(
+            request,
+            format_html("Token created; it is shown only this once: <code>{}</code><br>On a node run: "
+                        "<code>python manage.py node_join {} --model &lt;path|smollm2&gt; --token {}</code>",
+                        secret, request.get_host(), secret),
+            messages.WARNING,
+        )
+
+    @admin.action(description="Revoke: nodes using it are refused at their next handshake")
+    def revoke(self, request, queryset):
+        count = sum(fleet_token_revoke(token=t) for t in queryset)
+        self.message_user(request, f"{count} token(s) revoked.", messages.SUCCESS)

@@ -1,0 +1,229 @@
+"""The node's end of the link: dial the head, hand generations to the engine, stream its frames back.
+
+Redials with backoff from 2 s to 30 s, resolving the head again each time (by mDNS when it has no address).
+A refused fleet token ends the agent at once with a line saying what to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import websockets
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+
+from nodes.link.channel import MAX_FRAME, SecureChannel
+from nodes.link.handshake import Initiator, parse_token
+from nodes.link.messages import (
+    Accepted, Bye, Cancel, Done, Error, Generate, Heartbeat, LinkError, Register, Registered, StateOp, StateResult,
+    TokenBatch,
+)
+from nodes.link.spec import GenerateSpec, SpecError
+
+log = logging.getLogger("nodes.agent")
+
+BACKOFF_START_S = 2.0
+BACKOFF_MAX_S = 30.0
+REFUSAL_CODES = {
+    4001: "the head refused this node's fleet token (unknown, revoked or wrong secret): create a new one on the head "
+          "with `manage.py fleet_token` and pass it with --token",
+    4002: "the head takes nodes from other hosts only with a fleet token: create one on the head with "
+          "`manage.py fleet_token` and pass it with --token",
+}
+
+
+class Refused(Exception):
+    """The head refused this node for good (its token); redialing would not help."""
+
+
+@dataclass
+class AgentConfig:
+    head: str | None
+    token: str | None
+    identity: str = field(default_factory=socket.gethostname)
+    labels: dict[str, str] = field(default_factory=dict)
+    version: str = "fleet-node/0.1"
+    backoff_start: float = BACKOFF_START_S
+    backoff_max: float = BACKOFF_MAX_S
+
+    @staticmethod
+    def identity_default() -> str:
+        return socket.gethostname()
+
+
+def _event_to_message(event: dict[str, Any]):
+    kind = event["type"]
+    if kind == "accepted":
+        return Accepted(gen_id=event["gen_id"], prompt_tokens=event["prompt_tokens"],
+                        cached_tokens=event.get("cached_tokens", 0), lane=event.get("lane", 0),
+                        replica=event.get("replica", 0))
+    if kind == "tokens":
+        return TokenBatch(gen_id=event["gen_id"], seq=event["seq"], text=event["text"], ids=event["ids"],
+                          logprobs=event.get("logprobs"))
+    if kind == "done":
+        return Done(gen_id=event["gen_id"], seq=event["seq"], finish_reason=event["finish_reason"],
+                    usage=event["usage"], timings=event["timings"], lane=event.get("lane", 0),
+                    replica=event.get("replica", 0), evicted=list(event.get("evicted", [])))
+    return Error(gen_id=event["gen_id"], code=event["code"], message=event["message"],
+                 retryable=bool(event.get("retryable", False)))
+
+
+class NodeAgent:
+    """Keeps one link to the head alive for an engine (an EngineWorker or a ReplicaSet)."""
+
+    def __init__(self, config: AgentConfig, engine, *, resolve_head: Callable[[], str | None] | None = None):
+        self.config = config
+        self.engine = engine
+        self.resolve_head = resolve_head or (lambda: config.head)
+        self.token_id, self.psk = parse_token(config.token) if config.token else (None, None)
+        self.outbox: asyncio.Queue | None = None
+        self.running: set[str] = set()
+        self.cache_cleared = True
+        self.heartbeat_s = 5.0
+
+    def on_engine_event(self, event: dict[str, Any]) -> None:
+        """Engine callback (on the loop): forward to the head while a link is up."""
+        if event["type"] in {"done", "error"}:
+            self.running.discard(event["gen_id"])
+        if self.outbox is not None:
+            self.outbox.put_nowait(_event_to_message(event))
+
+    async def run(self) -> None:
+        """Dial, serve, redial; returns only by raising Refused (or on cancellation)."""
+        delay = self.config.backoff_start
+        while True:
+            head = self.resolve_head()
+            if head is None:
+                log.warning("fleet node: no head found on the local network; retrying in %.0f s", delay)
+            else:
+                try:
+                    served = await self._session(head)
+                except Refused:
+                    raise
+                except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, LinkError, TimeoutError) as exc:
+                    log.warning("fleet node: link to %s failed: %s; redialing in %.0f s", head, _describe(exc), delay)
+                    served = False
+                if served:
+                    delay = self.config.backoff_start
+            await asyncio.sleep(delay * (0.9 + 0.2 * random.random()))
+            delay = min(delay * 2, self.config.backoff_max)
+
+    async def _session(self, head: str) -> bool:
+        uri = head if head.startswith(("ws://", "wss://")) else f"ws://{head}/ws/node/"
+        async with websockets.connect(uri, max_size=MAX_FRAME + 1024, open_timeout=10, ping_interval=20,
+                                      ping_timeout=20, close_timeout=2) as ws:
+            try:
+                channel = await self._handshake(ws)
+                registered = await self._register(ws, channel)
+            except ConnectionClosed as exc:
+                code = exc.rcvd.code if exc.rcvd else None
+                if code in REFUSAL_CODES:
+                    raise Refused(REFUSAL_CODES[code]) from None
+                raise
+            log.info("fleet node %r joined %s as %s (%s)", self.config.identity, head,
+                     ", ".join(registered.model_names), registered.node_id)
+            for warning in registered.warnings:
+                log.warning("fleet node: %s", warning)
+            self.heartbeat_s = registered.heartbeat_s or self.heartbeat_s
+            await self._serve(ws, channel)
+            return True
+
+    async def _handshake(self, ws) -> SecureChannel:
+        initiator = Initiator(self.token_id, self.psk)
+        await ws.send(initiator.first_frame())
+        reply = await asyncio.wait_for(ws.recv(), 10)
+        return initiator.read_reply(reply)
+
+    async def _register(self, ws, channel: SecureChannel) -> Registered:
+        info = self.engine.info()
+        await ws.send(channel.seal(Register(
+            identity=self.config.identity,
+            models=[{"name": info["model_name"], "context_window": info["context_window"]}],
+            lanes=info["lanes"], context_window=info["context_window"], capabilities=info["capabilities"],
+            engine=info["engine"], engine_version=info["engine_version"], version=self.config.version,
+            labels=self.config.labels, replicas=info.get("replicas", []), cache_cleared=self.cache_cleared,
+        )))
+        reply = channel.open(await asyncio.wait_for(ws.recv(), 15))
+        if not isinstance(reply, Registered):
+            raise LinkError(f"expected registered, got {type(reply).__name__}")
+        self.cache_cleared = False
+        return reply
+
+    async def _serve(self, ws, channel: SecureChannel) -> None:
+        self.outbox = asyncio.Queue()
+        tasks = [asyncio.ensure_future(c) for c in (self._receive(ws, channel), self._send(ws, channel),
+                                                     self._heartbeat())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # re-raise what ended the link
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.outbox = None
+            # Nobody is listening for these any more; the head places them again elsewhere.
+            for gen_id in list(self.running):
+                await self.engine.cancel(gen_id)
+            self.running.clear()
+
+    async def _receive(self, ws, channel: SecureChannel) -> None:
+        async for frame in ws:
+            if isinstance(frame, str):
+                raise LinkError("text frame on the node link")
+            msg = channel.open(frame)
+            if isinstance(msg, Generate):
+                await self._on_generate(msg)
+            elif isinstance(msg, Cancel):
+                await self.engine.cancel(msg.gen_id)
+            elif isinstance(msg, StateOp):
+                asyncio.ensure_future(self._on_state_op(msg))
+            elif isinstance(msg, Bye):
+                return
+
+    async def _on_generate(self, msg: Generate) -> None:
+        try:
+            spec = GenerateSpec.from_dict({**msg.spec, "gen_id": msg.gen_id})
+        except (SpecError, TypeError, ValueError) as exc:
+            self.outbox.put_nowait(Error(gen_id=msg.gen_id, code="invalid_request", message=str(exc)))
+            return
+        self.running.add(msg.gen_id)
+        await self.engine.submit(spec)
+
+    async def _on_state_op(self, msg: StateOp) -> None:
+        try:
+            result = await self.engine.state_op(msg.op, msg.args)
+            reply = StateResult(op_id=msg.op_id, ok=True, result=result)
+        except Exception as exc:  # reported to the head, which answers its client with it
+            reply = StateResult(op_id=msg.op_id, ok=False, error=str(exc), code=type(exc).__name__)
+        if self.outbox is not None:
+            self.outbox.put_nowait(reply)
+
+    async def _send(self, ws, channel: SecureChannel) -> None:
+        while True:
+            msg = await self.outbox.get()
+            await ws.send(channel.seal(msg))
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            stats = self.engine.stats()
+            cleared = bool(stats.pop("cache_cleared", False))
+            self.outbox.put_nowait(Heartbeat(
+                lanes_busy=int(stats.get("lanes_busy", 0)), lanes=int(stats.get("lanes", 0)),
+                kv_used=int(stats.get("kv_used", 0)), kv_total=int(stats.get("kv_total", 0)),
+                tokens_per_s=float(stats.get("tokens_per_s", 0.0)), replicas=list(stats.get("replicas", [])),
+                cache_cleared=cleared,
+            ))
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ConnectionClosed):
+        rcvd = exc.rcvd
+        return f"closed by the head ({rcvd.code} {rcvd.reason})" if rcvd else "connection closed"
+    return str(exc) or type(exc).__name__
+

@@ -1,0 +1,131 @@
+"""The engine interface shared by the llama.cpp engine, the mock engine and the worker process.
+
+An engine owns `lanes` decode slots over one model. The worker drives it: `submit` admits a generation,
+`step` runs one decode step over every busy lane, and both return event dicts that map 1:1 onto the
+node-link messages the agent forwards to the head:
+
+- ``{"type": "accepted", "gen_id", "prompt_tokens", "cached_tokens", "lane"}``
+- ``{"type": "tokens", "gen_id", "seq", "text": [str], "ids": [int], "logprobs": [dict] | None}``
+- ``{"type": "done", "gen_id", "seq", "finish_reason", "usage", "timings", "lane", "evicted"}``
+- ``{"type": "error", "gen_id", "code", "message", "retryable"}``
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from nodes.link.spec import GenerateSpec
+
+Event = dict[str, Any]
+
+# Finish reasons a `done` event carries.
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_CANCELLED = "cancelled"
+FINISH_DEADLINE = "deadline"
+
+# Error codes an `error` event carries.
+ERR_CONTEXT_LENGTH = "context_length_exceeded"
+ERR_INVALID_GRAMMAR = "invalid_grammar"
+ERR_INVALID_REQUEST = "invalid_request"
+ERR_ENGINE_CRASHED = "engine_crashed"
+ERR_ENGINE_UNAVAILABLE = "engine_unavailable"
+ERR_ENGINE_FAILED = "engine_failed"
+
+
+@dataclass
+class EngineConfig:
+    """How to build one engine. Plain values only: it crosses into the worker process as a dict."""
+
+    model_path: str | None = None
+    model_name: str = ""
+    lanes: int = 8
+    max_context: int | None = None  # per-lane context window; default min(n_ctx_train, 2048)
+    n_batch: int = 512
+    threads: int | None = None
+    park_dir: str | None = None
+    mock: dict[str, Any] | None = None  # when set, a MockEngine with these parameters
+    cpu_affinity: list[int] | None = None
+    env: dict[str, str] = field(default_factory=dict)  # applied in the worker before loading
+    flush_tokens: int = 4
+    flush_ms: float = 30.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        return cls(**data)
+
+
+class EngineError(Exception):
+    """A generation the engine refuses; becomes an `error` event with `code`."""
+
+    def __init__(self, code: str, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retryable = retryable
+
+
+class StateOpError(Exception):
+    """A state operation (embed, tokenize, ...) that failed; carries a code for the head."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class EngineLoadError(RuntimeError):
+    """The engine could not load its model (bad path, bad file, out of memory, worker died)."""
+
+
+class Engine(Protocol):
+    """What the worker needs from an engine. All methods run on the worker's one thread."""
+
+    def info(self) -> dict[str, Any]: ...
+
+    def submit(self, spec: GenerateSpec) -> list[Event]: ...
+
+    def cancel(self, gen_id: str) -> list[Event]: ...
+
+    def step(self) -> list[Event]: ...
+
+    def busy(self) -> bool: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def state_op(self, op: str, args: dict[str, Any]) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+def accepted_event(gen_id: str, prompt_tokens: int, cached_tokens: int, lane: int) -> Event:
+    return {
+        "type": "accepted",
+        "gen_id": gen_id,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "lane": lane,
+    }
+
+
+def tokens_event(gen_id: str, seq: int, text: list[str], ids: list[int], logprobs: list[dict] | None) -> Event:
+    return {"type": "tokens", "gen_id": gen_id, "seq": seq, "text": text, "ids": ids, "logprobs": logprobs}
+
+
+def error_event(gen_id: str, code: str, message: str, retryable: bool = False) -> Event:
+    return {"type": "error", "gen_id": gen_id, "code": code, "message": message, "retryable": retryable}
+
+
+def create_engine(config: EngineConfig, on_progress: Any = None) -> Engine:
+    """Build the engine `config` asks for: the mock when `config.mock` is set, else llama.cpp."""
+    if config.mock is not None:
+        from nodes.agent.engine.mock import MockEngine
+
+        return MockEngine(config)
+    from nodes.agent.engine.llama import LlamaEngine
+
+    return LlamaEngine(config, on_progress=on_progress)

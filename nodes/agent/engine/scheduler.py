@@ -1,0 +1,303 @@
+"""Lanes, prefix reuse and the step loop shared by the llama.cpp engine and the mock.
+
+A subclass supplies the model: `_prepare` (tokenize, validate, build the sampler), `_trim_lane` (drop a
+lane's KV from a position on), `_decode` (read one batch of work, sample where asked), `_piece` and
+`_is_eog`. Everything else — admission, lane choice, cached-token accounting, evictions, stop strings,
+deadlines, cancel, flushing and stats — lives here, so both engines behave the same.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from nodes.agent.engine.base import (
+    ERR_ENGINE_FAILED,
+    ERR_INVALID_REQUEST,
+    FINISH_CANCELLED,
+    FINISH_DEADLINE,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineConfig,
+    EngineError,
+    Event,
+    accepted_event,
+    error_event,
+)
+from nodes.agent.engine.runs import Run, clock
+from nodes.link.spec import GenerateSpec
+
+Sample = tuple[int, dict[str, Any] | None]  # sampled token id, logprob entry
+
+
+@dataclass
+class Lane:
+    """One llama sequence id: the tokens its KV cache holds and the generation using it, if any."""
+
+    index: int
+    tokens: list[int] = field(default_factory=list)  # KV contents, position order
+    run: Run | None = None
+    holders: list[tuple[str, int]] = field(default_factory=list)  # (gen_id, prompt length) cached here
+    last_used: float = 0.0
+
+
+@dataclass
+class Work:
+    """What one lane reads in a step: `tokens` at positions `pos`..; `sample` asks for the next token."""
+
+    lane: Lane
+    tokens: list[int]
+    pos: int
+    sample: bool
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the common case on a warm lane: one C-level comparison
+        return n
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class LaneEngine(ABC):
+    """The engine skeleton: FIFO admission into lanes, one batched `_decode` per `step`."""
+
+    engine_name = "base"
+
+    def __init__(self, config: EngineConfig, window: int, n_batch: int) -> None:
+        if n_batch < config.lanes:
+            raise ValueError(f"n_batch ({n_batch}) must be at least the number of lanes ({config.lanes})")
+        self.config = config
+        self.window = window
+        self.n_batch = n_batch
+        self.lanes = [Lane(i) for i in range(config.lanes)]
+        self.queue: deque[Run] = deque()
+        self._rate: deque[tuple[float, int]] = deque()
+
+    # -- what a model supplies ------------------------------------------------------------------------
+
+    @abstractmethod
+    def _prepare(self, spec: GenerateSpec, submitted_at: float) -> Run:
+        """Tokenize and validate `spec`, build its sampler; raise EngineError for bad input."""
+
+    @abstractmethod
+    def _trim_lane(self, lane: Lane, keep: int) -> None:
+        """Drop the lane's KV from position `keep` on (`lane.tokens` is cut by the caller)."""
+
+    @abstractmethod
+    def _decode(self, works: list[Work]) -> dict[int, Sample]:
+        """Read every work item in one batch; return {lane index: sample} for items with `sample`."""
+
+    @abstractmethod
+    def _piece(self, token_id: int) -> bytes: ...
+
+    @abstractmethod
+    def _is_eog(self, token_id: int) -> bool: ...
+
+    def _release_run(self, run: Run) -> None:
+        """Free per-generation resources (the sampler)."""
+
+    def _lane_idle(self, lane: Lane) -> None:
+        """A lane just went idle (the llama engine parks it to disk here)."""
+
+    # -- the Engine interface -------------------------------------------------------------------------
+
+    def submit(self, spec: GenerateSpec) -> list[Event]:
+        if self._find(spec.gen_id) is not None:
+            return [error_event(spec.gen_id, ERR_INVALID_REQUEST, f"generation {spec.gen_id} is already running")]
+        try:
+            run = self._prepare(spec, clock())
+        except EngineError as exc:
+            return [error_event(spec.gen_id, exc.code, exc.message, exc.retryable)]
+        if spec.deadline is not None and time.time() >= spec.deadline:
+            self._release_run(run)
+            return [run.done_event(FINISH_DEADLINE, clock())]
+        self.queue.append(run)
+        return self._admit()
+
+    def cancel(self, gen_id: str) -> list[Event]:
+        for run in self.queue:
+            if run.gen_id == gen_id:
+                self.queue.remove(run)
+                self._release_run(run)
+                return [run.done_event(FINISH_CANCELLED, clock())]
+        for lane in self.lanes:
+            if lane.run is not None and lane.run.gen_id == gen_id:
+                return self._finish(lane, FINISH_CANCELLED, clock())
+        return []
+
+    def busy(self) -> bool:
+        return bool(self.queue) or any(lane.run is not None for lane in self.lanes)
+
+    def stats(self) -> dict[str, Any]:
+        now = clock()
+        while self._rate and now - self._rate[0][0] > 2.0:
+            self._rate.popleft()
+        span = now - self._rate[0][0] if len(self._rate) > 1 else 0.0
+        produced = sum(n for _, n in list(self._rate)[1:])
+        return {
+            "lanes_busy": sum(1 for lane in self.lanes if lane.run is not None),
+            "lanes": len(self.lanes),
+            "queued": len(self.queue),
+            "kv_used": sum(len(lane.tokens) for lane in self.lanes),
+            "kv_total": self.window * len(self.lanes),
+            "tokens_per_s": round(produced / span, 2) if span > 0 else 0.0,
+        }
+
+    def step(self) -> list[Event]:
+        """One decode step: every busy lane's prompt chunk or next token, read in one batch."""
+        events = self._expire()
+        works = self._plan()
+        if works:
+            started = clock()
+            try:
+                samples = self._decode(works)
+            except EngineError as exc:
+                return events + self._fail_batch(works, exc)
+            events += self._absorb(works, samples, started, clock())
+        now = clock()
+        for lane in self.lanes:
+            if lane.run is not None:
+                batch = lane.run.take_batch(now)
+                if batch is not None:
+                    events.append(batch)
+        return events + self._admit()
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _find(self, gen_id: str) -> Run | None:
+        for run in self.queue:
+            if run.gen_id == gen_id:
+                return run
+        for lane in self.lanes:
+            if lane.run is not None and lane.run.gen_id == gen_id:
+                return lane.run
+        return None
+
+    def _pick_lane(self, tokens: list[int]) -> tuple[Lane, int] | None:
+        """The free lane sharing the longest prefix with `tokens`; ties go to the lane whose cache
+        loses least, then to the least recently used."""
+        best: tuple[tuple[int, int, float], Lane, int] | None = None
+        for lane in self.lanes:
+            if lane.run is not None:
+                continue
+            # At least the last prompt token is read again: its logits give the first sample.
+            shared = min(common_prefix(lane.tokens, tokens), len(tokens) - 1)
+            key = (shared, -(len(lane.tokens) - shared), -lane.last_used)
+            if best is None or key > best[0]:
+                best = (key, lane, shared)
+        return None if best is None else (best[1], best[2])
+
+    def _admit(self) -> list[Event]:
+        events: list[Event] = []
+        while self.queue:
+            picked = self._pick_lane(self.queue[0].tokens)
+            if picked is None:
+                break
+            lane, keep = picked
+            run = self.queue.popleft()
+            if keep < len(lane.tokens):
+                self._trim_lane(lane, keep)
+                del lane.tokens[keep:]
+            run.evicted = [gen_id for gen_id, n in lane.holders if n > keep]
+            lane.holders = [(gen_id, n) for gen_id, n in lane.holders if n <= keep] + [(run.gen_id, len(run.tokens))]
+            run.lane, run.cached_tokens = lane.index, keep
+            lane.run = run
+            events.append(accepted_event(run.gen_id, run.prompt_tokens, keep, lane.index))
+        return events
+
+    def _expire(self) -> list[Event]:
+        events: list[Event] = []
+        wall = time.time()
+        for lane in self.lanes:
+            run = lane.run
+            if run is not None and run.spec.deadline is not None and wall >= run.spec.deadline:
+                events += self._finish(lane, FINISH_DEADLINE, clock())
+        return events
+
+    def _plan(self) -> list[Work]:
+        """Decode tokens first (one per lane, so decoding never stalls behind a long prompt), then
+        prompt chunks in arrival order while the batch has room."""
+        works: list[Work] = []
+        prefills: list[Lane] = []
+        for lane in self.lanes:
+            run = lane.run
+            if run is None:
+                continue
+            if len(lane.tokens) < len(run.tokens):
+                prefills.append(lane)
+            elif run.next_token is not None:
+                works.append(Work(lane, [run.next_token], len(lane.tokens), True))
+        budget = self.n_batch - len(works)
+        for lane in sorted(prefills, key=lambda item: item.run.submitted_at if item.run else 0.0):
+            if budget <= 0:
+                break
+            run = lane.run
+            assert run is not None
+            start = len(lane.tokens)
+            chunk = run.tokens[start : start + budget]
+            works.append(Work(lane, chunk, start, start + len(chunk) == len(run.tokens)))
+            budget -= len(chunk)
+        return works
+
+    def _absorb(self, works: list[Work], samples: dict[int, Sample], started: float, now: float) -> list[Event]:
+        events: list[Event] = []
+        produced = 0
+        for work in works:
+            lane, run = work.lane, work.lane.run
+            assert run is not None
+            lane.tokens.extend(work.tokens)
+            if run.prefill_started_at is None:
+                run.prefill_started_at = started
+            if work.sample:
+                produced += 1
+                events += self._take(lane, run, *samples[lane.index], now)
+        self._rate.append((now, produced))
+        return events
+
+    def _take(self, lane: Lane, run: Run, token_id: int, logprob: dict[str, Any] | None, now: float) -> list[Event]:
+        """Account one sampled token and finish the generation when it ends here."""
+        if self._is_eog(token_id):
+            return self._finish(lane, FINISH_STOP, now)
+        run.next_token = token_id
+        if run.add_token(token_id, self._piece(token_id), logprob, now):
+            return self._finish(lane, FINISH_STOP, now)
+        # The next token would be read at position len(lane.tokens): it must fit the lane's window.
+        if run.completion_tokens >= run.spec.max_tokens or len(lane.tokens) >= self.window:
+            return self._finish(lane, FINISH_LENGTH, now)
+        return []
+
+    def _finish(self, lane: Lane, reason: str, now: float) -> list[Event]:
+        run = lane.run
+        assert run is not None
+        run.release_all(now)
+        run.finished = True
+        events: list[Event] = []
+        batch = run.take_batch(now, force=True)
+        if batch is not None:
+            events.append(batch)
+        events.append(run.done_event(reason, now))
+        lane.run = None
+        lane.last_used = now
+        self._release_run(run)
+        self._lane_idle(lane)
+        return events
+
+    def _fail_batch(self, works: list[Work], exc: EngineError) -> list[Event]:
+        """A decode the model refused: stop every generation in it and forget those lanes' caches."""
+        events: list[Event] = []
+        for work in works:
+            lane, run = work.lane, work.lane.run
+            assert run is not None
+            events.append(error_event(run.gen_id, ERR_ENGINE_FAILED, exc.message, retryable=True))
+            lane.run = None
+            self._release_run(run)
+            self._trim_lane(lane, 0)
+            lane.tokens = []
+            lane.holders = []
+        return events

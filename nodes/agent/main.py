@@ -1,0 +1,152 @@
+"""Running a node: load the model in engine worker(s), then keep a link to the head. Used by `node_join`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nodes.agent.dialer import AgentConfig, NodeAgent, Refused
+from nodes.agent.engine.base import EngineConfig
+from nodes.agent.models import ModelNotFound, resolve_model
+from nodes.agent.replicas import ReplicaConfigError, ReplicaSet, cpu_groups, gpu_groups
+
+log = logging.getLogger("nodes.agent")
+
+
+@dataclass
+class NodeOptions:
+    head: str | None
+    model: str
+    token: str | None = None
+    max_context: int | None = None
+    max_batch: int = 8
+    identity: str | None = None
+    model_name: str | None = None
+    offline: bool = False
+    park: bool = False
+    replicas: int = 1
+    gpus: str | None = None
+    home: Path = field(default_factory=lambda: Path(os.environ.get("FLEET_HOME") or Path.home() / ".fleet"))
+    mock: dict | None = None
+
+
+class NodeError(Exception):
+    """A problem the host owner must fix; printed as one line, exit status 2."""
+
+
+def token_path(home: Path) -> Path:
+    return home / "fleet" / "token"
+
+
+def remember_token(options: NodeOptions) -> str | None:
+    """The token given now is kept for later runs; without one, the kept token is used."""
+    path = token_path(options.home)
+    if options.token:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(options.token.strip() + "\n")
+        path.chmod(0o600)
+        return options.token.strip()
+    if path.exists():
+        return path.read_text().strip() or None
+    return None
+
+
+def engine_configs(options: NodeOptions) -> tuple[list[EngineConfig], str]:
+    if options.mock is not None:
+        path, own_name = None, options.model_name or options.model
+    else:
+        path, own_name = resolve_model(options.model)
+    name = options.model_name or own_name
+    gpus, cpus = gpu_groups(options.replicas, options.gpus), cpu_groups(options.replicas)
+    park = str(options.home / "park" / name) if options.park else None
+    configs = []
+    for index in range(options.replicas):
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus[index])} if gpus[index] else {}
+        configs.append(EngineConfig(
+            model_path=str(path) if path else None, model_name=name, lanes=options.max_batch,
+            max_context=options.max_context, park_dir=f"{park}/r{index}" if park else None, mock=options.mock,
+            cpu_affinity=cpus[index] if options.replicas > 1 else None, env=env, threads=len(cpus[index]),
+        ))
+    return configs, name
+
+
+class ProgressBar:
+    """A one-line bar on stderr while the model loads."""
+
+    def __init__(self, label: str):
+        self.label, self.last = label, -1
+
+    def __call__(self, fraction: float) -> None:
+        percent = int(max(0.0, min(1.0, fraction)) * 100)
+        if percent == self.last:
+            return
+        self.last = percent
+        filled = percent * 30 // 100
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {percent:3d}%")
+        if percent == 100:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+async def _run(options: NodeOptions, resolve_head) -> None:
+    from nodes.agent.engine.worker import EngineWorker
+
+    configs, name = engine_configs(options)
+    token = remember_token(options)
+    agent_config = AgentConfig(head=options.head, token=token, identity=options.identity or AgentConfig.identity_default())
+    agent: NodeAgent | None = None
+
+    def forward(index: int):
+        def on_event(event):
+            if agent is not None:
+                agent.on_engine_event(engine.on_event(index, event) if isinstance(engine, ReplicaSet) else event)
+        return on_event
+
+    workers = [EngineWorker(cfg, on_event=forward(i)) for i, cfg in enumerate(configs)]
+    engine = ReplicaSet(workers, model_name=name) if len(workers) > 1 else workers[0]
+    bar = ProgressBar(f"loading {name}")
+    try:
+        info = await engine.start(on_progress=bar)
+    except Exception as exc:
+        raise NodeError(f"the model could not be loaded: {exc}") from exc
+    bar(1.0)
+    log.info("fleet node: %s loaded, context window %d tokens, %d lanes", name, info["context_window"], info["lanes"])
+    agent = NodeAgent(agent_config, engine, resolve_head=resolve_head)
+    try:
+        await agent.run()
+    finally:
+        await engine.stop()
+
+
+def run_node(options: NodeOptions) -> int:
+    """Run until stopped. Returns the exit status: 0 when stopped, 2 when the head refused the node."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    def resolve_head():
+        if options.head:
+            return options.head
+        if options.offline:
+            return None
+        from nodes.agent.discovery import find_head
+
+        return find_head()
+
+    loop = asyncio.new_event_loop()
+    main = loop.create_task(_run(options, resolve_head))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, main.cancel)
+    try:
+        loop.run_until_complete(main)
+    except asyncio.CancelledError:
+        return 0
+    except (Refused, NodeError, ModelNotFound, ReplicaConfigError) as exc:
+        sys.stderr.write(f"node_join: {exc}\n")
+        return 2
+    finally:
+        loop.close()
+    return 0

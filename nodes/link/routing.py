@@ -1,0 +1,198 @@
+"""Placement: which node a generation goes to (the replica rule).
+
+cost(node) = prompt tokens the node would have to read again + LOAD_TOKENS x generations running there.
+A tie goes to the least loaded node, then the least routed one, so idle nodes share the work.
+
+The index maps each prefix key to the nodes that hold it (and the generation that put it there), LRU-capped.
+Nodes report what they evict (the generations whose lane another one took) and when their cache was
+cleared (an engine restart), so the index follows the real caches rather than the routing history.
+Shared by the head (placing on nodes) and a node with replicas (placing on its engine workers): Django-free.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from nodes.link.prefix import PrefixKey
+
+
+@dataclass
+class NodeSlot:
+    """What placement knows of one connected node (or one replica group behind it)."""
+
+    node_id: str
+    identity: str
+    models: list[str]
+    lanes: int
+    context_window: int = 0
+    running: int = 0
+    routed: int = 0
+    schedulable: bool = True
+    chars_per_token: float = 4.0
+
+    @property
+    def free(self) -> int:
+        return max(self.lanes - self.running, 0)
+
+
+@dataclass
+class Choice:
+    node_id: str
+    identity: str
+    cost: int
+    matched_tokens: int
+    prompt_tokens_estimate: int
+    runner_up: dict | None = None
+    candidates: int = 0
+
+    def evidence(self) -> dict:
+        return {
+            "node": self.identity,
+            "node_id": self.node_id,
+            "cost": self.cost,
+            "matched_tokens": self.matched_tokens,
+            "prompt_tokens_estimate": self.prompt_tokens_estimate,
+            "runner_up": self.runner_up,
+            "candidates": self.candidates,
+        }
+
+
+@dataclass
+class _Holders:
+    by_node: dict[str, str] = field(default_factory=dict)  # node_id -> generation id that put the key there
+
+
+class PlacementState:
+    """In-process placement state: nodes, their load, and the prefix index. Thread-safe (one lock)."""
+
+    def __init__(self, *, load_tokens: int = 3000, max_keys: int = 200_000):
+        self.load_tokens = load_tokens
+        self.max_keys = max_keys
+        self._lock = threading.Lock()
+        self._nodes: dict[str, NodeSlot] = {}
+        self._index: OrderedDict[str, _Holders] = OrderedDict()
+        self._by_gen: dict[tuple[str, str], list[str]] = {}
+
+    # --- nodes ---
+    def node_up(self, slot: NodeSlot, *, cache_cleared: bool = True) -> None:
+        with self._lock:
+            old = self._nodes.get(slot.node_id)
+            if old is not None and not cache_cleared:
+                slot.routed = old.routed
+            self._nodes[slot.node_id] = slot
+            if cache_cleared:
+                self._forget_node_locked(slot.node_id)
+
+    def node_down(self, node_id: str) -> None:
+        with self._lock:
+            self._nodes.pop(node_id, None)
+            self._forget_node_locked(node_id)
+
+    def set_schedulable(self, node_id: str, schedulable: bool) -> None:
+        with self._lock:
+            if node_id in self._nodes:
+                self._nodes[node_id].schedulable = schedulable
+
+    def nodes(self) -> list[NodeSlot]:
+        with self._lock:
+            return [NodeSlot(**vars(s)) for s in self._nodes.values()]
+
+    def models(self) -> list[str]:
+        with self._lock:
+            return sorted({m for s in self._nodes.values() for m in s.models})
+
+    # --- placing ---
+    def choose(self, model: str, keys: list[PrefixKey], *, exclude: set[str] = frozenset()) -> Choice | None:
+        """Pick and reserve a lane on the cheapest node serving `model`; None when no lane is free."""
+        with self._lock:
+            candidates = [
+                s for s in self._nodes.values()
+                if model in s.models and s.schedulable and s.free > 0 and s.node_id not in exclude
+            ]
+            if not candidates:
+                return None
+            scored = sorted(
+                (self._cost_locked(s, keys) + (s.running, s.routed, s.identity, s) for s in candidates),
+                key=lambda row: row[:5],
+            )
+            cost, matched, total, _, _, _, best = scored[0]
+            best.running += 1
+            best.routed += 1
+            runner_up = None
+            if len(scored) > 1:
+                r = scored[1]
+                runner_up = {"node": r[6].identity, "cost": r[0], "matched_tokens": r[1]}
+            for k in keys:
+                if k.key in self._index:
+                    self._index.move_to_end(k.key)
+            return Choice(best.node_id, best.identity, cost, matched, total, runner_up, len(candidates))
+
+    def _cost_locked(self, slot: NodeSlot, keys: list[PrefixKey]) -> tuple[int, int, int]:
+        total = keys[-1].tokens(slot.chars_per_token) if keys else 0
+        matched = 0
+        for k in keys:
+            holders = self._index.get(k.key)
+            if holders is None or slot.node_id not in holders.by_node:
+                break
+            matched = k.tokens(slot.chars_per_token)
+        return (max(total - matched, 0) + self.load_tokens * slot.running, matched, total)
+
+    def release(self, node_id: str) -> None:
+        with self._lock:
+            slot = self._nodes.get(node_id)
+            if slot is not None and slot.running > 0:
+                slot.running -= 1
+
+    def free_lanes(self, model: str) -> int:
+        with self._lock:
+            return sum(s.free for s in self._nodes.values() if model in s.models and s.schedulable)
+
+    # --- the prefix index ---
+    def record(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, prompt_tokens: int = 0) -> None:
+        """A generation finished on a node: the node now holds these keys (its prompt and answer)."""
+        with self._lock:
+            slot = self._nodes.get(node_id)
+            if slot is None:
+                return
+            if prompt_tokens > 0 and keys:
+                # Learn this node's text-to-token ratio from what it really read.
+                slot.chars_per_token = 0.8 * slot.chars_per_token + 0.2 * max(keys[-1].chars / prompt_tokens, 1.0)
+            for k in keys:
+                holders = self._index.get(k.key)
+                if holders is None:
+                    holders = self._index[k.key] = _Holders()
+                holders.by_node[node_id] = gen_id
+                self._index.move_to_end(k.key)
+            self._by_gen[(node_id, gen_id)] = [k.key for k in keys]
+            while len(self._index) > self.max_keys:
+                self._index.popitem(last=False)
+
+    def evict(self, node_id: str, gen_ids: list[str]) -> None:
+        """The node reports these generations' lanes were taken: it no longer holds what only they put there."""
+        with self._lock:
+            for gen_id in gen_ids:
+                for key in self._by_gen.pop((node_id, gen_id), []):
+                    holders = self._index.get(key)
+                    if holders is not None and holders.by_node.get(node_id) == gen_id:
+                        del holders.by_node[node_id]
+
+    def forget_node(self, node_id: str) -> None:
+        with self._lock:
+            self._forget_node_locked(node_id)
+
+    def _forget_node_locked(self, node_id: str) -> None:
+        for holders in self._index.values():
+            holders.by_node.pop(node_id, None)
+        for pair in [p for p in self._by_gen if p[0] == node_id]:
+            del self._by_gen[pair]
+
+    def holders(self, key: str) -> set[str]:
+        with self._lock:
+            holders = self._index.get(key)
+            return set(holders.by_node) if holders else set()
+
+    def index_size(self) -> int:
+        with self._lock:
+            return len(self._index)

@@ -1,0 +1,60 @@
+"""What a generation asks of a node: one plain, msgpack-able spec shared by the head and the node."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+class SpecError(ValueError):
+    """A spec the node cannot run as given (the head validates first; this is the node's own guard)."""
+
+
+@dataclass
+class GenerateSpec:
+    """One generation. Exactly one of `prompt` (raw completion) or `messages` (chat) is set.
+
+    `resume_text` is text already streamed to the client by another node (failover): the node appends it
+    after the prompt (advancing the grammar over it) and goes on from there.
+    """
+
+    gen_id: str
+    model: str = ""
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    max_tokens: int = 256
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    grammar: str | None = None
+    json_schema: str | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    deadline: float | None = None  # unix time (seconds); past it the node cancels the lane
+    resume_text: str = ""
+    embedding: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        # msgpack map keys: ints are fine, but keep them as ints explicitly.
+        data["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerateSpec:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if "logit_bias" in values and values["logit_bias"]:
+            values["logit_bias"] = {int(k): float(v) for k, v in values["logit_bias"].items()}
+        spec = cls(**values)
+        if (spec.prompt is None) == (spec.messages is None):
+            raise SpecError("a generation needs exactly one of prompt or messages")
+        return spec

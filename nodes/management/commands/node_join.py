@@ -1,0 +1,74 @@
+"""`manage.py node_join [head-host:port] --model <path|id> --token ...`: serve a model for the fleet.
+
+The node side is Django-free (nodes.agent); this command only parses the flags and reports errors as one line
+on stderr with exit status 2.
+"""
+
+import sys
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandParser
+
+from nodes.agent.main import NodeOptions, run_node
+from nodes.agent.models import ModelNotFound, resolve_model
+from nodes.agent.replicas import ReplicaConfigError, cpu_groups, gpu_groups
+
+
+def _positive_int(value: str) -> int:
+    import argparse
+
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be at least 1")
+    return number
+
+
+class OneLineParser(CommandParser):
+    def error(self, message):
+        sys.stderr.write(f"node_join: {message} (see `manage.py node_join --help`)\n")
+        sys.exit(2)
+
+
+class Command(BaseCommand):
+    help = "Join this machine to a Fleet head and serve a GGUF model with llama.cpp."
+    requires_system_checks = []
+    requires_migrations_checks = False
+
+    def create_parser(self, prog_name, subcommand, **kwargs):
+        return super().create_parser(prog_name, subcommand, parser_class=OneLineParser, **kwargs)
+
+    def add_arguments(self, parser):
+        parser.add_argument("head", nargs="?", help="head address host:port (default: find it by mDNS)")
+        parser.add_argument("--model", required=True, help="a .gguf path or a known model id (smollm2)")
+        parser.add_argument("--token", help="fleet token <id>.<secret> (kept in $FLEET_HOME/fleet/token)")
+        parser.add_argument("--max-context", type=_positive_int, help="per-lane context window in tokens")
+        parser.add_argument("--max-batch", type=_positive_int, default=8, help="lanes: generations at once (8)")
+        parser.add_argument("--identity", help="the node's name on the fleet (default: host name)")
+        parser.add_argument("--model-name", help="the model's name on the fleet (default: its own)")
+        parser.add_argument("--offline", action="store_true", help="no mDNS discovery: the head address is required")
+        parser.add_argument("--park", action="store_true", help="keep prompt prefixes on disk to start warm")
+        parser.add_argument("--replicas", type=_positive_int, default=1, help="engine workers on this node")
+        parser.add_argument("--gpus", help='GPUs to split among replicas: "0,1,2,3" or groups "0,1;2,3"')
+
+    def handle(self, *args, **options):
+        try:
+            resolve_model(options["model"])
+            gpu_groups(options["replicas"], options["gpus"])
+            cpu_groups(options["replicas"])
+        except (ModelNotFound, ReplicaConfigError) as exc:
+            sys.stderr.write(f"node_join: {exc}\n")
+            sys.exit(2)
+        if options["offline"] and not options["head"]:
+            sys.stderr.write("node_join: --offline needs the head's address (host:port)\n")
+            sys.exit(2)
+        code = run_node(NodeOptions(
+            head=options["head"], model=options["model"], token=options["token"],
+            max_context=options["max_context"], max_batch=options["max_batch"], identity=options["identity"],
+            model_name=options["model_name"], offline=options["offline"], park=options["park"],
+            replicas=options["replicas"], gpus=options["gpus"], home=settings.FLEET_HOME,
+        ))
+        if code:
+            sys.exit(code)

@@ -1,0 +1,80 @@
+"""Durable records of the fleet's nodes and the tokens they join with."""
+
+import uuid
+
+from django.db import models
+
+
+class Node(models.Model):
+    """A host that joined the fleet with `manage.py node_join` and serves one or more models.
+
+    `state` changes only on transitions (joined, lost, drained, cordoned); live load lives in memory
+    or Redis with a TTL, never in this row.
+    """
+
+    class State(models.TextChoices):
+        ONLINE = "online", "online"
+        DRAINING = "draining", "draining"
+        CORDONED = "cordoned", "cordoned"
+        OFFLINE = "offline", "offline"
+
+    class Hold(models.TextChoices):
+        NONE = "", "none"
+        DRAIN = "drain", "drain"
+        CORDON = "cordon", "cordon"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    identity = models.CharField(max_length=200, unique=True, help_text="Name the node joined with (host name).")
+    models_served = models.JSONField(default=list, blank=True, help_text="Model names the head matches on.")
+    lanes = models.PositiveIntegerField(default=0)
+    context_window = models.PositiveIntegerField(default=0)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.OFFLINE, db_index=True)
+    hold = models.CharField(max_length=16, choices=Hold.choices, default=Hold.NONE, blank=True)
+    labels = models.JSONField(default=dict, blank=True)
+    address = models.CharField(max_length=200, blank=True)
+    version = models.CharField(max_length=100, blank=True)
+    engine = models.CharField(max_length=100, blank=True)
+    capabilities = models.JSONField(default=dict, blank=True)
+    replicas = models.JSONField(default=list, blank=True)
+    token = models.ForeignKey("nodes.FleetToken", null=True, blank=True, on_delete=models.SET_NULL)
+    joined_at = models.DateTimeField(null=True, blank=True)
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["identity"]
+
+    def __str__(self) -> str:
+        return self.identity
+
+    @property
+    def schedulable(self) -> bool:
+        return self.state == self.State.ONLINE
+
+
+class FleetToken(models.Model):
+    """A credential nodes join with: `<public_id>.<secret>`.
+
+    The secret keys the link's Noise handshake (as its PSK), so the head must be able to read it back:
+    it is kept encrypted with a key derived from SECRET_KEY, never in clear.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=200)
+    public_id = models.CharField(max_length=32, unique=True)
+    secret_encrypted = models.TextField(editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.public_id})"
+
+    @property
+    def is_active(self) -> bool:
+        return self.revoked_at is None

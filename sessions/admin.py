@@ -1,0 +1,78 @@
+"""Admin for conversations, generation records and handles. History is read-only."""
+
+from django.contrib import admin, messages
+from django.utils import timezone
+
+from sessions.models import BatchJob, Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message
+
+
+class ReadOnlyMixin:
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+
+class MessageInline(ReadOnlyMixin, admin.TabularInline):
+    model = Message
+    fields = ("index", "role", "content", "tool_calls", "token_count", "generation", "created_at")
+    readonly_fields = fields
+    extra = 0
+    ordering = ("index",)
+
+
+@admin.register(InferenceSession)
+class InferenceSessionAdmin(admin.ModelAdmin):
+    list_display = ("__str__", "model", "owner", "api_key", "created_at", "updated_at")
+    list_filter = ("model",)
+    search_fields = ("id", "title", "system_prompt")
+    list_select_related = ("owner", "api_key")
+    readonly_fields = ("id", "created_at", "updated_at")
+    inlines = (MessageInline,)
+
+
+@admin.register(Generation)
+class GenerationAdmin(ReadOnlyMixin, admin.ModelAdmin):
+    list_display = ("id", "model", "node", "status", "finish_reason", "prompt_tokens", "cached_tokens",
+                    "completion_tokens", "ttft_ms", "decode_tps", "created_at")
+    list_filter = ("status", "finish_reason", "model", "kind", "node")
+    search_fields = ("id", "error")
+    list_select_related = ("node",)
+    date_hierarchy = "created_at"
+    readonly_fields = ("id", "session", "api_key", "kind", "model", "node", "nodes_used", "status", "finish_reason",
+                       "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "duration_ms", "decode_tps",
+                       "parameters", "placement", "error", "created_at", "finished_at")
+
+
+class FreeableAdmin(admin.ModelAdmin):
+    actions = ("free",)
+
+    @admin.action(description="Free: generations naming it get a clear error")
+    def free(self, request, queryset):
+        count = queryset.filter(freed_at__isnull=True).update(freed_at=timezone.now())
+        self.message_user(request, f"{count} handle(s) freed.", messages.SUCCESS)
+
+
+@admin.register(GrammarHandle)
+class GrammarHandleAdmin(FreeableAdmin):
+    list_display = ("id", "name", "kind", "api_key", "created_at", "freed_at")
+    list_filter = ("kind", "freed_at")
+    search_fields = ("id", "name")
+    list_select_related = ("api_key",)
+
+
+@admin.register(LogitBiasHandle)
+class LogitBiasHandleAdmin(FreeableAdmin):
+    list_display = ("id", "name", "api_key", "created_at", "freed_at")
+    list_filter = ("freed_at",)
+    search_fields = ("id", "name")
+    list_select_related = ("api_key",)
+
+
+@admin.register(BatchJob)
+class BatchJobAdmin(admin.ModelAdmin):
+    list_display = ("id", "model", "status", "api_key", "created_at", "finished_at")
+    list_filter = ("status", "model")
+    list_select_related = ("api_key",)
+    readonly_fields = ("id", "results", "status", "error", "created_at", "updated_at", "finished_at")

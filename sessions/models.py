@@ -1,0 +1,160 @@
+"""Conversations, their messages, generation records and the handles generations refer to."""
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+
+
+class InferenceSession(models.Model):
+    """A server-side conversation that clients continue by id (`session` on /v1, or /api/sessions/)."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    model = models.CharField(max_length=200)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    api_key = models.ForeignKey("api.ApiKey", null=True, blank=True, on_delete=models.SET_NULL)
+    title = models.CharField(max_length=200, blank=True)
+    system_prompt = models.TextField(blank=True)
+    metadata = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-updated_at"]
+        verbose_name = "session"
+
+    def __str__(self) -> str:
+        return self.title or str(self.id)
+
+
+class Message(models.Model):
+    """One turn of a session, in order. Written once, when its generation ends."""
+
+    class Role(models.TextChoices):
+        SYSTEM = "system", "system"
+        USER = "user", "user"
+        ASSISTANT = "assistant", "assistant"
+        TOOL = "tool", "tool"
+
+    session = models.ForeignKey(InferenceSession, on_delete=models.CASCADE, related_name="messages")
+    index = models.PositiveIntegerField()
+    role = models.CharField(max_length=16, choices=Role.choices)
+    content = models.TextField(blank=True)
+    name = models.CharField(max_length=200, blank=True)
+    tool_calls = models.JSONField(null=True, blank=True)
+    tool_call_id = models.CharField(max_length=200, blank=True)
+    token_count = models.PositiveIntegerField(null=True, blank=True)
+    generation = models.ForeignKey("Generation", null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["session", "index"]
+        constraints = [models.UniqueConstraint(fields=["session", "index"], name="message_unique_index")]
+
+    def __str__(self) -> str:
+        return f"{self.role}: {self.content[:60]}"
+
+
+class Generation(models.Model):
+    """The record of one generation, written once when it ends (never per token)."""
+
+    class Status(models.TextChoices):
+        DONE = "done", "done"
+        FAILED = "failed", "failed"
+        CANCELLED = "cancelled", "cancelled"
+        EXPIRED = "expired", "expired"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    session = models.ForeignKey(InferenceSession, null=True, blank=True, on_delete=models.SET_NULL)
+    api_key = models.ForeignKey("api.ApiKey", null=True, blank=True, on_delete=models.SET_NULL)
+    kind = models.CharField(max_length=32, default="chat")
+    model = models.CharField(max_length=200)
+    node = models.ForeignKey("nodes.Node", null=True, blank=True, on_delete=models.SET_NULL)
+    nodes_used = models.JSONField(default=list, blank=True, help_text="Every node that served a part (failover).")
+    status = models.CharField(max_length=16, choices=Status.choices, db_index=True)
+    finish_reason = models.CharField(max_length=32, blank=True)
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    cached_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField(default=0)
+    ttft_ms = models.FloatField(null=True, blank=True)
+    duration_ms = models.FloatField(null=True, blank=True)
+    decode_tps = models.FloatField(null=True, blank=True)
+    parameters = models.JSONField(default=dict, blank=True)
+    placement = models.JSONField(default=dict, blank=True)
+    error = models.TextField(blank=True)
+    created_at = models.DateTimeField(db_index=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.model} {self.id}"
+
+
+class GrammarHandle(models.Model):
+    """A grammar (GBNF, or a JSON schema the node compiles to one) kept on the head and sent by reference."""
+
+    class Kind(models.TextChoices):
+        GBNF = "gbnf", "GBNF"
+        JSON_SCHEMA = "json_schema", "JSON schema"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=200, blank=True)
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    source = models.TextField()
+    api_key = models.ForeignKey("api.ApiKey", null=True, blank=True, on_delete=models.SET_NULL)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    freed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.name or str(self.id)
+
+
+class LogitBiasHandle(models.Model):
+    """A token-id to bias map kept on the head and sent with the generations that name it."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=200, blank=True)
+    bias = models.JSONField(default=dict)
+    api_key = models.ForeignKey("api.ApiKey", null=True, blank=True, on_delete=models.SET_NULL)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    freed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "logit-bias handle"
+
+    def __str__(self) -> str:
+        return self.name or str(self.id)
+
+
+class BatchJob(models.Model):
+    """A list of generation requests run by a Celery worker, results kept here."""
+
+    class Status(models.TextChoices):
+        QUEUED = "queued", "queued"
+        RUNNING = "running", "running"
+        DONE = "done", "done"
+        FAILED = "failed", "failed"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    api_key = models.ForeignKey("api.ApiKey", null=True, blank=True, on_delete=models.SET_NULL)
+    model = models.CharField(max_length=200)
+    requests = models.JSONField(default=list)
+    results = models.JSONField(default=list, blank=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
+    error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
