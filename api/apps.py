@@ -5,3 +5,6 @@ class ApiConfig(AppConfig):
     name = "api"
     verbose_name = "API access"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from api import schema  # noqa: F401  (registers the OpenAPI description of API-key auth)

@@ -2,15 +2,10 @@
 
 from django.urls import path
 
+from api.consumers import ClientStreamConsumer
 from nodes.consumers import NodeLinkConsumer
 
 websocket_urlpatterns = [
     path("ws/node/", NodeLinkConsumer.as_asgi()),
+    path("ws/v1/generate", ClientStreamConsumer.as_asgi()),
 ]
-
-try:  # the client stream lives in api/
-    from api.consumers import ClientStreamConsumer
-
-    websocket_urlpatterns.append(path("ws/v1/generate", ClientStreamConsumer.as_asgi()))
-except ImportError:  # pragma: no cover - before api.consumers exists
-    pass

@@ -170,6 +170,7 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = Path(os.environ.get("FLEET_STATIC_ROOT") or FLEET_HOME / "static")
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 # The finders serve the admin's files without `collectstatic` (embedded default: one command, nothing else).
 WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG

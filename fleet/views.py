@@ -13,4 +13,8 @@ def fleet_overview(request):
 
 
 def healthz(request):
-    return JsonResponse({"ok": True})
+    """Liveness for load balancers and tests: this head process, its connected nodes and the models served."""
+    from fleet.links import registry
+
+    reg = registry()
+    return JsonResponse({"ok": True, "nodes": len(reg.links), "models": reg.placement.models()})

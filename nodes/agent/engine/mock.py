@@ -30,7 +30,23 @@ from nodes.link.spec import GenerateSpec
 
 EOG_ID = 0
 _TOKEN_RE = re.compile(r"\s*\S+|\s+")
-DEFAULT_WORDS = "the fleet serves every lane with tokens from a small model while the head routes".split()
+DEFAULT_WORDS = [
+    "the",
+    "fleet",
+    "serves",
+    "every",
+    "lane",
+    "with",
+    "tokens",
+    "from",
+    "a",
+    "small",
+    "model",
+    "while",
+    "the",
+    "head",
+    "routes",
+]
 
 
 @dataclass

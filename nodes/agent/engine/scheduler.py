@@ -99,11 +99,14 @@ class LaneEngine(ABC):
     @abstractmethod
     def _is_eog(self, token_id: int) -> bool: ...
 
-    def _release_run(self, run: Run) -> None:
+    def _release_run(self, run: Run) -> None:  # noqa: B027 - optional hook
         """Free per-generation resources (the sampler)."""
 
-    def _lane_idle(self, lane: Lane) -> None:
-        """A lane just went idle (the llama engine parks it to disk here)."""
+    def _lane_idle(self, lane: Lane) -> None:  # noqa: B027 - optional hook
+        """A lane just went idle (the llama engine marks it for parking here)."""
+
+    def idle_work(self) -> None:  # noqa: B027 - optional hook
+        """Housekeeping the worker runs when no lane is busy (the llama engine parks lanes to disk)."""
 
     # -- the Engine interface -------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ on stderr with exit status 2.
 import sys
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand
 
 from nodes.agent.main import NodeOptions, run_node
 from nodes.agent.models import ModelNotFound, resolve_model
@@ -26,10 +26,9 @@ def _positive_int(value: str) -> int:
     return number
 
 
-class OneLineParser(CommandParser):
-    def error(self, message):
-        sys.stderr.write(f"node_join: {message} (see `manage.py node_join --help`)\n")
-        sys.exit(2)
+def _one_line_error(message: str) -> None:
+    sys.stderr.write(f"node_join: {message} (see `manage.py node_join --help`)\n")
+    sys.exit(2)
 
 
 class Command(BaseCommand):
@@ -38,7 +37,10 @@ class Command(BaseCommand):
     requires_migrations_checks = False
 
     def create_parser(self, prog_name, subcommand, **kwargs):
-        return super().create_parser(prog_name, subcommand, parser_class=OneLineParser, **kwargs)
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        if parser.called_from_command_line:
+            parser.error = _one_line_error  # argparse's usage block plus a line becomes one clear line
+        return parser
 
     def add_arguments(self, parser):
         parser.add_argument("head", nargs="?", help="head address host:port (default: find it by mDNS)")

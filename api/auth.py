@@ -1,0 +1,83 @@
+"""API-key authentication: `Authorization: Bearer <key>` on /v1 and /api; the key or a query parameter on websockets."""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qs
+
+from rest_framework import authentication, exceptions
+
+from api.errors import OpenAIError
+from api.models import ApiKey
+from api.services import api_key_authenticate
+from api.throttles import ApiKeyRateThrottle
+
+
+def bearer_from_header(value: str | bytes | None) -> str | None:
+    """The key in an `Authorization: Bearer <key>` header value, or None."""
+    if isinstance(value, bytes):
+        value = value.decode("latin1")
+    if not value:
+        return None
+    scheme, _, key = value.strip().partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return None
+    return key.strip()
+
+
+def bearer_from_scope(scope: dict) -> str | None:
+    """A websocket's key: the Authorization header, else the `api_key` query parameter (browsers cannot set headers)."""
+    for name, value in scope.get("headers") or []:
+        if name.lower() == b"authorization":
+            key = bearer_from_header(value)
+            if key:
+                return key
+    query = parse_qs((scope.get("query_string") or b"").decode("latin1"))
+    values = query.get("api_key") or []
+    return values[0].strip() if values and values[0].strip() else None
+
+
+class ApiKeyAuthentication(authentication.BaseAuthentication):
+    """DRF authentication for /api: the request's user is the key's owner, `request.auth` the ApiKey."""
+
+    keyword = "Bearer"
+
+    def authenticate(self, request):
+        header = request.META.get("HTTP_AUTHORIZATION")
+        if not header:
+            return None
+        key = bearer_from_header(header)
+        if key is None:
+            raise exceptions.AuthenticationFailed("Use `Authorization: Bearer <api key>`.")
+        row = api_key_authenticate(key=key)
+        if row is None:
+            raise exceptions.AuthenticationFailed("The API key is wrong or revoked; create one under /api/keys/.")
+        if not row.owner.is_active:
+            raise exceptions.AuthenticationFailed("The API key's owner is inactive.")
+        return row.owner, row
+
+    def authenticate_header(self, request) -> str:
+        return self.keyword
+
+
+def v1_authenticate(header: str | None) -> ApiKey:
+    """The key for a /v1 request, throttled; raises OpenAIError 401 or 429. Sync: call via sync_to_async."""
+    if not header:
+        raise OpenAIError(401, "You didn't provide an API key. Send `Authorization: Bearer <api key>`; "
+                          "an operator makes one with `manage.py create_api_key` or under /api/keys/.",
+                          code="missing_api_key")
+    key = bearer_from_header(header)
+    row = api_key_authenticate(key=key) if key else None
+    if row is None or not row.owner.is_active:
+        raise OpenAIError(401, "Incorrect or revoked API key provided. Check the key, or create a new one.",
+                          code="invalid_api_key")
+    key_throttled(row)
+    return row
+
+
+def key_throttled(row: ApiKey) -> None:
+    """Raise a 429 OpenAIError when this key is over its request rate. Sync."""
+    wait = ApiKeyRateThrottle.check_key(row)
+    if wait is not None:
+        seconds = max(int(wait + 0.999), 1)
+        raise OpenAIError(429, f"Rate limit reached for this API key; retry in {seconds} s.",
+                          code="rate_limit_exceeded", headers={"Retry-After": str(seconds)})

@@ -1,0 +1,148 @@
+"""The client websocket at /ws/v1/generate: several generations at once on one socket, each by the client's id.
+
+Auth happens in connect(): `Authorization: Bearer <key>` or `?api_key=<key>` (browsers cannot set headers); a
+refused socket is closed with 4401 and a reason. Frames in: generate, cancel, ping. Frames out: token, done,
+error (and pong), each with a `seq` per generation id. Closing the socket cancels all its generations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import suppress
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from api.auth import bearer_from_scope, key_throttled
+from api.errors import OpenAIError
+from api.generation import Run
+from api.services import api_key_authenticate
+from api.specs import request_for
+from fleet.dispatch import Finished, Tokens
+
+log = logging.getLogger("api")
+
+CLOSE_UNAUTHORIZED = 4401
+MAX_RUNNING = 32
+
+
+class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
+    """One client's socket. Each generation runs as its own task and streams independently."""
+
+    async def connect(self) -> None:
+        self.api_key = None
+        self.running: dict[Any, tuple[Run, asyncio.Task]] = {}
+        await self.accept()
+        key = bearer_from_scope(self.scope)
+        if key is None:
+            await self.close(code=CLOSE_UNAUTHORIZED, reason="missing API key: send Authorization: Bearer <key> "
+                             "or ?api_key=<key>")
+            return
+        row = await database_sync_to_async(api_key_authenticate)(key=key)
+        if row is None or not row.owner.is_active:
+            await self.close(code=CLOSE_UNAUTHORIZED, reason="the API key is wrong or revoked")
+            return
+        self.api_key = row
+
+    async def disconnect(self, code: int) -> None:
+        for client_id in list(getattr(self, "running", {})):
+            await self._stop(client_id, "client went away")
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if self.api_key is None:
+            return
+        try:
+            frame = json.loads(text_data if text_data is not None else bytes_data)
+        except (ValueError, TypeError):
+            await self.send_json(_error(None, 0, "invalid_json", "Each frame is one JSON object."))
+            return
+        if not isinstance(frame, dict):
+            await self.send_json(_error(None, 0, "invalid_json", "Each frame is one JSON object."))
+            return
+        kind = frame.get("type")
+        if kind == "generate":
+            await self._generate(frame)
+        elif kind == "cancel":
+            await self._cancel(frame.get("id"))
+        elif kind == "ping":
+            await self.send_json({"type": "pong", "id": frame.get("id")})
+        else:
+            await self.send_json(_error(frame.get("id"), 0, "unknown_frame", f"Unknown frame type {kind!r}; send "
+                                        "generate, cancel or ping."))
+
+    async def _generate(self, frame: dict[str, Any]) -> None:
+        client_id = frame.get("id")
+        if not isinstance(client_id, str | int) or isinstance(client_id, bool) or client_id == "":
+            await self.send_json(_error(None, 0, "invalid_request", "A generate frame needs an `id` (a string)."))
+            return
+        if client_id in self.running:
+            await self.send_json(_error(client_id, 0, "duplicate_id", f"Generation {client_id!r} is still running."))
+            return
+        if len(self.running) >= MAX_RUNNING:
+            await self.send_json(_error(client_id, 0, "too_many_generations",
+                                        f"At most {MAX_RUNNING} generations run at once on one socket."))
+            return
+        body = {k: v for k, v in frame.items() if k not in ("type", "id")}
+        try:
+            gen = await database_sync_to_async(self._validate)(body)
+        except OpenAIError as exc:
+            await self.send_json(_error(client_id, 1, exc.code or "invalid_request", exc.message, exc.param))
+            return
+        run = Run(gen)
+        task = asyncio.ensure_future(self._relay(client_id, run))
+        self.running[client_id] = (run, task)
+
+    def _validate(self, body: dict[str, Any]):
+        key_throttled(self.api_key)
+        return request_for(body, api_key=self.api_key, user=self.api_key.owner)
+
+    async def _relay(self, client_id: Any, run: Run) -> None:
+        seq = 0
+        try:
+            async for event in run.events():
+                if isinstance(event, Tokens):
+                    seq += 1
+                    frame = {"type": "token", "id": client_id, "seq": seq, "text": event.text}
+                    if event.logprobs is not None:
+                        frame["logprobs"] = event.logprobs
+                    await self.send_json(frame)
+                elif isinstance(event, Finished):
+                    seq += 1
+                    await self.send_json(self._done(client_id, seq, run))
+        except OpenAIError as exc:
+            await self.send_json(_error(client_id, seq + 1, exc.code or "error", exc.message, exc.param))
+        finally:
+            if self.running.get(client_id, (None,))[0] is run:
+                del self.running[client_id]
+
+    def _done(self, client_id: Any, seq: int, run: Run) -> dict[str, Any]:
+        frame = {"type": "done", "id": client_id, "seq": seq, "finish_reason": run.finish_reason(),
+                 "usage": run.usage(), "node": run.node}
+        calls = run.tool_calls()
+        if calls:
+            frame["tool_calls"] = calls
+        return frame
+
+    async def _cancel(self, client_id: Any) -> None:
+        entry = self.running.get(client_id)
+        if entry is None:
+            await self.send_json(_error(client_id, 0, "not_running", f"No generation {client_id!r} is running."))
+            return
+        run, _ = entry
+        await self._stop(client_id, "cancelled by the client")
+        await self.send_json({"type": "done", "id": client_id, "seq": run.seq + 1, "finish_reason": "cancelled",
+                              "usage": run.usage(), "node": run.node})
+
+    async def _stop(self, client_id: Any, reason: str) -> None:
+        run, task = self.running.pop(client_id)
+        task.cancel()
+        with suppress(BaseException):
+            await task
+        await run.abandon(reason)
+
+
+def _error(client_id: Any, seq: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"type": "error", "id": client_id, "seq": seq, "code": code, "message": message, "param": param}

@@ -1,0 +1,79 @@
+"""Errors as users see them: OpenAI's error object on /v1 and the websocket, DRF's shape on /api."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.http import Http404, HttpResponse
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+
+log = logging.getLogger("api")
+
+
+class OpenAIError(Exception):
+    """A request that cannot be served, as OpenAI reports it: status, message, type, param, code."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.type = type or _type_for(status)
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @classmethod
+    def from_generation(cls, exc: Any) -> OpenAIError:
+        """From fleet.dispatch.GenerationError (duck-typed: the api does not need the dispatcher to raise)."""
+        headers = {"Retry-After": str(exc.retry_after)} if getattr(exc, "retry_after", None) else {}
+        return cls(exc.status, exc.message, code=exc.code, param=exc.param, type=exc.kind, headers=headers)
+
+
+def _type_for(status_code: int) -> str:
+    if status_code == 401:
+        return "authentication_error"
+    if status_code == 403:
+        return "permission_error"
+    if status_code == 404:
+        return "not_found_error"
+    if status_code == 429:
+        return "rate_limit_error"
+    return "invalid_request_error" if 400 <= status_code < 500 else "server_error"
+
+
+def openai_error_response(exc: OpenAIError) -> HttpResponse:
+    response = HttpResponse(json.dumps(exc.body()), status=exc.status, content_type="application/json")
+    for name, value in exc.headers.items():
+        response[name] = value
+    return response
+
+
+def invalid(message: str, *, param: str | None = None, code: str | None = "invalid_request") -> OpenAIError:
+    """The common case: a 400 about one request parameter."""
+    return OpenAIError(400, message, code=code, param=param)
+
+
+def management_exception_handler(exc: Exception, context: dict) -> Response | None:
+    """DRF's handler, plus the errors services raise (ValueError, Django's ValidationError) as 400s.
+
+    Anything else becomes a logged 500 with a one-line body: a traceback is never shown to a user.
+    """
+    from rest_framework.views import exception_handler  # not at import: DRF's settings import this module
+
+    if isinstance(exc, ValueError | ValidationError):
+        messages = exc.messages if isinstance(exc, ValidationError) else [str(exc)]
+        return Response({"detail": " ".join(messages)}, status=status.HTTP_400_BAD_REQUEST)
+    response = exception_handler(exc, context)
+    if response is not None:
+        if isinstance(exc, exceptions.Throttled) and exc.wait is not None:
+            response["Retry-After"] = str(max(int(exc.wait), 1))
+        return response
+    if isinstance(exc, Http404 | PermissionDenied):  # pragma: no cover - DRF handles these above
+        return None
+    log.exception("api: unhandled error in %s", context.get("view").__class__.__name__)
+    return Response({"detail": "Internal error; it has been logged."}, status=status.HTTP_500_INTERNAL_SERVER_ERROR)

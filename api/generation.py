@@ -1,0 +1,167 @@
+"""One generation served to one client, whatever the interface (JSON, SSE, websocket).
+
+`Run` drives the dispatcher's stream: it hands out events with a timeout (so SSE can send keep-alives without
+cancelling the stream), turns dispatcher errors into OpenAIError, cancels the node's lane when the client goes
+away, and writes the durable record once, at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import suppress
+from typing import Any
+
+from asgiref.sync import sync_to_async
+
+from api.errors import OpenAIError
+from api.specs import GenerationRequest
+from fleet.dispatch import Finished, GenerationError, Started, Tokens, generation_stream
+from sessions.models import Generation
+from sessions.services import GenerationTrace, generation_record
+
+log = logging.getLogger("api")
+
+PENDING = object()  # next_event timed out; the stream goes on
+
+
+class Run:
+    """Iterate with `next_event`; end with `abandon()` when the client leaves. Records itself exactly once."""
+
+    def __init__(self, request: GenerationRequest):
+        self.request = request
+        self.stream = generation_stream(request.spec, deadline=request.deadline)
+        self._events = self.stream.__aiter__()
+        self._next: asyncio.Future | None = None
+        self.started: Started | None = None
+        self.finished: Finished | None = None
+        self.error: OpenAIError | None = None
+        self.logprobs: list[dict[str, Any]] = []
+        self.seq = 0
+        self.over = False
+        self.recorded = False
+
+    @property
+    def text(self) -> str:
+        return self.stream.outcome.text
+
+    @property
+    def node(self) -> str:
+        return (self.finished.node if self.finished else None) or (self.started.node if self.started else "") or ""
+
+    async def next_event(self, timeout: float | None = None) -> Any:
+        """The next Started / Tokens / Finished; PENDING after `timeout` s; None once over. Raises OpenAIError."""
+        if self.over:
+            return None
+        if self._next is None:
+            self._next = asyncio.ensure_future(self._events.__anext__())
+        done, _ = await asyncio.wait({self._next}, timeout=timeout)
+        if not done:
+            return PENDING
+        task, self._next = self._next, None
+        try:
+            event = task.result()
+        except StopAsyncIteration:
+            await self._end(Generation.Status.DONE)
+            return None
+        except GenerationError as exc:
+            self.error = OpenAIError.from_generation(exc)
+            expired = exc.code == "deadline_exceeded" and self.stream.outcome.first_token_at is None
+            await self._end(Generation.Status.EXPIRED if expired else Generation.Status.FAILED, exc.message)
+            raise self.error from None
+        except Exception as exc:
+            log.exception("api: generation %s failed", self.request.gen_id)
+            self.error = OpenAIError(500, "The generation failed inside the head; it has been logged. Retry.",
+                                     code="internal_error")
+            await self._end(Generation.Status.FAILED, repr(exc))
+            raise self.error from None
+        return self._observe(event)
+
+    def _observe(self, event: Any) -> Any:
+        if isinstance(event, Started):
+            self.started = event
+        elif isinstance(event, Tokens):
+            self.seq += 1
+            if event.logprobs:
+                pieces = event.pieces + [""] * (len(event.logprobs) - len(event.pieces))
+                self.logprobs.extend({"token": p, **(e or {})} for p, e in zip(pieces, event.logprobs, strict=False))
+        elif isinstance(event, Finished):
+            self.finished = event
+        return event
+
+    async def events(self):
+        """Every event until the end (for interfaces that need no keep-alive)."""
+        while (event := await self.next_event()) is not None:
+            yield event
+
+    async def abandon(self, reason: str = "client went away") -> None:
+        """The client is gone (or cancelled): stop the node's lane now, and record what was made."""
+        if self.over:
+            return
+        self.over = True
+        with suppress(Exception):
+            await self.stream.cancel(reason)
+        if self._next is not None and not self._next.done():
+            self._next.cancel()
+            with suppress(BaseException):
+                await self._next
+        with suppress(BaseException):
+            await self._events.aclose()
+        await self._record(Generation.Status.CANCELLED, reason)
+
+    async def _end(self, status: str, error: str = "") -> None:
+        self.over = True
+        with suppress(Exception):
+            await self._events.aclose()
+        if status == Generation.Status.DONE and self.finished and self.finished.finish_reason == "cancelled":
+            status = Generation.Status.CANCELLED
+        await self._record(status, error)
+
+    async def _record(self, status: str, error: str = "") -> None:
+        if self.recorded:
+            return
+        self.recorded = True
+        request = self.request
+        outcome = self.stream.outcome
+        if self.finished is None and not outcome.finish_reason:
+            outcome.finish_reason = "cancelled" if status == Generation.Status.CANCELLED else ""
+        trace = GenerationTrace(
+            gen_id=request.gen_id, kind=request.kind, model=request.spec.model, status=status, outcome=outcome,
+            parameters=request.parameters(), error=error, session_id=request.session_id,
+            api_key_id=request.api_key.pk if request.api_key is not None else None,
+            new_messages=request.new_messages + [self.answer_message()] if request.session_id else [],
+            finished_at=time.time(),
+        )
+        try:
+            await sync_to_async(generation_record)(trace)
+        except Exception:  # the client got its answer; a lost record is logged, not turned into an error
+            log.exception("api: could not record generation %s", request.gen_id)
+
+    # --- the answer ---
+    def tool_calls(self) -> list[dict[str, Any]] | None:
+        plan = self.request.tools
+        return plan.parse(self.text) if plan is not None and self.finished is not None else None
+
+    def answer_message(self) -> dict[str, Any]:
+        calls = self.tool_calls()
+        if calls:
+            return {"role": "assistant", "content": None, "tool_calls": calls}
+        return {"role": "assistant", "content": self.text}
+
+    def finish_reason(self) -> str:
+        """OpenAI's finish_reason: a node's "deadline" cut is a "length" cut; a parsed call is "tool_calls"."""
+        if self.tool_calls():
+            return "tool_calls"
+        reason = self.finished.finish_reason if self.finished else "stop"
+        return {"deadline": "length", "cancelled": "stop"}.get(reason, reason)
+
+    def usage(self) -> dict[str, Any]:
+        usage = dict(self.finished.usage) if self.finished else {}
+        prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": usage.get("total_tokens", prompt + completion),
+            "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
+        }

@@ -1,0 +1,164 @@
+"""Serializers of the management API: they validate and shape; services do the writing."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from api.models import ApiKey
+from nodes.models import FleetToken, Node
+from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message
+
+
+class NodeSerializer(serializers.ModelSerializer):
+    live = serializers.SerializerMethodField(help_text="The last heartbeat (lanes busy, tokens/s), if recent.")
+    connected = serializers.SerializerMethodField(help_text="Whether this head process holds the node's link.")
+
+    class Meta:
+        model = Node
+        fields = ["id", "identity", "state", "hold", "models_served", "lanes", "context_window", "labels", "address",
+                  "version", "engine", "capabilities", "replicas", "joined_at", "last_seen_at", "created_at",
+                  "updated_at", "live", "connected"]
+        read_only_fields = fields
+
+    @extend_schema_field(serializers.DictField(allow_null=True))
+    def get_live(self, node: Node) -> dict | None:
+        return (self.context.get("live") or {}).get(str(node.id))
+
+    def get_connected(self, node: Node) -> bool:
+        return str(node.id) in (self.context.get("connected") or set())
+
+
+class FleetTokenSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = FleetToken
+        fields = ["id", "name", "public_id", "is_active", "created_at", "revoked_at", "last_used_at"]
+        read_only_fields = ["id", "public_id", "is_active", "created_at", "revoked_at", "last_used_at"]
+
+
+class FleetTokenCreatedSerializer(FleetTokenSerializer):
+    token = serializers.CharField(read_only=True, help_text="`<public id>.<secret>`; shown only this once.")
+
+    class Meta(FleetTokenSerializer.Meta):
+        fields = [*FleetTokenSerializer.Meta.fields, "token"]
+
+
+class ApiKeySerializer(serializers.ModelSerializer):
+    class Meta:
+        model = ApiKey
+        fields = ["id", "name", "prefix", "is_active", "created_at", "revoked_at", "last_used_at"]
+        read_only_fields = ["id", "prefix", "is_active", "created_at", "revoked_at", "last_used_at"]
+
+
+class ApiKeyCreatedSerializer(ApiKeySerializer):
+    key = serializers.CharField(read_only=True, help_text="The key; shown only this once. Use it as a Bearer token.")
+
+    class Meta(ApiKeySerializer.Meta):
+        fields = [*ApiKeySerializer.Meta.fields, "key"]
+
+
+class MessageSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Message
+        fields = ["index", "role", "content", "name", "tool_calls", "tool_call_id", "token_count", "generation",
+                  "created_at"]
+        read_only_fields = fields
+
+
+class MessageInSerializer(serializers.Serializer):
+    role = serializers.ChoiceField(choices=Message.Role.choices)
+    content = serializers.CharField(allow_blank=True, required=False, allow_null=True)
+    name = serializers.CharField(required=False, allow_blank=True)
+    tool_calls = serializers.ListField(child=serializers.DictField(), required=False)
+    tool_call_id = serializers.CharField(required=False, allow_blank=True)
+
+
+class SessionSerializer(serializers.ModelSerializer):
+    messages = MessageInSerializer(many=True, required=False, write_only=True,
+                                   help_text="Messages to seed the conversation with (optional).")
+    message_count = serializers.IntegerField(read_only=True, required=False)
+
+    class Meta:
+        model = InferenceSession
+        fields = ["id", "model", "title", "system_prompt", "metadata", "messages", "message_count", "created_at",
+                  "updated_at"]
+        read_only_fields = ["id", "created_at", "updated_at", "message_count"]
+
+
+class SessionDetailSerializer(SessionSerializer):
+    history = MessageSerializer(source="messages", many=True, read_only=True)
+
+    class Meta(SessionSerializer.Meta):
+        fields = [*SessionSerializer.Meta.fields, "history"]
+
+
+class ContinueSerializer(serializers.Serializer):
+    """Continue a session: the new user message (or messages) and, optionally, /v1 chat parameters."""
+
+    content = serializers.CharField(required=False, help_text="The user's new message.")
+    messages = MessageInSerializer(many=True, required=False, help_text="Or several new messages.")
+    stream = serializers.BooleanField(required=False, default=False, help_text="Answer as SSE chunks.")
+    model = serializers.CharField(required=False, help_text="Defaults to the session's model.")
+    max_tokens = serializers.IntegerField(required=False, min_value=1)
+    temperature = serializers.FloatField(required=False)
+    deadline_ms = serializers.IntegerField(required=False, min_value=1)
+
+    def validate(self, attrs):
+        if not attrs.get("content") and not attrs.get("messages"):
+            raise serializers.ValidationError("Send the new message as `content`, or `messages`.")
+        return attrs
+
+
+class ContinueResultSerializer(serializers.Serializer):
+    session = serializers.UUIDField()
+    generation = serializers.UUIDField()
+    message = serializers.DictField(help_text="The assistant's answer, as stored.")
+    finish_reason = serializers.CharField()
+    usage = serializers.DictField()
+    node = serializers.CharField()
+
+
+class GrammarHandleSerializer(serializers.ModelSerializer):
+    source = serializers.JSONField(help_text="GBNF text, or a JSON schema (an object, or its JSON text).")
+
+    class Meta:
+        model = GrammarHandle
+        fields = ["id", "name", "kind", "source", "created_at", "freed_at"]
+        read_only_fields = ["id", "created_at", "freed_at"]
+
+    def to_representation(self, instance):
+        data = super().to_representation(instance)
+        if instance.kind == GrammarHandle.Kind.JSON_SCHEMA:
+            with contextlib.suppress(ValueError):
+                data["source"] = json.loads(instance.source)
+        return data
+
+
+class LogitBiasHandleSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = LogitBiasHandle
+        fields = ["id", "name", "bias", "created_at", "freed_at"]
+        read_only_fields = ["id", "created_at", "freed_at"]
+
+
+class GenerationSerializer(serializers.ModelSerializer):
+    node_identity = serializers.CharField(source="node.identity", read_only=True, default=None)
+
+    class Meta:
+        model = Generation
+        fields = ["id", "kind", "model", "status", "finish_reason", "session", "node", "node_identity", "nodes_used",
+                  "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "duration_ms", "decode_tps",
+                  "parameters", "placement", "error", "created_at", "finished_at"]
+        read_only_fields = fields
+
+
+class FleetStatusSerializer(serializers.Serializer):
+    models = serializers.ListField(child=serializers.DictField())
+    nodes = serializers.ListField(child=serializers.DictField())
+    lanes_total = serializers.IntegerField()
+    lanes_busy = serializers.IntegerField()
+    lanes_free = serializers.IntegerField()
+    queue_length = serializers.IntegerField()

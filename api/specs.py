@@ -1,0 +1,375 @@
+"""Validate an OpenAI-style request body into one GenerateSpec, or an OpenAIError that says what to fix.
+
+One function per interface shape (`chat_request`, `completion_request`); both end in a `GenerationRequest` that
+the SSE, JSON and websocket paths serve alike. Loading a session or a handle touches the database, so call
+these through sync_to_async.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+
+from api.errors import OpenAIError, invalid
+from api.grammars import JSON_GBNF
+from api.tools import ToolPlan, tool_plan
+from nodes.link.spec import GenerateSpec
+from sessions import selectors
+from sessions.services import gbnf_problem, json_schema_problem, logit_bias_clean
+
+DEFAULT_MAX_TOKENS = 512
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+MAX_DEADLINE_MS = 3_600_000
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+@dataclass
+class GenerationRequest:
+    """A validated generation: the node's spec plus what the interface needs to answer and record it."""
+
+    kind: str  # "chat" | "completion"
+    spec: GenerateSpec
+    deadline: float
+    stream: bool = False
+    include_usage: bool = False
+    tools: ToolPlan | None = None
+    session_id: str | None = None
+    new_messages: list[dict[str, Any]] = field(default_factory=list)
+    api_key: Any = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def gen_id(self) -> str:
+        return self.spec.gen_id
+
+    def parameters(self) -> dict[str, Any]:
+        """What the Generation record keeps of the request (no prompt text: that lives in the session)."""
+        s = self.spec
+        params = {k: getattr(s, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                                             "presence_penalty", "frequency_penalty", "repeat_penalty", "ignore_eos",
+                                             "logprobs", "top_logprobs")}
+        params.update(stream=self.stream, grammar=bool(s.grammar), json_schema=bool(s.json_schema),
+                      logit_bias=len(s.logit_bias), deadline=s.deadline)
+        if self.tools:
+            params["tools"] = {"mode": self.tools.mode, "names": list(self.tools.functions)}
+        return params
+
+
+def chat_request(body: Any, *, api_key=None, user=None) -> GenerationRequest:
+    """A /v1/chat/completions body (or a websocket generate with `messages`) as a GenerationRequest."""
+    body = _object(body)
+    spec = _base_spec(body)
+    new_messages = _messages(body.get("messages"))
+    plan = tool_plan(body)
+    history: list[dict[str, Any]] = []
+    session_id = None
+    if body.get("session") is not None:
+        session = selectors.session_get(user=user, session_id=body["session"])
+        if session is None:
+            raise invalid(f"There is no session {body['session']!r} for this API key; create one with "
+                          "POST /api/sessions/.", param="session", code="session_not_found")
+        session_id, history = str(session.id), selectors.session_history(session=session)
+    spec.messages = _for_node(history + new_messages, plan)
+    _apply_logprobs_chat(spec, body)
+    _apply_constraints(spec, body, plan, user)
+    return _request("chat", spec, body, api_key, plan=plan, session_id=session_id, new_messages=new_messages)
+
+
+def completion_request(body: Any, *, api_key=None, user=None) -> GenerationRequest:
+    """A /v1/completions body (or a websocket generate with `prompt`) as a GenerationRequest."""
+    body = _object(body)
+    spec = _base_spec(body)
+    spec.prompt = _prompt(body.get("prompt"))
+    if body.get("echo"):
+        raise invalid("echo is not supported.", param="echo")
+    if body.get("suffix"):
+        raise invalid("suffix (fill-in-the-middle) is not supported.", param="suffix")
+    if body.get("best_of") not in (None, 1):
+        raise invalid("best_of must be 1.", param="best_of")
+    if body.get("session") is not None:
+        raise invalid("session continues chats; use /v1/chat/completions.", param="session")
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        spec.logprobs, spec.top_logprobs = True, _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    _apply_constraints(spec, body, None, user)
+    return _request("completion", spec, body, api_key)
+
+
+def _request(kind, spec, body, api_key, *, plan=None, session_id=None, new_messages=None) -> GenerationRequest:
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise invalid("stream_options must be an object like {\"include_usage\": true}.", param="stream_options")
+    deadline_ms = _int(body, "deadline_ms", 1, MAX_DEADLINE_MS, settings.FLEET_DEFAULT_DEADLINE_MS)
+    deadline = time.time() + deadline_ms / 1000
+    spec.deadline = deadline
+    return GenerationRequest(kind, spec, deadline, stream=stream, include_usage=stream and bool(
+        options.get("include_usage")), tools=plan, session_id=session_id, new_messages=new_messages or [],
+        api_key=api_key)
+
+
+# --- the common parameters ------------------------------------------------------------------------------------
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.")
+    return body
+
+
+def _base_spec(body: dict[str, Any]) -> GenerateSpec:
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise invalid("You must provide a model: its name as /v1/models lists it.", param="model")
+    if body.get("n") not in (None, 1):
+        raise invalid("Only n=1 is supported; send several requests for several choices.", param="n")
+    spec = GenerateSpec(gen_id=uuid.uuid4().hex, model=model.strip())
+    spec.max_tokens = _max_tokens(body)
+    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
+                         ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                         ("repeat_penalty", 0.0, 10.0)):
+        if body.get(name) is not None:
+            setattr(spec, name, _float(body, name, lo, hi))
+    if body.get("top_k") is not None:
+        spec.top_k = _int(body, "top_k", 0, 1_000_000)
+    if body.get("seed") is not None:
+        spec.seed = _int(body, "seed", -(2**63), 2**63 - 1)
+    spec.ignore_eos = _bool(body, "ignore_eos", False)
+    spec.stop = _stop(body.get("stop"))
+    spec.logit_bias = _logit_bias(body.get("logit_bias"))
+    return spec
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    for name in ("max_completion_tokens", "max_tokens"):
+        if body.get(name) is not None:
+            return _int(body, name, 1, 1_000_000, message=f"{name} must be a whole number of at least 1.")
+    return DEFAULT_MAX_TOKENS
+
+
+def _number(body, name, lo, hi, *, integer: bool, message: str | None = None):
+    value = body.get(name)
+    ok = not isinstance(value, bool) and (isinstance(value, int) or (not integer and isinstance(value, float)))
+    if ok and isinstance(value, float):
+        ok = math.isfinite(value)
+    if not ok or not lo <= value <= hi:
+        kind = "a whole number" if integer else "a number"
+        raise invalid(message or f"{name} must be {kind} from {lo} to {hi}; got {value!r}.", param=name)
+    return value
+
+
+def _int(body, name, lo, hi, default=None, *, message: str | None = None) -> int:
+    if body.get(name) is None and default is not None:
+        return default
+    return _number(body, name, lo, hi, integer=True, message=message)
+
+
+def _float(body, name, lo, hi) -> float:
+    return float(_number(body, name, lo, hi, integer=False))
+
+
+def _bool(body, name, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(f"{name} must be true or false.", param=name)
+    return value
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
+        raise invalid(f"stop must be a non-empty string or a list of at most {MAX_STOP} of them.", param="stop")
+    return stops
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    if bias is None:
+        return {}
+    try:
+        return {int(k): v for k, v in logit_bias_clean(bias).items()}
+    except ValueError as exc:
+        raise invalid(str(exc), param="logit_bias") from None
+
+
+def _prompt(prompt: Any) -> str:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise invalid("prompt must be a string (token arrays and several prompts in one request are not "
+                      "supported).", param="prompt")
+    if not prompt:
+        raise invalid("prompt must not be empty.", param="prompt")
+    return prompt
+
+
+# --- chat messages --------------------------------------------------------------------------------------------
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list of {role, content} objects.", param="messages")
+    return [_message(i, m) for i, m in enumerate(messages)]
+
+
+def _message(index: int, message: Any) -> dict[str, Any]:
+    param = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise invalid(f"{param} must be an object with a role and content.", param=param)
+    role = message.get("role")
+    if role not in ROLES:
+        raise invalid(f"{param}.role must be one of {', '.join(sorted(ROLES))}; got {role!r}.", param=f"{param}.role")
+    clean: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                             "content": _content(message.get("content"), f"{param}.content")}
+    tool_calls = message.get("tool_calls")
+    if tool_calls:
+        if role != "assistant" or not isinstance(tool_calls, list):
+            raise invalid(f"{param}.tool_calls belongs on assistant messages, as a list.", param=f"{param}.tool_calls")
+        clean["tool_calls"] = tool_calls
+    elif clean["content"] is None:
+        raise invalid(f"{param}.content is missing.", param=f"{param}.content")
+    if role == "tool":
+        if not isinstance(message.get("tool_call_id"), str):
+            raise invalid(f"{param} is a tool result: it needs the tool_call_id it answers.",
+                          param=f"{param}.tool_call_id")
+        clean["tool_call_id"] = message["tool_call_id"]
+    if isinstance(message.get("name"), str) and message["name"]:
+        clean["name"] = message["name"]
+    return clean
+
+
+def _content(content: Any, param: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"{param}: only text content parts are supported.", param=param)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(f"{param} must be a string or a list of text parts.", param=param)
+
+
+def _for_node(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:
+    """What the node's chat template reads: text content everywhere (a template cannot render None), the calls an
+    assistant made written out the way the tool prompt asks for them, and the tool prompt in the system message."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("content") is None:
+            calls = [{"name": c.get("function", {}).get("name"), "arguments": _arguments(c)}
+                     for c in m.get("tool_calls") or []]
+            m["content"] = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+        out.append(m)
+    if plan is not None:
+        prompt = plan.system_prompt()
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    raw = call.get("function", {}).get("arguments")
+    try:
+        return json.loads(raw) if isinstance(raw, str) else (raw or {})
+    except ValueError:
+        return raw
+
+
+def _apply_logprobs_chat(spec: GenerateSpec, body: dict[str, Any]) -> None:
+    spec.logprobs = _bool(body, "logprobs", False)
+    if body.get("top_logprobs") is not None:
+        if not spec.logprobs:
+            raise invalid("top_logprobs needs logprobs: true.", param="top_logprobs")
+        spec.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+
+
+# --- grammars, schemas and biases ------------------------------------------------------------------------------
+
+
+def _apply_constraints(spec: GenerateSpec, body: dict[str, Any], plan: ToolPlan | None, user) -> None:
+    """At most one of: response_format json, grammar, a forced tool call. Then the logit-bias handle."""
+    constraints = []
+    fmt = _response_format(body.get("response_format"))
+    if fmt is not None:
+        constraints.append(("response_format", fmt))
+    if body.get("grammar") is not None:
+        constraints.append(("grammar", _grammar(body["grammar"], user)))
+    tool_schema = plan.schema() if plan else None
+    if tool_schema is not None:
+        constraints.append(("tool_choice", ("json_schema", json.dumps(tool_schema))))
+    if len(constraints) > 1:
+        names = " and ".join(name for name, _ in constraints)
+        raise invalid(f"Use one of {names}: a generation follows one grammar.", param=constraints[1][0])
+    if constraints:
+        kind, source = constraints[0][1]
+        if kind == "gbnf":
+            spec.grammar = source
+        else:
+            spec.json_schema = source
+    if body.get("logit_bias_handle") is not None:
+        try:
+            handle = selectors.logit_bias_handle_get_active(user=user, handle_id=body["logit_bias_handle"])
+        except selectors.HandleUnavailable as exc:
+            raise invalid(str(exc), param="logit_bias_handle", code="handle_unavailable") from None
+        spec.logit_bias = {**{int(k): float(v) for k, v in handle.bias.items()}, **spec.logit_bias}
+
+
+def _response_format(fmt: Any) -> tuple[str, str] | None:
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ("gbnf", JSON_GBNF)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if schema is None:
+            raise invalid('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}.',
+                          param="response_format", code="invalid_json_schema")
+        problem = json_schema_problem(schema)
+        if problem:
+            raise invalid(f"response_format: {problem}", param="response_format", code="invalid_json_schema")
+        return ("json_schema", json.dumps(schema))
+    raise invalid('response_format.type must be "text", "json_object" or "json_schema".', param="response_format")
+
+
+def _grammar(grammar: Any, user) -> tuple[str, str]:
+    """`grammar`: a grammar handle id, or GBNF text."""
+    if not isinstance(grammar, str) or not grammar.strip():
+        raise invalid("grammar must be a grammar handle id or GBNF text.", param="grammar")
+    if selectors.as_uuid(grammar.strip()) is not None:
+        try:
+            handle = selectors.grammar_handle_get_active(user=user, handle_id=grammar.strip())
+        except selectors.HandleUnavailable as exc:
+            raise invalid(str(exc), param="grammar", code="handle_unavailable") from None
+        return ("gbnf" if handle.kind == "gbnf" else "json_schema", handle.source)
+    problem = gbnf_problem(grammar)
+    if problem:
+        raise invalid(f"grammar: {problem}", param="grammar", code="invalid_grammar")
+    return ("gbnf", grammar)
+
+
+def request_for(body: Any, *, api_key=None, user=None) -> GenerationRequest:
+    """Chat when the body has `messages`, completion when it has `prompt` (the websocket takes both)."""
+    if isinstance(body, dict) and "prompt" in body and "messages" not in body:
+        return completion_request(body, api_key=api_key, user=user)
+    return chat_request(body, api_key=api_key, user=user)
+
+
+__all__ = ["GenerationRequest", "OpenAIError", "chat_request", "completion_request", "request_for"]

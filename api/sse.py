@@ -1,0 +1,69 @@
+"""Server-sent events for /v1 streams: OpenAI's chunks, keep-alives, an error event on failure, `[DONE]`.
+
+The view waits briefly for the first event before it sends headers, so errors that come before any token
+(unknown model, prompt too long, no lane by the deadline) still get a clean HTTP status. After that, the body
+streams; a client that goes away cancels the node's lane (Django cancels the body's iterator on disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from django.http import StreamingHttpResponse
+
+from api.errors import OpenAIError
+from api.generation import PENDING, Run
+from api.responses import shape_for
+from fleet.dispatch import Finished, Tokens
+
+HEADER_WAIT_S = 1.5
+KEEPALIVE_S = 5.0
+KEEPALIVE = b": keep-alive\n\n"
+DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def first_event(run: Run) -> Any:
+    """The first event within HEADER_WAIT_S (PENDING if none yet); raises OpenAIError for an early failure."""
+    return await run.next_event(timeout=HEADER_WAIT_S)
+
+
+def sse_response(run: Run, first: Any) -> StreamingHttpResponse:
+    response = StreamingHttpResponse(sse_body(run, first), content_type="text/event-stream; charset=utf-8")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    response["X-Fleet-Generation"] = run.request.gen_id
+    return response
+
+
+async def sse_body(run: Run, first: Any):
+    shape = shape_for(run)
+    event = first
+    try:
+        for chunk in shape.opening_chunks():
+            yield sse_event(chunk)
+        while True:
+            if event is PENDING:
+                yield KEEPALIVE
+            elif event is None:
+                break
+            elif isinstance(event, Tokens):
+                for chunk in shape.token_chunks(event):
+                    yield sse_event(chunk)
+            elif isinstance(event, Finished):
+                for chunk in shape.closing_chunks():
+                    yield sse_event(chunk)
+            event = await run.next_event(timeout=KEEPALIVE_S)
+        if run.request.include_usage:
+            yield sse_event(shape.usage_chunk())
+    except OpenAIError as exc:
+        yield sse_event(exc.body())
+    except (asyncio.CancelledError, GeneratorExit):
+        await run.abandon()
+        raise
+    yield DONE

@@ -1,0 +1,32 @@
+"""Routes of the OpenAI-compatible /v1 API and the management /api."""
+
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView
+from rest_framework.routers import DefaultRouter
+
+from api import docs, v1, views
+
+router = DefaultRouter()
+router.register("nodes", views.NodeViewSet, basename="node")
+router.register("fleet-tokens", views.FleetTokenViewSet, basename="fleet-token")
+router.register("keys", views.ApiKeyViewSet, basename="api-key")
+router.register("sessions", views.SessionViewSet, basename="session")
+router.register("grammars", views.GrammarHandleViewSet, basename="grammar")
+router.register("logit-biases", views.LogitBiasHandleViewSet, basename="logit-bias")
+router.register("generations", views.GenerationViewSet, basename="generation")
+
+v1_patterns = [
+    path("models", v1.models, name="v1-models"),
+    path("models/<path:model>", v1.model_detail, name="v1-model"),
+    path("chat/completions", v1.chat_completions, name="v1-chat-completions"),
+    path("completions", v1.completions, name="v1-completions"),
+    path("embeddings", v1.embeddings, name="v1-embeddings"),
+]
+
+urlpatterns = [
+    path("v1/", include(v1_patterns)),
+    path("api/fleet/", views.FleetStatusView.as_view(), name="api-fleet"),
+    path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("api/docs/", docs.api_docs, name="api-docs"),
+    path("api/", include(router.urls)),
+]

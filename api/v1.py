@@ -1,0 +1,203 @@
+"""The OpenAI-compatible /v1 API as plain Django async views (streaming and disconnects need async, not DRF).
+
+Each view: authenticate and throttle the key, parse the body, validate it into a GenerationRequest, run it, shape
+the answer. Every failure a client can cause is an OpenAI error object with a 4xx status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import struct
+from collections.abc import Awaitable, Callable
+from functools import wraps
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from api.auth import v1_authenticate
+from api.errors import OpenAIError, invalid, openai_error_response
+from api.generation import Run
+from api.responses import shape_for
+from api.specs import GenerationRequest, chat_request, completion_request
+from api.sse import first_event, sse_response
+from fleet.links import registry
+from nodes import selectors as node_selectors
+from nodes.link.messages import LinkError
+
+log = logging.getLogger("api")
+
+MAX_EMBED_INPUTS = 256
+EMBED_TIMEOUT_S = 60.0
+
+
+def openai_view(*methods: str):
+    """Wrap an async view: method check, API-key auth and throttle, and OpenAIError (or a bug) as an error object."""
+
+    def wrap(view: Callable[..., Awaitable[HttpResponse]]):
+        @csrf_exempt
+        @wraps(view)
+        async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+            try:
+                if request.method not in methods:
+                    raise OpenAIError(405, f"{request.method} is not allowed here; use {' or '.join(methods)}.",
+                                      code="method_not_allowed")
+                request.api_key = await sync_to_async(v1_authenticate)(request.headers.get("Authorization"))
+                return await view(request, *args, **kwargs)
+            except OpenAIError as exc:
+                return openai_error_response(exc)
+            except Exception:
+                log.exception("api: %s %s failed", request.method, request.path)
+                return openai_error_response(OpenAIError(500, "The head failed to serve this request; it has been "
+                                                         "logged.", code="internal_error"))
+
+        return wrapper
+
+    return wrap
+
+
+def json_body(request: HttpRequest) -> dict[str, Any]:
+    content_type = request.content_type or ""
+    if content_type != "application/json":
+        raise OpenAIError(415, f"Send the body as JSON with `Content-Type: application/json` (got "
+                          f"{content_type or 'none'!r}).", code="unsupported_media_type")
+    try:
+        body = json.loads(request.body or b"")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid(f"The body is not valid JSON: {exc}.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+# --- models ---------------------------------------------------------------------------------------------------
+
+
+async def served_models() -> list[str]:
+    """Models served by a node linked to this head, and by online nodes anywhere in the fleet."""
+    live = set(registry().placement.models())
+    recorded = await sync_to_async(node_selectors.node_models_served)()
+    return sorted(live | set(recorded))
+
+
+def _model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "fleet"}
+
+
+@openai_view("GET")
+async def models(request: HttpRequest) -> HttpResponse:
+    return JsonResponse({"object": "list", "data": [_model_object(m) for m in await served_models()]})
+
+
+@openai_view("GET")
+async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
+    served = await served_models()
+    if model not in served:
+        names = ", ".join(served) or "none"
+        raise OpenAIError(404, f"The model {model!r} is not served by any node (served: {names}).",
+                          code="model_not_found", param="model")
+    return JsonResponse(_model_object(model))
+
+
+# --- generations ----------------------------------------------------------------------------------------------
+
+
+@openai_view("POST")
+async def chat_completions(request: HttpRequest) -> HttpResponse:
+    return await serve(request, chat_request)
+
+
+@openai_view("POST")
+async def completions(request: HttpRequest) -> HttpResponse:
+    return await serve(request, completion_request)
+
+
+async def serve(request: HttpRequest, parse: Callable[..., GenerationRequest]) -> HttpResponse:
+    body = json_body(request)
+    key = request.api_key
+    gen = await sync_to_async(parse)(body, api_key=key, user=key.owner)
+    return await respond(gen)
+
+
+async def respond(gen: GenerationRequest) -> HttpResponse:
+    """Run a validated generation and answer it: SSE when it streams, else one JSON object."""
+    run = Run(gen)
+    try:
+        if gen.stream:
+            first = await first_event(run)
+            return sse_response(run, first)
+        async for _ in run.events():
+            pass
+    except asyncio.CancelledError:
+        await run.abandon()
+        raise
+    response = JsonResponse(shape_for(run).response())
+    response["X-Fleet-Node"] = run.node
+    response["X-Fleet-Generation"] = gen.gen_id
+    return response
+
+
+# --- embeddings -----------------------------------------------------------------------------------------------
+
+
+@openai_view("POST")
+async def embeddings(request: HttpRequest) -> HttpResponse:
+    body = json_body(request)
+    model, texts, encoding = _embedding_input(body)
+    node, link = _embedding_node(model)
+    try:
+        result = await link.state_op("embed", {"texts": texts, "model": model}, EMBED_TIMEOUT_S)
+    except TimeoutError:
+        raise OpenAIError(504, f"Node {node!r} did not answer the embedding request in {EMBED_TIMEOUT_S:.0f} s.",
+                          code="node_timeout") from None
+    except LinkError as exc:
+        raise OpenAIError(502, f"Node {node!r} could not embed: {exc}", code="embedding_failed") from None
+    vectors = result.get("embeddings") or []
+    data = [{"object": "embedding", "index": i, "embedding": _encode(v, encoding)} for i, v in enumerate(vectors)]
+    prompt_tokens = int(result.get("prompt_tokens") or sum(max(len(t) // 4, 1) for t in texts))
+    response = JsonResponse({"object": "list", "data": data, "model": model,
+                             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
+    response["X-Fleet-Node"] = node
+    return response
+
+
+def _embedding_input(body: dict[str, Any]) -> tuple[str, list[str], str]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise invalid("You must provide a model: its name as /v1/models lists it.", param="model")
+    texts = body.get("input")
+    texts = [texts] if isinstance(texts, str) else texts
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+        raise invalid("input must be a non-empty string or a list of them (token arrays are not supported).",
+                      param="input")
+    if len(texts) > MAX_EMBED_INPUTS:
+        raise invalid(f"input may hold at most {MAX_EMBED_INPUTS} strings.", param="input")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise invalid('encoding_format must be "float" or "base64".', param="encoding_format")
+    if body.get("dimensions") is not None:
+        raise invalid("dimensions is not supported: the model's own size is returned.", param="dimensions")
+    return model.strip(), texts, encoding
+
+
+def _embedding_node(model: str) -> tuple[str, Any]:
+    """A linked node serving the model, the least busy first (an embedding takes no generation lane)."""
+    reg = registry()
+    slots = [s for s in reg.placement.nodes() if model in s.models and s.node_id in reg.links]
+    if not slots:
+        served = ", ".join(reg.placement.models()) or "none"
+        raise OpenAIError(404, f"The model {model!r} is not served by any node (served: {served}).",
+                          code="model_not_found", param="model")
+    slot = min(slots, key=lambda s: (not s.schedulable, s.running - s.lanes, s.identity))
+    return slot.identity, reg.links[slot.node_id]
+
+
+def _encode(vector: list[float], encoding: str) -> list[float] | str:
+    if encoding == "float":
+        return [float(x) for x in vector]
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+

@@ -1,0 +1,116 @@
+"""`manage.py up`: the whole embedded fleet in one command.
+
+Migrates, creates an admin user and an API key on first run (printed once), then runs daphne, a Celery
+worker with beat, and a local node on the bundled model, until Ctrl-C stops them all.
+"""
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError
+
+from api.services import api_key_create
+from fleet.discovery import Announcer
+
+
+class Command(BaseCommand):
+    help = "Run the head (daphne), a Celery worker with beat, and a local node serving the bundled model."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--host", default="127.0.0.1", help="address daphne listens on (127.0.0.1)")
+        parser.add_argument("--port", type=int, default=8000, help="port daphne listens on (8000)")
+        parser.add_argument("--model", default="smollm2", help="model for the local node (smollm2)")
+        parser.add_argument("--max-batch", type=int, default=4, help="lanes of the local node (4)")
+        parser.add_argument("--no-node", action="store_true", help="do not start a local node")
+        parser.add_argument("--no-celery", action="store_true", help="do not start the Celery worker")
+
+    def handle(self, *args, **options):
+        call_command("migrate", interactive=False, verbosity=0)
+        self._first_run(options)
+        children = self._start(options)
+        announcer = Announcer(options["port"], options["host"])
+        if settings.FLEET_MDNS and options["host"] not in {"127.0.0.1", "localhost", "::1"}:
+            announcer.start([options["model"]] if not options["no_node"] else [])
+        self.stdout.write(f"Fleet is up: http://{options['host']}:{options['port']}/admin/  (Ctrl-C stops it)\n")
+        self.stdout.flush()
+        try:
+            self._watch(children)
+        finally:
+            announcer.stop()
+            self._stop(children)
+
+    def _first_run(self, options):
+        users = get_user_model().objects
+        if users.filter(is_superuser=True).exists():
+            return
+        password = secrets.token_urlsafe(12)
+        user = users.create_superuser("admin", "", password)
+        _, key = api_key_create(owner=user, name="first key")
+        base = f"http://{options['host']}:{options['port']}"
+        self.stdout.write(
+            "\nFirst run: an admin user and an API key were created. They are shown only this once.\n"
+            f"  admin:     {base}/admin/   user admin   password {password}\n"
+            f"  fleet:     {base}/admin/fleet/\n"
+            f"  API key:   {key}\n"
+            f"  try:       curl {base}/v1/chat/completions -H 'Authorization: Bearer {key}' "
+            "-H 'Content-Type: application/json' "
+            f"-d '{{\"model\":\"{options['model']}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hi\"}}]}}'\n"
+            f"  API docs:  {base}/api/docs/\n\n"
+        )
+
+    def _start(self, options) -> dict[str, subprocess.Popen]:
+        python, manage = sys.executable, str(settings.BASE_DIR / "manage.py")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        commands = {
+            "daphne": [python, "-m", "daphne", "-b", options["host"], "-p", str(options["port"]),
+                       "fleet.asgi:application"],
+        }
+        if not options["no_celery"]:
+            commands["celery"] = [python, "-m", "celery", "-A", "fleet", "worker", "-B", "--pool=solo",
+                                  "--loglevel=WARNING", "-s", str(settings.FLEET_HOME / "celerybeat-schedule")]
+        if not options["no_node"]:
+            head = f"127.0.0.1:{options['port']}" if options["host"] in {"0.0.0.0", "127.0.0.1"} else \
+                f"{options['host']}:{options['port']}"
+            commands["node"] = [python, manage, "node_join", head, "--model", options["model"], "--identity", "local",
+                                "--max-batch", str(options["max_batch"]), "--offline"]
+        children = {}
+        for name, argv in commands.items():
+            # Own process groups: Ctrl-C reaches `up`, which stops each child in order.
+            children[name] = subprocess.Popen(argv, env=env, cwd=settings.BASE_DIR, start_new_session=True)
+            if name == "daphne":
+                time.sleep(1.0)
+        return children
+
+    def _watch(self, children):
+        stop = {"now": False}
+
+        def on_signal(signum, frame):
+            stop["now"] = True
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        while not stop["now"]:
+            for name, proc in children.items():
+                code = proc.poll()
+                if code is not None:
+                    raise CommandError(f"{name} exited with status {code}; stopping the fleet", returncode=1)
+            time.sleep(0.5)
+
+    def _stop(self, children):
+        for proc in reversed(list(children.values())):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in children.values():
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.stdout.write("Fleet stopped.\n")

@@ -1,0 +1,272 @@
+"""The batched llama.cpp engine: one model, one context, every lane decoded in one `llama_decode` per step.
+
+Lanes are llama sequence ids in one unified KV cache of `lanes * window` cells. Each step packs every
+busy lane's work — prompt chunks and next tokens together — into one reused batch, checks its sizes
+(llama.cpp aborts the whole process on some malformed batches), decodes once and samples each lane with
+its own sampler chain.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from typing import Any
+
+import llama_cpp as L
+import numpy as np
+
+from nodes.agent.engine.base import (
+    ERR_CONTEXT_LENGTH,
+    ERR_ENGINE_FAILED,
+    ERR_INVALID_REQUEST,
+    EngineConfig,
+    EngineError,
+    StateOpError,
+)
+from nodes.agent.engine.model import LoadedModel
+from nodes.agent.engine.park import LaneParking
+from nodes.agent.engine.runs import Run
+from nodes.agent.engine.sampling import LaneSampler, accept_resume, build_sampler, token_logprobs
+from nodes.agent.engine.scheduler import Lane, LaneEngine, Sample, Work
+from nodes.link.spec import GenerateSpec
+
+DEFAULT_WINDOW = 2048
+# Per-lane KV streams without flash attention: measured on CPU, the only settings where a lane's greedy output
+# does not depend on what else is in the batch (a unified cache mixes lanes inside one attention matmul, and
+# flash attention switches kernels with the batch size), and batched decoding was fastest with them too.
+UNIFIED_KV = False
+FLASH_ATTN = False
+
+
+class TokenBatch:
+    """A llama_batch over numpy arrays we own, so filling a prompt chunk is a slice copy, not a loop of
+    ctypes stores. Every token belongs to exactly one sequence (n_seq_id is always 1)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.token = np.zeros(capacity, dtype=np.int32)
+        self.pos = np.zeros(capacity, dtype=np.int32)
+        self.n_seq_id = np.ones(capacity, dtype=np.int32)
+        self.seq = np.zeros(capacity, dtype=np.int32)
+        self.logits = np.zeros(capacity, dtype=np.int8)
+        # seq_id[i] points at seq[i]: one sequence id per token, set by writing `seq`.
+        stride = self.seq.itemsize
+        self.seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * capacity)(
+            *[ctypes.cast(self.seq.ctypes.data + i * stride, ctypes.POINTER(ctypes.c_int32)) for i in range(capacity)]
+        )
+        self.batch = L.llama_batch()
+        self.batch.token = self.token.ctypes.data_as(ctypes.POINTER(L.llama_token))
+        self.batch.embd = None
+        self.batch.pos = self.pos.ctypes.data_as(ctypes.POINTER(L.llama_pos))
+        self.batch.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.batch.seq_id = self.seq_ptrs
+        self.batch.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.n = 0
+
+    def clear(self) -> None:
+        self.n = 0
+
+    def add(self, tokens: list[int], pos: int, seq: int, want_last: bool) -> int:
+        """Append tokens at positions pos.. of sequence `seq`; returns the index of the last one."""
+        n, k = self.n, len(tokens)
+        if n + k > self.capacity:
+            raise EngineError(ERR_ENGINE_FAILED, f"batch overflow: {n + k} tokens > {self.capacity}")
+        self.token[n : n + k] = tokens
+        self.pos[n : n + k] = np.arange(pos, pos + k, dtype=np.int32)
+        self.seq[n : n + k] = seq
+        self.logits[n : n + k] = 0
+        self.logits[n + k - 1] = 1 if want_last else 0
+        self.n = n + k
+        return n + k - 1
+
+
+class LlamaEngine(LaneEngine):
+    """Continuous batching over llama.cpp with per-lane samplers and prefix reuse."""
+
+    engine_name = "llama.cpp"
+
+    def __init__(self, config: EngineConfig, on_progress: Any = None) -> None:
+        if not config.model_path:
+            raise ValueError("the llama.cpp engine needs a model_path")
+        self.model = LoadedModel(config.model_path, on_progress)
+        window = config.max_context or min(self.model.n_ctx_train or DEFAULT_WINDOW, DEFAULT_WINDOW)
+        n_batch = max(config.n_batch, config.lanes)
+        self.threads = config.threads or len(os.sched_getaffinity(0))
+        self.ctx = self.model.new_context(
+            window * config.lanes, config.lanes, n_batch, self.threads, unified_kv=UNIFIED_KV, flash_attn=FLASH_ATTN
+        )
+        self.mem = L.llama_get_memory(self.ctx)
+        super().__init__(config, window, L.llama_n_batch(self.ctx))
+        self.batch = TokenBatch(self.n_batch)
+        self._embed_ctx: Any = None
+        self.parking = LaneParking(config.park_dir, self.model, self.ctx) if config.park_dir else None
+        self._unparked: set[int] = set()
+        if self.parking is not None:
+            self.parking.restore(self.lanes, self.window)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "model_name": self.config.model_name or os.path.basename(self.model.path),
+            "context_window": self.window,
+            "lanes": len(self.lanes),
+            "capabilities": {
+                "chat": bool(self.model.chat_template),
+                "completion": True,
+                "embeddings": True,
+                "grammar": True,
+                "logprobs": True,
+                "lora": False,
+            },
+            "engine": "llama.cpp",
+            "engine_version": L.__version__,
+            "n_ctx_train": self.model.n_ctx_train,
+            "n_batch": self.n_batch,
+            "threads": self.threads,
+        }
+
+    def close(self) -> None:
+        if self.ctx is None:
+            return
+        self.idle_work()
+        for lane in self.lanes:
+            if lane.run is not None:
+                self._release_run(lane.run)
+        for ctx in (self._embed_ctx, self.ctx):
+            if ctx:
+                L.llama_free(ctx)
+        self._embed_ctx = self.ctx = None
+        self.model.close()
+
+    # -- admission ------------------------------------------------------------------------------------
+
+    def _prepare(self, spec: GenerateSpec, submitted_at: float) -> Run:
+        if spec.messages is not None:
+            prompt = self.model.tokenize(self.model.render_chat(spec.messages), False, True)
+        else:
+            prompt = self.model.tokenize(spec.prompt or "", True, True)
+        if not prompt:
+            raise EngineError(ERR_INVALID_REQUEST, "the prompt is empty")
+        resume = self.model.tokenize(spec.resume_text, False, False) if spec.resume_text else []
+        tokens = prompt + resume
+        if len(tokens) + 1 > self.window:
+            extra = f" ({len(resume)} of them already generated)" if resume else ""
+            raise EngineError(
+                ERR_CONTEXT_LENGTH,
+                f"the prompt is {len(tokens)} tokens{extra} but this model's context window is {self.window} "
+                f"tokens, and at least one must remain for the answer; shorten the prompt",
+            )
+        sampler = build_sampler(self.model, spec)
+        try:
+            accept_resume(sampler, resume)
+        except EngineError:
+            sampler.free()
+            raise
+        return Run(
+            spec=spec,
+            tokens=tokens,
+            submitted_at=submitted_at,
+            flush_tokens=self.config.flush_tokens,
+            flush_s=self.config.flush_ms / 1000,
+            sampler=sampler,
+        )
+
+    def _release_run(self, run: Run) -> None:
+        if isinstance(run.sampler, LaneSampler):
+            run.sampler.free()
+
+    def _trim_lane(self, lane: Lane, keep: int) -> None:
+        if not L.llama_memory_seq_rm(self.mem, lane.index, keep, -1):
+            # A partial removal can fail (never for a whole sequence): start the lane from scratch instead.
+            L.llama_memory_seq_rm(self.mem, lane.index, -1, -1)
+            raise EngineError(ERR_ENGINE_FAILED, f"could not trim lane {lane.index} to {keep} tokens")
+
+    def _lane_idle(self, lane: Lane) -> None:
+        if self.parking is not None:
+            self._unparked.add(lane.index)
+
+    def idle_work(self) -> None:
+        """Park lanes that went idle since the last call. Writing a lane's KV costs time proportional to
+        its tokens, so it happens while the engine has nothing to decode, never inside a step."""
+        if self.parking is None:
+            return
+        for index in sorted(self._unparked):
+            lane = self.lanes[index]
+            if lane.run is None:
+                self.parking.park(lane)
+        self._unparked.clear()
+
+    # -- the step -------------------------------------------------------------------------------------
+
+    def _decode(self, works: list[Work]) -> dict[int, Sample]:
+        total = sum(len(w.tokens) for w in works)
+        if total > self.n_batch:
+            raise EngineError(ERR_ENGINE_FAILED, f"a step of {total} tokens exceeds n_batch {self.n_batch}")
+        batch = self.batch
+        batch.clear()
+        outputs: list[tuple[Work, int]] = []
+        for work in works:
+            if work.pos != len(work.lane.tokens) or work.pos + len(work.tokens) > self.window:
+                raise EngineError(ERR_ENGINE_FAILED, f"lane {work.lane.index} would read past its window")
+            index = batch.add(work.tokens, work.pos, work.lane.index, work.sample)
+            if work.sample:
+                outputs.append((work, index))
+        batch.batch.n_tokens = batch.n
+        rc = L.llama_decode(self.ctx, batch.batch)
+        if rc != 0:
+            raise EngineError(ERR_ENGINE_FAILED, f"llama_decode failed with code {rc}")
+        return {work.lane.index: self._sample(work.lane.run, index) for work, index in outputs}
+
+    def _sample(self, run: Run | None, index: int) -> Sample:
+        assert run is not None
+        token_id = run.sampler.sample(self.ctx, index, self.model.n_vocab)
+        logprob = None
+        if run.spec.logprobs:
+            # Sampling copies the logits, so these are still the model's own, untouched by bias or grammar.
+            logprob = token_logprobs(self.model, self.ctx, index, token_id, run.spec.top_logprobs)
+        return token_id, logprob
+
+    def _piece(self, token_id: int) -> bytes:
+        return self.model.piece(token_id)
+
+    def _is_eog(self, token_id: int) -> bool:
+        return token_id in self.model.eog_ids
+
+    # -- state operations -----------------------------------------------------------------------------
+
+    def state_op(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        if op == "tokenize":
+            return {"tokens": self.model.tokenize(str(args.get("text", "")), True, True)}
+        if op == "detokenize":
+            return {"text": self.model.detokenize([int(t) for t in args.get("tokens", [])])}
+        if op == "embed":
+            texts = args.get("texts")
+            if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+                raise StateOpError(ERR_INVALID_REQUEST, "embed needs `texts`, a list of strings")
+            return {"embeddings": [self._embed(text) for text in texts], "model": self.info()["model_name"]}
+        if op == "capabilities":
+            return self.info()["capabilities"]
+        raise StateOpError("unknown_op", f"this engine has no state operation {op!r}")
+
+    def _embed(self, text: str) -> list[float]:
+        """Mean-pooled, L2-normalised embedding from a second context on the same model."""
+        if self._embed_ctx is None:
+            self._embed_ctx = self.model.new_context(self.window, 1, self.window, self.threads, embeddings=True)
+        tokens = self.model.tokenize(text, True, False)
+        if not tokens:
+            raise StateOpError(ERR_INVALID_REQUEST, "cannot embed an empty text")
+        if len(tokens) > self.window:
+            raise StateOpError(
+                ERR_CONTEXT_LENGTH, f"a text is {len(tokens)} tokens; the embedding window is {self.window}"
+            )
+        L.llama_memory_clear(L.llama_get_memory(self._embed_ctx), True)
+        batch = TokenBatch(len(tokens))
+        batch.add(tokens, 0, 0, True)
+        batch.logits[: len(tokens)] = 1  # pooling reads every token's output
+        batch.batch.n_tokens = batch.n
+        rc = L.llama_decode(self._embed_ctx, batch.batch)
+        if rc != 0:
+            raise StateOpError(ERR_ENGINE_FAILED, f"llama_decode failed with code {rc} while embedding")
+        vector = np.ctypeslib.as_array(L.llama_get_embeddings_seq(self._embed_ctx, 0), shape=(self.model.n_embd,))
+        norm = math.sqrt(float(np.dot(vector, vector))) or 1.0
+        return [float(x) / norm for x in vector]

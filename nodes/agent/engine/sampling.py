@@ -1,0 +1,170 @@
+"""Per-lane samplers on llama.cpp's sampler chains, grammar compilation and logprobs."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import llama_cpp as L
+import numpy as np
+
+from nodes.agent.engine.base import ERR_INVALID_GRAMMAR, ERR_INVALID_REQUEST, EngineError
+from nodes.agent.engine.model import LoadedModel
+from nodes.link.spec import GenerateSpec
+
+PENALTY_LAST_N = 64  # llama.cpp's default window for repeat/frequency/presence penalties
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class LaneSampler:
+    """A generation's sampler chain. `argmax` marks plain greedy decoding, which skips the chain: an argmax
+    over the logits gives the same token without llama.cpp copying the whole vocabulary each step."""
+
+    chain: Any
+    grammar: Any = None  # owned by the chain; kept to check resume tokens against it
+    argmax: bool = False
+
+    def sample(self, ctx: Any, index: int, n_vocab: int) -> int:
+        if self.argmax:
+            logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, index), shape=(n_vocab,))
+            return int(logits.argmax())
+        return int(L.llama_sampler_sample(self.chain, ctx, index))
+
+    def free(self) -> None:
+        if self.chain:
+            L.llama_sampler_free(self.chain)  # frees every sampler in the chain, the grammar too
+            self.chain = None
+
+
+def compile_grammar(spec: GenerateSpec) -> str | None:
+    """The GBNF the generation must follow: its grammar, or its JSON schema converted to GBNF."""
+    if spec.grammar is not None and spec.json_schema is not None:
+        raise EngineError(ERR_INVALID_REQUEST, "send either grammar or json_schema, not both")
+    if spec.json_schema is None:
+        return spec.grammar
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    try:
+        return json_schema_to_gbnf(spec.json_schema)
+    except Exception as exc:  # the converter raises plain ValueError/KeyError/... on bad schemas
+        raise EngineError(ERR_INVALID_GRAMMAR, f"json_schema could not be turned into a grammar: {exc}") from exc
+
+
+def validate(spec: GenerateSpec, n_vocab: int) -> None:
+    """Reject sampling settings llama.cpp would misbehave on (some of them abort the process)."""
+    checks = [
+        (spec.max_tokens >= 1, f"max_tokens must be at least 1, got {spec.max_tokens}"),
+        (math.isfinite(spec.temperature), "temperature must be a finite number"),
+        (spec.repeat_penalty > 0, f"repeat_penalty must be greater than 0, got {spec.repeat_penalty}"),
+        (math.isfinite(spec.frequency_penalty), "frequency_penalty must be a finite number"),
+        (math.isfinite(spec.presence_penalty), "presence_penalty must be a finite number"),
+        (0 <= spec.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise EngineError(ERR_INVALID_REQUEST, message)
+    for token_id, bias in spec.logit_bias.items():
+        if not 0 <= int(token_id) < n_vocab:
+            raise EngineError(ERR_INVALID_REQUEST, f"logit_bias names token {token_id}, outside the vocabulary")
+        if math.isnan(bias):
+            raise EngineError(ERR_INVALID_REQUEST, f"logit_bias for token {token_id} is not a number")
+
+
+def build_sampler(model: LoadedModel, spec: GenerateSpec) -> LaneSampler:
+    """The chain llama.cpp's own samplers use, in their order: bias, penalties, grammar, truncation, temperature."""
+    validate(spec, model.n_vocab)
+    gbnf = compile_grammar(spec)
+    biases = {int(k): float(v) for k, v in spec.logit_bias.items()}
+    if spec.ignore_eos and gbnf is None:
+        # With a grammar, the end of the grammar is the end of the generation, so EOG stays allowed.
+        biases.update({t: -math.inf for t in model.eog_ids})
+    penalised = spec.repeat_penalty != 1.0 or spec.frequency_penalty != 0.0 or spec.presence_penalty != 0.0
+    greedy = spec.temperature <= 0
+    params = L.llama_sampler_chain_default_params()
+    params.no_perf = True
+    chain = L.llama_sampler_chain_init(params)
+    sampler = LaneSampler(chain, argmax=greedy and not biases and not penalised and gbnf is None)
+    try:
+        _add_bias(chain, model.n_vocab, biases)
+        if penalised:
+            L.llama_sampler_chain_add(
+                chain,
+                L.llama_sampler_init_penalties(
+                    model.n_vocab, PENALTY_LAST_N, spec.repeat_penalty, spec.frequency_penalty, spec.presence_penalty
+                ),
+            )
+        if gbnf is not None:
+            sampler.grammar = _grammar(model, gbnf)
+            L.llama_sampler_chain_add(chain, sampler.grammar)
+        _add_pick(chain, spec, greedy)
+    except EngineError:
+        sampler.free()
+        raise
+    return sampler
+
+
+def _add_bias(chain: Any, n_vocab: int, biases: dict[int, float]) -> None:
+    if not biases:
+        return
+    entries = (L.llama_logit_bias * len(biases))()
+    for slot, (token_id, bias) in zip(entries, biases.items(), strict=True):
+        slot.token, slot.bias = token_id, bias
+    L.llama_sampler_chain_add(chain, L.llama_sampler_init_logit_bias(n_vocab, len(biases), entries))
+
+
+def _grammar(model: LoadedModel, gbnf: str) -> Any:
+    grammar = L.llama_sampler_init_grammar(model.vocab, gbnf.encode("utf-8"), b"root")
+    if not grammar:
+        raise EngineError(ERR_INVALID_GRAMMAR, "the grammar does not parse as GBNF with a `root` rule")
+    return grammar
+
+
+def _add_pick(chain: Any, spec: GenerateSpec, greedy: bool) -> None:
+    if greedy:
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+        return
+    if spec.top_k > 0:
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(spec.top_k))
+    if spec.top_p < 1.0:
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(spec.top_p, 1))
+    if spec.min_p > 0.0:
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(spec.min_p, 1))
+    L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(spec.temperature))
+    seed = L.LLAMA_DEFAULT_SEED if spec.seed is None else spec.seed & 0xFFFFFFFF
+    L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
+
+
+def accept_resume(sampler: LaneSampler, tokens: list[int]) -> None:
+    """Feed already-streamed tokens through the chain (penalties and grammar state), checking each one
+    against the grammar first: llama.cpp aborts the process when a grammar accepts a token it forbids."""
+    probe_data = (L.llama_token_data * 1)()
+    probe = L.llama_token_data_array(probe_data, 1, -1, False)
+    for token_id in tokens:
+        if sampler.grammar is not None:
+            probe_data[0].id, probe_data[0].logit, probe_data[0].p = token_id, 0.0, 0.0
+            probe.size, probe.selected = 1, -1
+            L.llama_sampler_apply(sampler.grammar, ctypes.byref(probe))
+            if not math.isfinite(probe_data[0].logit):
+                raise EngineError(ERR_INVALID_REQUEST, "resume_text does not follow the generation's grammar")
+        L.llama_sampler_accept(sampler.chain, token_id)
+
+
+def token_logprobs(model: LoadedModel, ctx: Any, index: int, token_id: int, n_top: int) -> dict[str, Any]:
+    """The sampled token's log-probability under the model (log-softmax of the raw logits) and the top
+    `n_top` alternatives."""
+    logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, index), shape=(model.n_vocab,)).astype(np.float64)
+    peak = logits.max()
+    log_z = peak + math.log(np.exp(logits - peak).sum())
+    top: list[dict[str, Any]] = []
+    if n_top > 0:
+        best = np.argpartition(-logits, n_top)[:n_top]
+        best = best[np.argsort(-logits[best])]
+        top = [{"token": _text(model, int(t)), "logprob": float(logits[t] - log_z)} for t in best]
+    return {"token": _text(model, token_id), "logprob": float(logits[token_id] - log_z), "top": top}
+
+
+def _text(model: LoadedModel, token_id: int) -> str:
+    return model.piece(token_id).decode("utf-8", errors="replace")

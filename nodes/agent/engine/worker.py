@@ -1,0 +1,400 @@
+"""The engine in a process of its own, so a llama.cpp abort or a kill takes down one worker, not the agent.
+
+The child (`_child_main`) loads the engine and loops: while any lane is busy it runs `step()` and drains
+the pipe without blocking between steps; when idle it blocks on the pipe. The agent side (`EngineWorker`)
+reads the pipe on a background thread and hands every message to the event loop. When the child dies,
+each generation it was running gets an `engine_crashed` error and the worker is restarted after a cooldown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+from nodes.agent.engine.base import (
+    ERR_ENGINE_CRASHED,
+    ERR_ENGINE_FAILED,
+    ERR_ENGINE_UNAVAILABLE,
+    ERR_INVALID_REQUEST,
+    Engine,
+    EngineConfig,
+    EngineLoadError,
+    Event,
+    StateOpError,
+    create_engine,
+    error_event,
+)
+from nodes.link.spec import GenerateSpec, SpecError
+
+log = logging.getLogger(__name__)
+
+STATS_EVERY_S = 1.0
+
+
+# -- the child process --------------------------------------------------------------------------------
+
+
+def _child_main(conn: Connection, config_data: dict[str, Any]) -> None:
+    """Entry point of the worker process (spawned, so it starts clean of the agent's threads and loop)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the agent, which stops us in order
+    config = EngineConfig.from_dict(config_data)
+    os.environ.update({str(k): str(v) for k, v in config.env.items()})
+    if config.cpu_affinity:
+        os.sched_setaffinity(0, config.cpu_affinity)
+    try:
+        engine = create_engine(config, on_progress=_progress_sender(conn))
+    except Exception as exc:  # any load failure goes back as a message, never as a silent exit
+        conn.send(("load_error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", engine.info()))
+    try:
+        _ChildLoop(conn, engine).run()
+    except (EOFError, OSError):
+        pass  # the agent went away: nothing left to serve
+    finally:
+        engine.close()
+
+
+def _progress_sender(conn: Connection) -> Callable[[float], None]:
+    last = [-1.0]
+
+    def send(fraction: float) -> None:
+        if fraction - last[0] >= 0.01 or fraction >= 1.0:
+            last[0] = fraction
+            conn.send(("progress", fraction))
+
+    return send
+
+
+class _ChildLoop:
+    """Serves the pipe: steps while busy, blocks while idle, reports stats about once a second."""
+
+    def __init__(self, conn: Connection, engine: Engine) -> None:
+        self.conn = conn
+        self.engine = engine
+        self.last_stats_at = 0.0
+        self.last_load: tuple[int, int] | None = None
+
+    def run(self) -> None:
+        while True:
+            if self.engine.busy():
+                while self.conn.poll():
+                    if not self.handle(self.conn.recv()):
+                        return
+                events = self.engine.step()
+            else:
+                idle_work = getattr(self.engine, "idle_work", None)
+                if idle_work is not None:
+                    idle_work()
+                if not self.handle(self.conn.recv()):
+                    return
+                events = []
+            if events:
+                self.conn.send(("events", events))
+            self.report_stats()
+
+    def handle(self, message: tuple) -> bool:
+        kind = message[0]
+        if kind == "submit":
+            try:
+                spec = GenerateSpec.from_dict(message[1])
+            except (SpecError, TypeError) as exc:
+                gen_id = str(message[1].get("gen_id", ""))
+                self.conn.send(("events", [error_event(gen_id, ERR_INVALID_REQUEST, str(exc))]))
+                return True
+            events = self.engine.submit(spec)
+        elif kind == "cancel":
+            events = self.engine.cancel(message[1])
+        elif kind == "state_op":
+            self.conn.send(("result", message[1], *self.state_op(message[2], message[3])))
+            return True
+        else:
+            return kind != "stop"
+        if events:
+            self.conn.send(("events", events))
+        return True
+
+    def state_op(self, op: str, args: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+        try:
+            return True, self.engine.state_op(op, args)
+        except StateOpError as exc:
+            return False, {"code": exc.code, "message": exc.message}
+        except Exception as exc:  # a failed state op answers the caller instead of killing the engine
+            return False, {"code": ERR_ENGINE_FAILED, "message": f"{type(exc).__name__}: {exc}"}
+
+    def report_stats(self) -> None:
+        stats = self.engine.stats()
+        load = (stats["lanes_busy"], stats.get("queued", 0))
+        now = time.monotonic()
+        if load != self.last_load or (load[0] and now - self.last_stats_at >= STATS_EVERY_S):
+            self.conn.send(("stats", stats))
+            self.last_stats_at, self.last_load = now, load
+
+
+# -- the agent side -----------------------------------------------------------------------------------
+
+
+class EngineWorker:
+    """The agent's handle on one engine worker process (asyncio).
+
+    Events (accepted/tokens/done/error dicts) go to `on_event`, called on the event loop. `on_progress`
+    gets load progress 0..1; `on_restart(info)` is called after the worker came back from a crash (its
+    KV caches are gone, which `info()` and `stats()` also report once as `cache_cleared`).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_event: Callable[[Event], Any],
+        *,
+        on_progress: Callable[[float], Any] | None = None,
+        on_restart: Callable[[dict[str, Any]], Any] | None = None,
+        restart_cooldown: float = 2.0,
+        state_op_timeout: float = 60.0,
+        load_timeout: float | None = None,
+    ) -> None:
+        self.config = config
+        self.on_event = on_event
+        self.on_progress = on_progress
+        self.on_restart = on_restart
+        self.restart_cooldown = restart_cooldown
+        self.state_op_timeout = state_op_timeout
+        self.load_timeout = load_timeout
+        self.restarts = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._proc: Any = None
+        self._conn: Connection | None = None
+        self._epoch = 0
+        self._ready: asyncio.Future[dict[str, Any]] | None = None
+        self._info: dict[str, Any] = {}
+        self._stats: dict[str, Any] = {}
+        self._in_flight: set[str] = set()
+        self._pending_ops: dict[int, asyncio.Future[tuple[bool, dict[str, Any]]]] = {}
+        self._op_ids = itertools.count(1)
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-send")
+        self._alive = False
+        self._stopping = False
+        self._started_at = 0.0
+        self._restart_task: asyncio.Task[None] | None = None
+        self._cleared_info = self._cleared_stats = False
+
+    # -- public ---------------------------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def info(self) -> dict[str, Any]:
+        info = dict(self._info)
+        if self._cleared_info:
+            info["cache_cleared"], self._cleared_info = True, False
+        return info
+
+    def stats(self) -> dict[str, Any]:
+        stats = {**self._stats, "alive": self._alive, "restarts": self.restarts}
+        if self._cleared_stats:
+            stats["cache_cleared"], self._cleared_stats = True, False
+        return stats
+
+    async def start(self, on_progress: Callable[[float], Any] | None = None) -> dict[str, Any]:
+        """Spawn the worker and wait for its model to load; raises EngineLoadError when it cannot.
+
+        `on_progress(fraction)`, when given, replaces the constructor's load-progress callback."""
+        if on_progress is not None:
+            self.on_progress = on_progress
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        return await self._launch()
+
+    async def submit(self, spec: GenerateSpec) -> None:
+        if not self._alive:
+            self._emit(
+                error_event(
+                    spec.gen_id,
+                    ERR_ENGINE_UNAVAILABLE,
+                    "the engine worker is not running (starting or restarting); retry on another node",
+                    retryable=True,
+                )
+            )
+            return
+        # Counted before sending: if the child dies meanwhile, the exit handler reports this generation too.
+        self._in_flight.add(spec.gen_id)
+        await self._send(("submit", spec.to_dict()))
+
+    async def cancel(self, gen_id: str) -> None:
+        if self._alive and gen_id in self._in_flight:
+            await self._send(("cancel", gen_id))
+
+    async def state_op(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """Run `op` (embed, tokenize, capabilities, ...) in the worker; raises StateOpError on failure."""
+        if not self._alive:
+            raise StateOpError(ERR_ENGINE_UNAVAILABLE, "the engine worker is not running")
+        assert self._loop is not None
+        op_id = next(self._op_ids)
+        future: asyncio.Future[tuple[bool, dict[str, Any]]] = self._loop.create_future()
+        self._pending_ops[op_id] = future
+        try:
+            await self._send(("state_op", op_id, op, args))
+            ok, result = await asyncio.wait_for(future, timeout or self.state_op_timeout)
+        finally:
+            self._pending_ops.pop(op_id, None)
+        if not ok:
+            raise StateOpError(result["code"], result["message"])
+        return result
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Stop the worker (no restart); running generations get an `engine_unavailable` error."""
+        self._stopping = True
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+        proc, self._alive = self._proc, False
+        if proc is not None:
+            await self._send(("stop",))
+            await asyncio.to_thread(_reap, proc, timeout)
+        self._fail_in_flight(ERR_ENGINE_UNAVAILABLE, "the engine worker was stopped; the generation was stopped")
+        if self._conn is not None:
+            self._conn.close()
+        self._sender.shutdown(wait=False)
+
+    # -- process lifecycle ----------------------------------------------------------------------------
+
+    async def _launch(self) -> dict[str, Any]:
+        assert self._loop is not None
+        ctx = multiprocessing.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=_child_main, args=(child_conn, self.config.to_dict()), daemon=True)
+        proc.start()
+        child_conn.close()
+        self._epoch += 1
+        self._proc, self._conn, self._started_at = proc, parent_conn, time.monotonic()
+        self._ready = self._loop.create_future()
+        threading.Thread(
+            target=self._read, args=(self._epoch, proc, parent_conn), name="engine-reader", daemon=True
+        ).start()
+        try:
+            info = await asyncio.wait_for(asyncio.shield(self._ready), self.load_timeout)
+        except TimeoutError:
+            await asyncio.to_thread(_reap, proc, 0)
+            raise EngineLoadError(f"the engine did not load its model within {self.load_timeout} s") from None
+        self._info, self._alive = info, True
+        return info
+
+    def _read(self, epoch: int, proc: Any, conn: Connection) -> None:
+        """Reader thread: every message goes to the loop in order; EOF means the child is gone."""
+        assert self._loop is not None
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            self._loop.call_soon_threadsafe(self._on_message, epoch, message)
+        proc.join(timeout=10)
+        code = proc.exitcode
+        with contextlib.suppress(RuntimeError):  # a closed loop: the agent is shutting down
+            self._loop.call_soon_threadsafe(self._on_exit, epoch, code)
+
+    def _on_message(self, epoch: int, message: tuple) -> None:
+        if epoch != self._epoch:
+            return
+        kind = message[0]
+        if kind == "events":
+            for event in message[1]:
+                if event["type"] in ("done", "error"):
+                    self._in_flight.discard(event["gen_id"])
+                self._emit(event)
+        elif kind == "stats":
+            self._stats = message[1]
+        elif kind == "result":
+            future = self._pending_ops.get(message[1])
+            if future is not None and not future.done():
+                future.set_result((message[2], message[3]))
+        elif kind == "progress" and self.on_progress is not None:
+            self.on_progress(message[1])
+        elif kind == "ready" and self._ready is not None and not self._ready.done():
+            self._ready.set_result(message[1])
+        elif kind == "load_error" and self._ready is not None and not self._ready.done():
+            self._ready.set_exception(EngineLoadError(f"the engine could not load its model: {message[1]}"))
+
+    def _on_exit(self, epoch: int, code: int | None) -> None:
+        if epoch != self._epoch:
+            return
+        was_alive, self._alive = self._alive, False
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(
+                EngineLoadError(f"the engine worker died while loading the model (exit code {code})")
+            )
+        message = f"the engine worker died (exit code {code}); the generation was stopped"
+        self._fail_in_flight(ERR_ENGINE_CRASHED, message)
+        for future in self._pending_ops.values():
+            if not future.done():
+                future.set_exception(StateOpError(ERR_ENGINE_CRASHED, message))
+        if self._stopping or not was_alive:
+            return
+        log.error("engine worker %s exited with code %s; restarting", self.pid, code)
+        self._restart_task = asyncio.ensure_future(self._restart())
+
+    async def _restart(self) -> None:
+        """Start a new worker, at most once per cooldown, retrying with a growing pause while loads fail."""
+        delay = max(self.restart_cooldown, self._started_at + self.restart_cooldown - time.monotonic())
+        while not self._stopping:
+            await asyncio.sleep(delay)
+            try:
+                info = await self._launch()
+            except EngineLoadError as exc:
+                log.error("engine worker restart failed: %s", exc)
+                delay = min(delay * 2, 60.0)
+                continue
+            self.restarts += 1
+            self._cleared_info = self._cleared_stats = True
+            self._stats = {}
+            if self.on_restart is not None:
+                self.on_restart({**info, "cache_cleared": True})
+            return
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    async def _send(self, message: tuple) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        assert self._loop is not None
+        # One sending thread keeps messages in order and the loop free while the child finishes a step. A send
+        # to a dead child fails quietly: the reader thread reports the death and fails what was in flight.
+        with contextlib.suppress(OSError, ValueError):
+            await self._loop.run_in_executor(self._sender, conn.send, message)
+
+    def _emit(self, event: Event) -> None:
+        try:
+            self.on_event(event)
+        except Exception:
+            log.exception("on_event failed for %s event of %s", event.get("type"), event.get("gen_id"))
+
+    def _fail_in_flight(self, code: str, message: str) -> None:
+        gen_ids, self._in_flight = sorted(self._in_flight), set()
+        for gen_id in gen_ids:
+            self._emit(error_event(gen_id, code, message, retryable=True))
+
+
+def _reap(proc: Any, timeout: float) -> None:
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(2)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(2)

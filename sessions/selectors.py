@@ -1,0 +1,123 @@
+"""Reads for conversations, generation records and handles.
+
+Visibility: a user sees what they own (sessions and handles they or their API keys made, generations of their
+keys and sessions); staff see everything.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from django.db.models import Q, QuerySet
+
+from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message
+
+
+class HandleUnavailable(LookupError):
+    """A generation named a handle (or session) that does not exist, is not the caller's, or was freed."""
+
+
+def as_uuid(value: Any) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(str(value))
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def _owned(queryset: QuerySet, user) -> QuerySet:
+    if user is None:
+        return queryset.none()
+    if user.is_staff:
+        return queryset
+    return queryset.filter(Q(owner=user) | Q(api_key__owner=user))
+
+
+# --- sessions -------------------------------------------------------------------------------------------------
+
+
+def session_list(*, user) -> QuerySet[InferenceSession]:
+    return _owned(InferenceSession.objects.all(), user)
+
+
+def session_get(*, user, session_id: Any) -> InferenceSession | None:
+    pk = as_uuid(session_id)
+    return session_list(user=user).filter(pk=pk).first() if pk else None
+
+
+def message_list(*, session: InferenceSession) -> QuerySet[Message]:
+    return Message.objects.filter(session=session).order_by("index")
+
+
+def session_history(*, session: InferenceSession) -> list[dict[str, Any]]:
+    """The conversation so far as OpenAI-style messages: the system prompt, then every stored message."""
+    history: list[dict[str, Any]] = []
+    if session.system_prompt:
+        history.append({"role": "system", "content": session.system_prompt})
+    for m in message_list(session=session):
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.name:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        history.append(message)
+    return history
+
+
+# --- generations ----------------------------------------------------------------------------------------------
+
+
+def generation_list(*, user, model: str | None = None, node: str | None = None, status: str | None = None,
+                    session: str | None = None, kind: str | None = None) -> QuerySet[Generation]:
+    """Generation records the user may see, newest first; `node` matches a node id or identity."""
+    queryset = Generation.objects.select_related("node")
+    if user is None:
+        return queryset.none()
+    if not user.is_staff:
+        queryset = queryset.filter(Q(api_key__owner=user) | Q(session__owner=user))
+    if model:
+        queryset = queryset.filter(model=model)
+    if status:
+        queryset = queryset.filter(status=status)
+    if kind:
+        queryset = queryset.filter(kind=kind)
+    if session:
+        pk = as_uuid(session)
+        queryset = queryset.filter(session_id=pk) if pk else queryset.none()
+    if node:
+        pk = as_uuid(node)
+        queryset = queryset.filter(node_id=pk) if pk else queryset.filter(node__identity=node)
+    return queryset.order_by("-created_at")
+
+
+# --- handles --------------------------------------------------------------------------------------------------
+
+
+def grammar_handle_list(*, user) -> QuerySet[GrammarHandle]:
+    return _owned(GrammarHandle.objects.all(), user)
+
+
+def logit_bias_handle_list(*, user) -> QuerySet[LogitBiasHandle]:
+    return _owned(LogitBiasHandle.objects.all(), user)
+
+
+def grammar_handle_get_active(*, user, handle_id: Any) -> GrammarHandle:
+    """The live grammar handle a generation names; HandleUnavailable says why not."""
+    return _active(grammar_handle_list(user=user), handle_id, "grammar handle", "/api/grammars/")
+
+
+def logit_bias_handle_get_active(*, user, handle_id: Any) -> LogitBiasHandle:
+    return _active(logit_bias_handle_list(user=user), handle_id, "logit-bias handle", "/api/logit-biases/")
+
+
+def _active(queryset: QuerySet, handle_id: Any, what: str, where: str):
+    pk = as_uuid(handle_id)
+    handle = queryset.filter(pk=pk).first() if pk else None
+    if handle is None:
+        raise HandleUnavailable(f"There is no {what} {handle_id!r} for this API key; create one under {where}.")
+    if handle.freed_at is not None:
+        raise HandleUnavailable(f"The {what} {handle_id!r} was freed at {handle.freed_at:%Y-%m-%d %H:%M:%S} UTC; "
+                                f"create a new one under {where}.")
+    return handle

@@ -1,0 +1,215 @@
+"""Writes for conversations, generation records and handles.
+
+A generation's durable trace is written once, when it ends: one Generation row and the session's new messages,
+in one transaction (`generation_record`). Nothing here runs per token.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Max
+from django.utils import timezone
+
+from nodes.models import Node
+from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message
+
+MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
+LOGIT_BIAS_LIMIT = 100.0
+
+
+# --- sessions -------------------------------------------------------------------------------------------------
+
+
+def session_create(*, model: str, owner=None, api_key=None, title: str = "", system_prompt: str = "",
+                   metadata: dict | None = None, messages: list[dict] | None = None) -> InferenceSession:
+    """A new conversation, optionally seeded with messages (for example an example exchange)."""
+    model = model.strip()
+    if not model:
+        raise ValueError("a session needs a model")
+    with transaction.atomic():
+        session = InferenceSession.objects.create(
+            model=model, owner=owner, api_key=api_key, title=title.strip(), system_prompt=system_prompt,
+            metadata=metadata or {},
+        )
+        if messages:
+            session_append(session=session, messages=messages)
+    return session
+
+
+def session_append(*, session: InferenceSession, messages: list[dict], generation: Generation | None = None,
+                   token_counts: dict[int, int] | None = None) -> list[Message]:
+    """Append messages (OpenAI-style dicts) after the session's last one.
+
+    The session row is locked first, so two generations ending together on one session get consecutive indexes.
+    """
+    for message in messages:
+        if message.get("role") not in Message.Role.values:
+            raise ValueError(f"unknown message role {message.get('role')!r}; use one of {', '.join(Message.Role)}")
+    with transaction.atomic():
+        InferenceSession.objects.select_for_update().filter(pk=session.pk).first()
+        last = Message.objects.filter(session=session).aggregate(m=Max("index"))["m"]
+        start = 0 if last is None else last + 1
+        rows = [
+            Message(
+                session=session, index=start + i, role=m["role"], content=_text(m.get("content")),
+                name=m.get("name") or "", tool_calls=m.get("tool_calls") or None,
+                tool_call_id=m.get("tool_call_id") or "", generation=generation,
+                token_count=(token_counts or {}).get(i),
+            )
+            for i, m in enumerate(messages)
+        ]
+        created = Message.objects.bulk_create(rows)
+        InferenceSession.objects.filter(pk=session.pk).update(updated_at=timezone.now())
+    return created
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return str(content)
+
+
+def session_delete(*, session: InferenceSession) -> None:
+    """Delete a conversation and its messages; its generation records stay (their session becomes empty)."""
+    session.delete()
+
+
+# --- generation records ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerationTrace:
+    """What the interface knows when a generation ends; `outcome` is fleet.dispatch.Outcome (or alike)."""
+
+    gen_id: str
+    kind: str
+    model: str
+    status: str
+    outcome: Any
+    parameters: dict = field(default_factory=dict)
+    error: str = ""
+    api_key_id: Any = None
+    session_id: Any = None
+    new_messages: list[dict] = field(default_factory=list)  # the request's messages, then the answer
+    finished_at: float | None = None
+
+
+def generation_record(trace: GenerationTrace) -> Generation:
+    """Write one Generation row and, when it answered in a session, that session's new messages: once, together."""
+    out = trace.outcome
+    finished = trace.finished_at or datetime.now(UTC).timestamp()
+    started = out.started_at
+    first = out.first_token_at
+    decode_s = finished - first if first else 0.0
+    node_id = out.node_id if out.node_id and Node.objects.filter(pk=out.node_id).exists() else None
+    with transaction.atomic():
+        generation = Generation.objects.create(
+            id=uuid.UUID(trace.gen_id), kind=trace.kind, model=trace.model, status=trace.status,
+            session_id=trace.session_id, api_key_id=trace.api_key_id, node_id=node_id,
+            nodes_used=list(out.nodes_used), finish_reason=out.finish_reason or "",
+            prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, completion_tokens=out.completion_tokens,
+            ttft_ms=(first - started) * 1000 if first else None, duration_ms=(finished - started) * 1000,
+            decode_tps=(out.completion_tokens / decode_s) if decode_s > 0 and out.completion_tokens else None,
+            parameters=_jsonable(trace.parameters), placement=_jsonable(out.placement), error=trace.error,
+            created_at=datetime.fromtimestamp(started, UTC), finished_at=datetime.fromtimestamp(finished, UTC),
+        )
+        if trace.session_id and trace.new_messages and trace.status == Generation.Status.DONE:
+            session = InferenceSession.objects.get(pk=trace.session_id)
+            last = len(trace.new_messages) - 1
+            session_append(session=session, messages=trace.new_messages, generation=generation,
+                           token_counts={last: out.completion_tokens})
+    return generation
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+# --- handles --------------------------------------------------------------------------------------------------
+
+
+def json_schema_problem(schema: Any) -> str | None:
+    """Why `schema` is not a usable JSON schema, or None when it is."""
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import validator_for
+
+    if not isinstance(schema, dict):
+        return "a JSON schema must be a JSON object"
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path) or "the top level"
+        return f"invalid JSON schema at {where}: {exc.message}"
+    return None
+
+
+def gbnf_problem(source: str) -> str | None:
+    """A cheap check of a GBNF grammar before it travels to a node (which compiles it for real)."""
+    if not source.strip():
+        return "the grammar is empty"
+    if not any(line.strip().startswith("root") and "::=" in line for line in source.splitlines()):
+        return "a GBNF grammar needs a `root ::= ...` rule"
+    return None
+
+
+def grammar_handle_create(*, kind: str, source: str | dict, name: str = "", owner=None, api_key=None) -> GrammarHandle:
+    """Keep a grammar on the head; generations name it by id. A JSON schema may be given as an object or text."""
+    if kind == GrammarHandle.Kind.JSON_SCHEMA:
+        schema = source
+        if isinstance(source, str):
+            try:
+                schema = json.loads(source)
+            except ValueError as exc:
+                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        problem = json_schema_problem(schema)
+        source = json.dumps(schema)
+    elif kind == GrammarHandle.Kind.GBNF:
+        if not isinstance(source, str):
+            raise ValueError("a GBNF grammar is text")
+        problem = gbnf_problem(source)
+    else:
+        raise ValueError(f"unknown grammar kind {kind!r}; use gbnf or json_schema")
+    if problem:
+        raise ValueError(problem)
+    return GrammarHandle.objects.create(kind=kind, source=source, name=name.strip(), owner=owner, api_key=api_key)
+
+
+def grammar_handle_free(*, handle: GrammarHandle) -> bool:
+    """Free a handle: generations naming it get a 400 from now on. False when it already was freed."""
+    return bool(GrammarHandle.objects.filter(pk=handle.pk, freed_at__isnull=True).update(freed_at=timezone.now()))
+
+
+def logit_bias_clean(bias: Any) -> dict[str, float]:
+    """OpenAI's `{"<token id>": bias}` map, checked: integer ids, biases in [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise ValueError('logit_bias must be an object like {"1234": -100}')
+    clean: dict[str, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias key {key!r} is not a token id") from None
+        if token < 0:
+            raise ValueError(f"logit_bias key {key!r} is not a token id")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"logit_bias value for {key!r} must be a number")
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias value for {key!r} must be between -100 and 100")
+        clean[str(token)] = float(value)
+    return clean
+
+
+def logit_bias_handle_create(*, bias: Any, name: str = "", owner=None, api_key=None) -> LogitBiasHandle:
+    return LogitBiasHandle.objects.create(bias=logit_bias_clean(bias), name=name.strip(), owner=owner, api_key=api_key)
+
+
+def logit_bias_handle_free(*, handle: LogitBiasHandle) -> bool:
+    return bool(LogitBiasHandle.objects.filter(pk=handle.pk, freed_at__isnull=True).update(freed_at=timezone.now()))

@@ -1,0 +1,250 @@
+"""Test-only helpers for the API tests: a fake node link that plays a node's frames, and a small ASGI client.
+
+The fake link stands in for a node's link consumer in `fleet.links.registry()`: it answers `send_generate` with
+Accepted, TokenBatch and Done (or Error) frames pushed into the generation's relay, exactly as the consumer does,
+and frees its lane when a generation ends. It is for routing and relay tests; real nodes are in test_api_e2e.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleet.links import registry
+from nodes.link.routing import NodeSlot
+from nodes.link.messages import Accepted, Done, Error, TokenBatch
+
+
+@dataclass
+class Script:
+    """What the fake node does with a generation."""
+
+    tokens: list[str] = field(default_factory=lambda: ["Hello", ",", " world", "!"])
+    per_batch: int = 2
+    delay: float = 0.0  # seconds between batches
+    finish_reason: str = "stop"
+    error: tuple[str, str] | None = None  # (code, message) instead of running
+    start_delay: float = 0.0  # seconds before the first frame (Accepted or Error)
+    hang: bool = False  # after the tokens, run until cancelled
+    prompt_tokens: int = 11
+    cached_tokens: int = 3
+
+
+class FakeLink:
+    """A LinkHandle that plays `script` (a Script, or a function of the spec dict returning one)."""
+
+    def __init__(self, node_id: str = "11111111-1111-1111-1111-111111111111", identity: str = "fake-node",
+                 script: Any = None, embeddings: list[list[float]] | None = None):
+        self.node_id, self.identity = node_id, identity
+        self.script = script or Script()
+        self.specs: list[dict[str, Any]] = []
+        self.cancelled: dict[str, float] = {}
+        self.running: dict[str, asyncio.Task] = {}
+        self.state_ops: list[tuple[str, dict]] = []
+        self.embeddings = embeddings
+
+    async def send_generate(self, gen_id: str, spec: dict[str, Any]) -> None:
+        self.specs.append(spec)
+        script = self.script(spec) if callable(self.script) else self.script
+        self.running[gen_id] = asyncio.ensure_future(self._play(gen_id, spec, script))
+
+    async def send_cancel(self, gen_id: str, reason: str) -> None:
+        task = self.running.get(gen_id)
+        if task is not None and not task.done():
+            self.cancelled.setdefault(gen_id, asyncio.get_running_loop().time())
+            task.cancel()
+
+    async def state_op(self, op: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
+        self.state_ops.append((op, args))
+        vectors = self.embeddings or [[0.5, -0.25, 0.125] for _ in args.get("texts", [])]
+        return {"embeddings": vectors[: len(args.get("texts", []))], "prompt_tokens": 5}
+
+    async def _play(self, gen_id: str, spec: dict[str, Any], script: Script) -> None:
+        reg = registry()
+        sent = 0
+        seq = 1  # batches count from 1, as the real node's runs do (and the dispatcher expects)
+        try:
+            if script.start_delay:
+                await asyncio.sleep(script.start_delay)
+            if script.error is not None:
+                self._end(gen_id, Error(gen_id=gen_id, code=script.error[0], message=script.error[1]))
+                return
+            reg.relay_push(gen_id, Accepted(gen_id=gen_id, prompt_tokens=script.prompt_tokens,
+                                            cached_tokens=script.cached_tokens))
+            tokens = script.tokens[: spec.get("max_tokens") or None]
+            for start in range(0, len(tokens), script.per_batch):
+                if script.delay:
+                    await asyncio.sleep(script.delay)
+                batch = tokens[start: start + script.per_batch]
+                logprobs = None
+                if spec.get("logprobs"):
+                    logprobs = [{"token": t, "logprob": -0.5, "top": [{"token": t, "logprob": -0.5},
+                                                                      {"token": "x", "logprob": -2.0}]
+                                 [: spec.get("top_logprobs", 0)]} for t in batch]
+                reg.relay_push(gen_id, TokenBatch(gen_id=gen_id, seq=seq, text=batch,
+                                                  ids=list(range(sent, sent + len(batch))), logprobs=logprobs))
+                seq += 1
+                sent += len(batch)
+            while script.hang:
+                await asyncio.sleep(0.05)
+            reason = "length" if len(tokens) < len(script.tokens) else script.finish_reason
+            self._end(gen_id, Done(gen_id=gen_id, seq=seq, finish_reason=reason, timings={"decode_ms": 1.0},
+                                   usage={"prompt_tokens": script.prompt_tokens, "completion_tokens": sent}))
+        except asyncio.CancelledError:
+            self._end(gen_id, Done(gen_id=gen_id, seq=seq, finish_reason="cancelled", timings={},
+                                   usage={"prompt_tokens": script.prompt_tokens, "completion_tokens": sent}))
+
+    def _end(self, gen_id: str, frame: Any) -> None:
+        reg = registry()
+        self.running.pop(gen_id, None)
+        reg.placement.release(self.node_id)
+        reg.lanes.notify()
+        reg.relay_push(gen_id, frame)
+
+
+def add_fake_node(link: FakeLink | None = None, *, model: str = "smollm2", lanes: int = 2,
+                  context_window: int = 2048) -> FakeLink:
+    """Register a fake node in this process's link registry and placement state."""
+    link = link or FakeLink()
+    reg = registry()
+    reg.links[link.node_id] = link
+    reg.placement.node_up(NodeSlot(link.node_id, link.identity, [model], lanes, context_window))
+    reg.lanes.notify()
+    return link
+
+
+# --- a small ASGI client that streams, and can hang up ----------------------------------------------------------
+
+
+@dataclass
+class Exchange:
+    """One HTTP exchange with the ASGI app, as it goes."""
+
+    status: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    chunks: list[bytes] = field(default_factory=list)
+    finished: bool = False
+    task: asyncio.Task | None = None
+    hang_up: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def events(self) -> list[str]:
+        return [block for block in self.body.decode().split("\n\n") if block]
+
+    def data(self) -> list[Any]:
+        out = []
+        for block in self.events():
+            if block.startswith("data: "):
+                payload = block[len("data: "):]
+                out.append(payload if payload == "[DONE]" else json.loads(payload))
+        return out
+
+    async def wait(self, predicate, timeout: float = 5.0) -> None:
+        async def loop():
+            while not predicate(self):
+                self.changed.clear()
+                await self.changed.wait()
+
+        await asyncio.wait_for(loop(), timeout)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        self.hang_up.set()
+        await asyncio.wait_for(self.task, timeout)
+
+
+_handler = None
+
+
+def _app():
+    global _handler
+    if _handler is None:
+        from django.core.asgi import get_asgi_application
+
+        _handler = get_asgi_application()
+    return _handler
+
+
+async def start(method: str, path: str, *, body: Any = None, key: str | None = None,
+                headers: dict[str, str] | None = None, raw: bytes | None = None) -> Exchange:
+    """Start a request; the returned Exchange fills in as the response streams."""
+    ex = Exchange()
+    all_headers = {"content-type": "application/json", **(headers or {})}
+    if key:
+        all_headers["authorization"] = f"Bearer {key}"
+    payload = raw if raw is not None else (json.dumps(body).encode() if body is not None else b"")
+    path, _, query = path.partition("?")
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": query.encode(), "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in all_headers.items()],
+        "client": ("127.0.0.1", 50000), "server": ("testserver", 80),
+    }
+    sent_body = False
+
+    async def receive():
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await ex.hang_up.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            ex.status = message["status"]
+            ex.headers = {k.decode().lower(): v.decode() for k, v in message["headers"]}
+        elif message["type"] == "http.response.body":
+            ex.chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                ex.finished = True
+        ex.changed.set()
+
+    ex.task = asyncio.ensure_future(_app()(scope, receive, send))
+    return ex
+
+
+async def request(method: str, path: str, *, timeout: float = 10.0, **kwargs) -> Exchange:
+    """A whole request: wait for the complete response, then hang up."""
+    ex = await start(method, path, **kwargs)
+    await ex.wait(lambda e: e.finished, timeout)
+    await ex.close()
+    return ex
+
+
+# --- fixtures (import them into a test module) -----------------------------------------------------------------
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def user():
+    from tests.factories import UserFactory
+
+    return UserFactory(is_staff=False, is_superuser=False)
+
+
+@pytest.fixture
+def api_key(user):
+    """(row, key) for `user`."""
+    from api.services import api_key_create
+
+    return api_key_create(owner=user, name="tests")
+
+
+@pytest.fixture
+def key(api_key) -> str:
+    return api_key[1]
+
+
+@pytest.fixture
+def fake_node() -> FakeLink:
+    return add_fake_node()

@@ -1,0 +1,40 @@
+"""Shared fixtures. `live_head` and `live_node` are real processes: daphne and `manage.py node_join`."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.live import Head, NodeProc, make_head, start_node
+
+
+@pytest.fixture(scope="session")
+def live_head(tmp_path_factory) -> Head:
+    """One real head for the session (daphne on a free port, its own FLEET_HOME and database)."""
+    head = make_head(tmp_path_factory.mktemp("live"))
+    head.start()
+    yield head
+    head.stop()
+
+
+@pytest.fixture(scope="session")
+def live_node(live_head) -> NodeProc:
+    """A real node on the bundled SmolLM2 model, joined to `live_head` over loopback (no token needed)."""
+    node = start_node(live_head, "--max-batch", "4", identity="node-a")
+    live_head.wait_nodes(1, timeout=180)
+    yield node
+    node.stop()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry():
+    """Each in-process test starts with an empty link registry and placement state."""
+    from django.conf import settings
+
+    if not settings.configured:  # plain (Django-free) runs of the link and engine tests
+        yield
+        return
+    from fleet.links import registry_reset
+
+    registry_reset()
+    yield
+    registry_reset()

@@ -1,0 +1,80 @@
+"""The management commands' output and exit codes, as a host owner or operator sees them."""
+
+import subprocess
+import sys
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from api.models import ApiKey
+from nodes.models import FleetToken
+from nodes.services import fleet_token_verify
+from tests.factories import UserFactory
+from tests.live import ROOT
+
+pytestmark = pytest.mark.django_db
+
+
+def run_manage(*args, env=None):
+    return subprocess.run([sys.executable, str(ROOT / "manage.py"), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def test_fleet_token_prints_the_token_once_with_the_node_join_line():
+    out = StringIO()
+    call_command("fleet_token", "--name", "gpu hosts", "--head", "head.example:8000", stdout=out)
+    text = out.getvalue()
+    token_line = next(line.strip() for line in text.splitlines() if line.strip().count(".") == 1 and " " not in
+                      line.strip())
+    assert fleet_token_verify(token_string=token_line)
+    assert f"python manage.py node_join head.example:8000 --model <path.gguf|smollm2> --token {token_line}" in text
+    out = StringIO()
+    call_command("fleet_token", "--list", stdout=out)
+    assert "gpu hosts" in out.getvalue() and token_line.split(".")[1] not in out.getvalue()
+
+
+def test_fleet_token_revoke_and_unknown_id():
+    call_command("fleet_token", "--name", "x", stdout=StringIO())
+    token = FleetToken.objects.get()
+    out = StringIO()
+    call_command("fleet_token", "--revoke", token.public_id, stdout=out)
+    assert "Revoked" in out.getvalue()
+    token.refresh_from_db()
+    assert token.revoked_at is not None
+    with pytest.raises(CommandError) as info:
+        call_command("fleet_token", "--revoke", "nope")
+    assert info.value.returncode == 2 and "no fleet token with id 'nope'" in str(info.value)
+
+
+def test_create_api_key_prints_it_once():
+    UserFactory(username="dev")
+    out = StringIO()
+    call_command("create_api_key", "--user", "dev", "--name", "app", stdout=out)
+    key = next(line.strip() for line in out.getvalue().splitlines() if line.strip().startswith("fk-"))
+    row = ApiKey.objects.get()
+    assert key.startswith(row.prefix) and key not in row.key_hash
+    with pytest.raises(CommandError) as info:
+        call_command("create_api_key", "--user", "ghost", "--name", "app")
+    assert info.value.returncode == 2 and "no user named 'ghost'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "the following arguments are required: --model"),
+        (["--model", "smollm2", "--max-batch", "eight"], "'eight' is not a number"),
+        (["--model", "smollm2", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+        (["--model", "/no/such/model.gguf"], "model file '/no/such/model.gguf' does not exist"),
+        (["--model", "smollm2", "--replicas", "3", "--gpus", "0,1"], "--replicas 3 does not divide the 2 GPUs"),
+        (["--model", "smollm2", "--replicas", "2", "--gpus", "0,1;1,2"], "GPU 1 is in two groups"),
+    ],
+)
+def test_node_join_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
+    import os
+
+    result = run_manage("node_join", "127.0.0.1:9", *args, env={**os.environ, "FLEET_HOME": str(tmp_path)})
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,89 @@
+"""The node link with real processes: a head (daphne) and `manage.py node_join` on the bundled model."""
+
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.live import free_port, make_head, start_node, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def admin_session(head) -> httpx.Client:
+    """Log into the admin as a person would: the login form, its CSRF token, then the session cookie."""
+    client = httpx.Client(base_url=head.url, timeout=20, follow_redirects=True)
+    page = client.get("/admin/login/")
+    csrf = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text).group(1)
+    response = client.post("/admin/login/?next=/admin/", data={
+        "csrfmiddlewaretoken": csrf, "username": "admin", "password": "test-password-1", "next": "/admin/"})
+    assert "Log out" in response.text or "logout" in response.text
+    return client
+
+
+@pytest.fixture
+def head(tmp_path):
+    head = make_head(tmp_path, port=free_port())
+    head.start()
+    yield head
+    head.stop()
+
+
+def test_node_joins_with_a_token_and_is_online_in_the_admin(head):
+    out = head.manage("fleet_token", "--name", "e2e", "--head", head.address).stdout
+    token = re.search(r"--token (\S+)", out).group(1)
+    node = start_node(head, "--token", token, "--max-batch", "3", identity="gpu-e2e")
+    try:
+        head.wait_nodes(1, timeout=180)
+        admin = admin_session(head)
+        page = admin.get("/admin/nodes/node/").text
+        assert "gpu-e2e" in page and "online" in page
+        fleet = admin.get("/admin/fleet/").text
+        assert "gpu-e2e" in fleet and "smollm2" in fleet and "/ 3" in fleet
+        assert "joined from 127.0.0.1: smollm2, context window" in head.log()
+        assert (head.home / "fleet" / "token").read_text().strip() == token
+    finally:
+        node.stop()
+
+
+def test_head_restart_gets_the_node_back_within_one_backoff_step(head):
+    node = start_node(head, identity="gpu-restart")
+    try:
+        head.wait_nodes(1, timeout=180)
+        head.stop()
+        time.sleep(1.0)
+        head.start()
+        back_at = time.monotonic()
+        head.wait_nodes(1, timeout=35)
+        # The node's backoff had grown to at most 4-8 s while the head was down; one step is at most 30 s.
+        assert time.monotonic() - back_at < 12
+        assert "rejoined from 127.0.0.1" in head.log()
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize("revoke", [False, True])
+def test_wrong_or_revoked_token_stops_node_join_with_a_clear_line(head, revoke):
+    if revoke:
+        out = head.manage("fleet_token", "--name", "soon-revoked").stdout
+        token = re.search(r"--token (\S+)", out).group(1)
+        head.manage("fleet_token", "--revoke", token.split(".")[0])
+    else:
+        token = "abcdef012345." + "A" * 43
+    node = start_node(head, "--token", token, identity="gpu-bad")
+    wait_for(lambda: node.proc.poll() is not None, 180, f"node_join did not stop: {node.log()}")
+    assert node.proc.returncode == 2
+    assert "node_join: the head refused this node's fleet token" in node.log()
+    assert "Traceback" not in node.log() and "Traceback" not in head.log()
+    assert "refused node" in head.log()
+
+
+def test_node_sigterm_is_a_clean_stop(head):
+    node = start_node(head, identity="gpu-stop")
+    head.wait_nodes(1, timeout=180)
+    node.stop(signal.SIGTERM)
+    assert node.proc.returncode == 0, node.log()
+    wait_for(lambda: (head.health() or {}).get("nodes") == 0, 20, "the head did not notice the node left")
+    assert "Traceback" not in node.log()

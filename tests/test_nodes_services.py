@@ -1,0 +1,103 @@
+"""Fleet tokens, API keys and node state transitions, through their services."""
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from api.services import api_key_authenticate, api_key_create, api_key_revoke
+from nodes.link.handshake import parse_token
+from nodes.models import FleetToken, Node
+from nodes.services import (
+    fleet_token_create, fleet_token_revoke, fleet_token_secret, fleet_token_verify, node_fleet_model_name,
+    node_mark_offline, node_register, node_set_hold, node_sweep_lost,
+)
+from tests.factories import NodeFactory, UserFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def test_fleet_token_secret_is_never_stored_in_clear_and_verifies():
+    token, full = fleet_token_create(name="gpu hosts")
+    public_id, secret = parse_token(full)
+    assert public_id == token.public_id
+    row = FleetToken.objects.get(pk=token.pk)
+    encoded = full.split(".", 1)[1]
+    assert encoded not in row.secret_encrypted and secret.hex() not in row.secret_encrypted
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT * FROM nodes_fleettoken")
+        dump = repr(cursor.fetchall())
+    assert encoded not in dump and secret.hex() not in dump
+    assert fleet_token_secret(public_id=public_id) == secret
+    assert fleet_token_verify(token_string=full)
+    assert not fleet_token_verify(token_string=f"{public_id}.{'A' * 43}")
+
+
+def test_revoked_fleet_token_is_refused():
+    token, full = fleet_token_create(name="n")
+    assert fleet_token_revoke(token=token) is True
+    assert fleet_token_revoke(token=token) is False
+    assert fleet_token_secret(public_id=token.public_id) is None
+    assert not fleet_token_verify(token_string=full)
+
+
+def test_api_key_hash_verifies_and_revoked_key_fails():
+    user = UserFactory()
+    row, key = api_key_create(owner=user, name="app")
+    assert key.startswith(row.prefix) and key not in row.key_hash
+    assert api_key_authenticate(key=key) == row
+    assert api_key_authenticate(key=key + "x") is None
+    assert api_key_authenticate(key="not-a-key") is None
+    api_key_revoke(key=row)
+    assert api_key_authenticate(key=key) is None
+
+
+def test_api_key_last_used_is_written_at_most_once_a_minute():
+    row, key = api_key_create(owner=UserFactory(), name="app")
+    api_key_authenticate(key=key)
+    first = type(row).objects.get(pk=row.pk).last_used_at
+    api_key_authenticate(key=key)
+    assert type(row).objects.get(pk=row.pk).last_used_at == first
+
+
+def _register(identity="gpu-3", models=("smollm2",)):
+    return node_register(identity=identity, address="10.0.0.7", token=None, models=list(models), lanes=8,
+                         context_window=8192, capabilities={"chat": True}, engine="llama.cpp", version="1",
+                         labels={}, replicas=[])
+
+
+def test_register_then_rejoin_is_recognised_by_identity():
+    first = _register()
+    assert not first.rejoin and first.node.state == Node.State.ONLINE
+    node_mark_offline(node_id=first.node.pk)
+    again = _register()
+    assert again.rejoin and again.node.pk == first.node.pk
+    assert Node.objects.count() == 1
+
+
+def test_a_held_node_rejoins_held():
+    reg = _register()
+    node_set_hold(node=reg.node, hold=Node.Hold.CORDON)
+    node_mark_offline(node_id=reg.node.pk)
+    assert _register().node.state == Node.State.CORDONED
+
+
+def test_model_name_rules():
+    assert node_fleet_model_name("smollm2", served={"smollm2", "llama"}) == ("smollm2", None)
+    name, warning = node_fleet_model_name("SmolLM2-135M", served={"smollm2"})
+    assert name == "smollm2" and "serves only" in warning
+    name, warning = node_fleet_model_name("qwen", served={"a", "b"})
+    assert name == "qwen" and "serves no model named" in warning
+    assert node_fleet_model_name("qwen", served=set()) == ("qwen", None)
+
+
+def test_sweep_marks_silent_nodes_offline_idempotently():
+    old = timezone.now() - timedelta(minutes=10)
+    stale = NodeFactory(last_seen_at=old)
+    fresh = NodeFactory()
+    assert node_sweep_lost() == 1
+    assert node_sweep_lost() == 0
+    stale.refresh_from_db()
+    fresh.refresh_from_db()
+    assert stale.state == Node.State.OFFLINE and fresh.state == Node.State.ONLINE
