@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleet.links import registry
-from nodes.link.routing import NodeSlot
 from nodes.link.messages import Accepted, Done, Error, TokenBatch
+from nodes.link.routing import NodeSlot
 
 
 @dataclass
@@ -181,6 +181,7 @@ async def start(method: str, path: str, *, body: Any = None, key: str | None = N
     if key:
         all_headers["authorization"] = f"Bearer {key}"
     payload = raw if raw is not None else (json.dumps(body).encode() if body is not None else b"")
+    all_headers["content-length"] = str(len(payload))
     path, _, query = path.partition("?")
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
@@ -226,23 +227,24 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture
-def user():
+def api_user():
     from tests.factories import UserFactory
 
     return UserFactory(is_staff=False, is_superuser=False)
 
 
 @pytest.fixture
-def api_key(user):
-    """(row, key) for `user`."""
+def api_key_pair(api_user):
+    """(row, key) for `api_user`."""
     from api.services import api_key_create
 
-    return api_key_create(owner=user, name="tests")
+    return api_key_create(owner=api_user, name="tests")
 
 
 @pytest.fixture
-def key(api_key) -> str:
-    return api_key[1]
+def bearer(api_key_pair) -> str:
+    """An API key of `api_user`, as a client sends it after `Bearer `."""
+    return api_key_pair[1]
 
 
 @pytest.fixture

@@ -4,8 +4,10 @@ import pytest
 from django.test import override_settings
 
 from api.services import api_key_revoke
-from tests.api_support import add_fake_node, api_key, fake_node, key, request, user  # noqa: F401
+from tests.api_support import request
 from tests.factories import GrammarHandleFactory, LogitBiasHandleFactory
+
+pytest_plugins = ["tests.api_support"]
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -35,29 +37,29 @@ async def test_missing_or_wrong_key_is_a_401(authorization, code):
     assert error["code"] == code and error["type"] == "authentication_error"
 
 
-async def test_revoked_key_is_a_401(api_key, fake_node):
+async def test_revoked_key_is_a_401(api_key_pair, fake_node):
     from asgiref.sync import sync_to_async
 
-    row, secret = api_key
+    row, secret = api_key_pair
     assert (await request("POST", CHAT, key=secret, body=chat())).status == 200
     await sync_to_async(api_key_revoke)(key=row)
     assert error_of(await request("POST", CHAT, key=secret, body=chat()), 401)["code"] == "invalid_api_key"
 
 
-async def test_wrong_content_type_is_a_415(key):
-    ex = await request("POST", CHAT, key=key, raw=b"model=smollm2", headers={"content-type": "text/plain"})
+async def test_wrong_content_type_is_a_415(bearer):
+    ex = await request("POST", CHAT, key=bearer, raw=b"model=smollm2", headers={"content-type": "text/plain"})
     error = error_of(ex, 415)
     assert "application/json" in error["message"]
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b'"text"'])
-async def test_malformed_body_is_a_400(key, raw):
-    error = error_of(await request("POST", CHAT, key=key, raw=raw), 400)
+async def test_malformed_body_is_a_400(bearer, raw):
+    error = error_of(await request("POST", CHAT, key=bearer, raw=raw), 400)
     assert error["code"] == "invalid_json"
 
 
-async def test_get_on_a_generation_endpoint_is_a_405(key):
-    assert error_of(await request("GET", CHAT, key=key), 405)["code"] == "method_not_allowed"
+async def test_get_on_a_generation_endpoint_is_a_405(bearer):
+    assert error_of(await request("GET", CHAT, key=bearer), 405)["code"] == "method_not_allowed"
 
 
 @pytest.mark.parametrize("body, param", [
@@ -94,14 +96,14 @@ async def test_get_on_a_generation_endpoint_is_a_405(key):
     (chat(grammar="root = nothing"), "grammar"),
     (chat(session="not-a-session"), "session"),
 ])
-async def test_bad_parameters_are_400s_naming_the_parameter(key, body, param):
-    error = error_of(await request("POST", CHAT, key=key, body=body), 400)
+async def test_bad_parameters_are_400s_naming_the_parameter(bearer, body, param):
+    error = error_of(await request("POST", CHAT, key=bearer, body=body), 400)
     assert error["param"] == param and error["type"] == "invalid_request_error"
 
 
-async def test_invalid_json_schema_is_a_400(key):
+async def test_invalid_json_schema_is_a_400(bearer):
     body = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
-    error = error_of(await request("POST", CHAT, key=key, body=body), 400)
+    error = error_of(await request("POST", CHAT, key=bearer, body=body), 400)
     assert error["code"] == "invalid_json_schema" and "schema" in error["message"]
 
 
@@ -112,20 +114,20 @@ async def test_invalid_json_schema_is_a_400(key):
     ({"model": "smollm2", "prompt": "x", "echo": True}, "echo"),
     ({"model": "smollm2", "prompt": "x", "logprobs": 50}, "logprobs"),
 ])
-async def test_bad_completion_parameters_are_400s(key, body, param):
-    assert error_of(await request("POST", "/v1/completions", key=key, body=body), 400)["param"] == param
+async def test_bad_completion_parameters_are_400s(bearer, body, param):
+    assert error_of(await request("POST", "/v1/completions", key=bearer, body=body), 400)["param"] == param
 
 
-async def test_unknown_model_is_a_404_naming_what_is_served(key, fake_node):
-    error = error_of(await request("POST", CHAT, key=key, body={**chat(), "model": "gpt-17"}), 404)
+async def test_unknown_model_is_a_404_naming_what_is_served(bearer, fake_node):
+    error = error_of(await request("POST", CHAT, key=bearer, body={**chat(), "model": "gpt-17"}), 404)
     assert error["code"] == "model_not_found" and "gpt-17" in error["message"] and "smollm2" in error["message"]
 
 
-async def test_a_missing_or_freed_handle_is_a_400(user, key, fake_node):
+async def test_a_missing_or_freed_handle_is_a_400(api_user, bearer, fake_node):
     from asgiref.sync import sync_to_async
     from django.utils import timezone
 
-    freed = await sync_to_async(GrammarHandleFactory)(owner=user, freed_at=timezone.now())
+    freed = await sync_to_async(GrammarHandleFactory)(owner=api_user, freed_at=timezone.now())
     other_users = await sync_to_async(LogitBiasHandleFactory)()
     cases = [
         (chat(grammar=str(freed.id)), "grammar", "was freed"),
@@ -133,30 +135,30 @@ async def test_a_missing_or_freed_handle_is_a_400(user, key, fake_node):
         (chat(logit_bias_handle=str(other_users.id)), "logit_bias_handle", "no logit-bias handle"),
     ]
     for body, param, words in cases:
-        error = error_of(await request("POST", CHAT, key=key, body=body), 400)
+        error = error_of(await request("POST", CHAT, key=bearer, body=body), 400)
         assert error["param"] == param and error["code"] == "handle_unavailable"
         assert words in error["message"].lower()
 
 
-async def test_models_lists_what_the_fleet_serves(key, fake_node):
-    ex = await request("GET", "/v1/models", key=key)
+async def test_models_lists_what_the_fleet_serves(bearer, fake_node):
+    ex = await request("GET", "/v1/models", key=bearer)
     assert ex.status == 200
     assert ex.json() == {"object": "list", "data": [{"id": "smollm2", "object": "model", "created": 0,
                                                      "owned_by": "fleet"}]}
-    assert (await request("GET", "/v1/models/smollm2", key=key)).json()["id"] == "smollm2"
-    assert error_of(await request("GET", "/v1/models/llama-9000", key=key), 404)["code"] == "model_not_found"
+    assert (await request("GET", "/v1/models/smollm2", key=bearer)).json()["id"] == "smollm2"
+    assert error_of(await request("GET", "/v1/models/llama-9000", key=bearer), 404)["code"] == "model_not_found"
 
 
-async def test_requests_over_the_key_rate_get_429_with_retry_after(key, fake_node):
+async def test_requests_over_the_key_rate_get_429_with_retry_after(bearer, fake_node):
     from django.core.cache import cache
 
     cache.clear()
     rest = {"DEFAULT_THROTTLE_RATES": {"api_key": "2/min"}, "EXCEPTION_HANDLER":
             "api.errors.management_exception_handler"}
     with override_settings(REST_FRAMEWORK=rest):
-        assert (await request("GET", "/v1/models", key=key)).status == 200
-        assert (await request("GET", "/v1/models", key=key)).status == 200
-        ex = await request("GET", "/v1/models", key=key)
+        assert (await request("GET", "/v1/models", key=bearer)).status == 200
+        assert (await request("GET", "/v1/models", key=bearer)).status == 200
+        ex = await request("GET", "/v1/models", key=bearer)
     cache.clear()
     error = error_of(ex, 429)
     assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"

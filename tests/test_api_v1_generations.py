@@ -1,0 +1,277 @@
+"""/v1 generations through the head with a fake node link: what the client receives, what the node is asked,
+what is recorded. (Real nodes: test_api_e2e.)"""
+
+import asyncio
+import base64
+import json
+import struct
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from api.grammars import JSON_GBNF
+from sessions.models import Generation, Message
+from sessions.services import grammar_handle_create, logit_bias_handle_create, session_create
+from tests.api_support import FakeLink, Script, add_fake_node, request, start
+
+pytest_plugins = ["tests.api_support"]
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHAT = "/v1/chat/completions"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def chat(**extra):
+    return {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], **extra}
+
+
+@sync_to_async
+def generations(**filters):
+    return list(Generation.objects.filter(**filters).values())
+
+
+@pytest.fixture
+def fast_sse(monkeypatch):
+    """Headers after 50 ms without an event, keep-alives every 50 ms: streaming-path tests need no real waits."""
+    monkeypatch.setattr("api.sse.HEADER_WAIT_S", 0.05)
+    monkeypatch.setattr("api.sse.KEEPALIVE_S", 0.05)
+
+
+async def test_chat_answer_says_its_node_and_cached_tokens_and_is_recorded_once(bearer, api_key_pair):
+    link = add_fake_node()
+    ex = await request("POST", CHAT, key=bearer, body=chat(temperature=0.2, top_k=7, min_p=0.1, seed=42, stop="END",
+                                                         presence_penalty=0.5, frequency_penalty=-0.5,
+                                                         repeat_penalty=1.1, ignore_eos=True, max_tokens=30,
+                                                         logit_bias={"15": -100}))
+    assert ex.status == 200 and ex.headers["x-fleet-node"] == "fake-node"
+    body = ex.json()
+    assert body["object"] == "chat.completion" and body["id"] == "chatcmpl-" + ex.headers["x-fleet-generation"]
+    assert body["system_fingerprint"] == "fleet:fake-node"
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello, world!",
+                                                        "refusal": None}, "logprobs": None, "finish_reason": "stop"}]
+    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15,
+                             "prompt_tokens_details": {"cached_tokens": 3}}
+    spec = link.specs[0]
+    assert spec["messages"] == [{"role": "user", "content": "Hi"}]
+    assert (spec["temperature"], spec["top_k"], spec["min_p"], spec["seed"], spec["stop"]) == (0.2, 7, 0.1, 42, ["END"])
+    assert (spec["presence_penalty"], spec["frequency_penalty"], spec["repeat_penalty"]) == (0.5, -0.5, 1.1)
+    assert spec["ignore_eos"] is True and spec["max_tokens"] == 30 and spec["logit_bias"] == {15: -100.0}
+    rows = await generations()
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["id"].hex == ex.headers["x-fleet-generation"] and row["status"] == "done"
+    assert (row["prompt_tokens"], row["cached_tokens"], row["completion_tokens"]) == (11, 3, 4)
+    assert row["api_key_id"] == api_key_pair[0].id and row["nodes_used"] == ["fake-node"] and row["kind"] == "chat"
+
+
+async def test_chat_stream_is_openai_chunks_ending_with_usage_and_done(bearer):
+    add_fake_node()
+    ex = await request("POST", CHAT, key=bearer, body=chat(stream=True, stream_options={"include_usage": True}))
+    assert ex.status == 200
+    assert ex.headers["content-type"].startswith("text/event-stream")
+    assert ex.headers["x-accel-buffering"] == "no" and ex.headers["cache-control"] == "no-cache"
+    data = ex.data()
+    assert data[-1] == "[DONE]"
+    chunks = data[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "Hello, world!"
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert [r["status"] for r in await generations()] == ["done"]
+
+
+async def test_completion_with_logprobs_streamed_and_not(bearer):
+    link = add_fake_node()
+    body = {"model": "smollm2", "prompt": "Once upon", "max_tokens": 3, "logprobs": 1}
+    whole = (await request("POST", "/v1/completions", key=bearer, body=body)).json()
+    assert whole["object"] == "text_completion" and whole["choices"][0]["text"] == "Hello, world"
+    assert whole["choices"][0]["finish_reason"] == "length"
+    lp = whole["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["Hello", ",", " world"] and lp["token_logprobs"] == [-0.5] * 3
+    assert lp["text_offset"] == [0, 5, 6] and lp["top_logprobs"][0] == {"Hello": -0.5}
+    assert link.specs[0]["prompt"] == "Once upon" and link.specs[0]["top_logprobs"] == 1
+    data = (await request("POST", "/v1/completions", key=bearer, body={**body, "stream": True})).data()
+    assert "".join(c["choices"][0]["text"] for c in data[:-1]) == "Hello, world"
+    assert data[-2]["choices"][0]["finish_reason"] == "length"
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in data[:2]] == [[0, 5], [6]]
+
+
+async def test_chat_logprobs_have_openai_shape(bearer):
+    add_fake_node()
+    body = (await request("POST", CHAT, key=bearer, body=chat(logprobs=True, top_logprobs=2))).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["Hello", ",", " world", "!"]
+    assert content[0] == {"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello"), "top_logprobs": [
+        {"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello")}, {"token": "x", "logprob": -2.0, "bytes": [120]}]}
+
+
+async def test_prompt_too_long_is_a_400_even_when_streaming(bearer):
+    add_fake_node(FakeLink(script=Script(error=("context_length_exceeded", "The prompt is 9000 tokens; the "
+                                                                           "context window is 2048."))))
+    for stream in (False, True):
+        ex = await request("POST", CHAT, key=bearer, body=chat(stream=stream))
+        assert ex.status == 400 and ex.headers["content-type"] == "application/json"
+        error = ex.json()["error"]
+        assert error["code"] == "context_length_exceeded" and "2048" in error["message"]
+        assert error["param"] == "messages"
+    assert [r["status"] for r in await generations()] == ["failed", "failed"]
+
+
+async def test_a_stream_that_fails_after_its_headers_ends_with_an_error_event(bearer, fast_sse):
+    add_fake_node(FakeLink(script=Script(start_delay=0.2, error=("invalid_grammar", "bad grammar at line 1"))))
+    ex = await request("POST", CHAT, key=bearer, body=chat(stream=True))
+    assert ex.status == 200
+    events = ex.events()
+    assert ": keep-alive" in events
+    data = ex.data()
+    assert data[-1] == "[DONE]"
+    assert data[-2] == {"error": {"message": "bad grammar at line 1", "type": "invalid_request_error",
+                                  "param": None, "code": "invalid_grammar"}}
+
+
+async def test_no_lane_until_the_deadline_is_a_503_with_retry_after(bearer, fast_sse):
+    link = add_fake_node(FakeLink(script=Script(hang=True)), lanes=1)
+    busy = await start("POST", CHAT, key=bearer, body=chat(stream=True))
+    await busy.wait(lambda e: e.status == 200)
+    ex = await request("POST", CHAT, key=bearer, body=chat(deadline_ms=300))
+    assert ex.status == 503 and ex.headers["retry-after"] == "1"
+    assert ex.json()["error"]["code"] == "deadline_exceeded"
+    streamed = await request("POST", CHAT, key=bearer, body=chat(stream=True, deadline_ms=400))
+    assert streamed.status == 200  # headers went out before the deadline passed
+    assert streamed.data()[-2]["error"]["code"] == "deadline_exceeded"
+    await busy.close()
+    assert len(link.specs) == 1  # the expired ones never reached the node
+    statuses = sorted(r["status"] for r in await generations())
+    assert statuses == ["cancelled", "expired", "expired"]
+
+
+async def test_a_client_that_goes_away_cancels_the_node_lane_within_a_second(bearer):
+    link = add_fake_node(FakeLink(script=Script(hang=True)), lanes=1)
+    for stream in (True, False):
+        ex = await start("POST", CHAT, key=bearer, body=chat(stream=stream))
+        while not link.running:
+            await asyncio.sleep(0.01)
+        (gen_id,) = link.running
+        hung_up_at = asyncio.get_running_loop().time()
+        await ex.close()
+        for _ in range(100):
+            if gen_id in link.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert link.cancelled[gen_id] - hung_up_at < 1.0
+    await asyncio.sleep(0.1)
+    rows = await generations()
+    assert [r["status"] for r in rows] == ["cancelled", "cancelled"]
+    # the lane is free again: the next request runs at once
+    link.script = Script()
+    assert (await request("POST", CHAT, key=bearer, body=chat(deadline_ms=2000))).status == 200
+
+
+async def test_tools_required_constrains_the_reply_and_returns_tool_calls(bearer):
+    reply = ['{"name": "get_weather", ', '"arguments": {"city": "Paris"}}']
+    link = add_fake_node(FakeLink(script=Script(tokens=reply)))
+    body = chat(tools=[WEATHER], tool_choice="required")
+    answer = (await request("POST", CHAT, key=bearer, body=body)).json()
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    spec = link.specs[0]
+    assert spec["messages"][0]["role"] == "system" and "get_weather" in spec["messages"][0]["content"]
+    schema = json.loads(spec["json_schema"])
+    assert schema["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
+    assert schema["properties"]["arguments"] == WEATHER["function"]["parameters"]
+
+    data = (await request("POST", CHAT, key=bearer, body={**body, "stream": True})).data()
+    deltas = [c["choices"][0]["delta"] for c in data[:-1]]
+    calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert len(calls) == 1 and calls[0][0]["index"] == 0 and calls[0][0]["function"]["name"] == "get_weather"
+    assert not any(d.get("content") for d in deltas)
+    assert data[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_tools_auto_lets_prose_through_and_sends_back_earlier_calls_as_text(bearer):
+    link = add_fake_node()
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]
+    data = (await request("POST", CHAT, key=bearer, body={"model": "smollm2", "messages": history, "tools": [WEATHER],
+                                                        "stream": True})).data()
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in data[:-1]) == "Hello, world!"
+    assert data[-2]["choices"][0]["finish_reason"] == "stop"
+    messages = link.specs[0]["messages"]
+    assert link.specs[0]["json_schema"] is None
+    assert json.loads(messages[2]["content"]) == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    assert messages[3] == {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}
+
+
+async def test_response_formats_become_the_node_grammar(bearer):
+    link = add_fake_node()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
+    assert (await request("POST", CHAT, key=bearer, body=chat(response_format=fmt))).status == 200
+    assert (await request("POST", CHAT, key=bearer, body=chat(response_format={"type": "json_object"}))).status == 200
+    assert json.loads(link.specs[0]["json_schema"]) == schema and link.specs[0]["grammar"] is None
+    assert link.specs[1]["grammar"] == JSON_GBNF
+    both = chat(response_format={"type": "json_object"}, grammar='root ::= "a"')
+    ex = await request("POST", CHAT, key=bearer, body=both)
+    assert ex.status == 400 and ex.json()["error"]["param"] == "grammar"
+
+
+async def test_handles_and_inline_grammar_travel_with_the_generation(api_user, bearer):
+    link = add_fake_node()
+    grammar = await sync_to_async(grammar_handle_create)(kind="gbnf", source='root ::= "yes" | "no"', owner=api_user)
+    schema = await sync_to_async(grammar_handle_create)(kind="json_schema", source={"type": "integer"}, owner=api_user)
+    bias = await sync_to_async(logit_bias_handle_create)(bias={"7": 5, "8": -100}, owner=api_user)
+    for body in (chat(grammar=str(grammar.id)), chat(grammar=str(schema.id)), chat(grammar='root ::= "ok"'),
+                 chat(logit_bias_handle=str(bias.id), logit_bias={"8": 1})):
+        assert (await request("POST", CHAT, key=bearer, body=body)).status == 200, body
+    assert link.specs[0]["grammar"] == 'root ::= "yes" | "no"'
+    assert json.loads(link.specs[1]["json_schema"]) == {"type": "integer"}
+    assert link.specs[2]["grammar"] == 'root ::= "ok"'
+    assert link.specs[3]["logit_bias"] == {7: 5.0, 8: 1.0}
+
+
+async def test_a_session_is_continued_over_three_turns_and_written_once_per_turn(api_user, bearer):
+    link = add_fake_node(FakeLink(script=lambda spec: Script(tokens=[f"answer {len(spec['messages'])}"])))
+    session = await sync_to_async(session_create)(model="smollm2", owner=api_user, system_prompt="Be brief.")
+    for turn in range(3):
+        body = {"model": "smollm2", "session": str(session.id), "messages": [{"role": "user", "content": f"q{turn}"}]}
+        ex = await request("POST", CHAT, key=bearer, body={**body, "stream": turn == 1})
+        assert ex.status == 200
+    assert link.specs[2]["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "q0"}, {"role": "assistant", "content": "answer 2"},
+        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "answer 4"},
+        {"role": "user", "content": "q2"},
+    ]
+    stored = await sync_to_async(lambda: list(Message.objects.filter(session=session).values_list(
+        "index", "role", "content")))()
+    assert stored == [(0, "user", "q0"), (1, "assistant", "answer 2"), (2, "user", "q1"), (3, "assistant", "answer 4"),
+                      (4, "user", "q2"), (5, "assistant", "answer 6")]
+    assert len(await generations(session_id=session.id)) == 3
+
+
+async def test_embeddings_as_floats_and_base64(bearer):
+    link = add_fake_node(FakeLink(embeddings=[[0.5, -0.25], [1.0, 0.0]]))
+    body = {"model": "smollm2", "input": ["a", "b"]}
+    answer = (await request("POST", "/v1/embeddings", key=bearer, body=body)).json()
+    assert answer["object"] == "list" and answer["model"] == "smollm2" and answer["usage"]["prompt_tokens"] == 5
+    assert [d["embedding"] for d in answer["data"]] == [[0.5, -0.25], [1.0, 0.0]]
+    assert link.state_ops[0] == ("embed", {"texts": ["a", "b"], "model": "smollm2"})
+    encoded = (await request("POST", "/v1/embeddings", key=bearer, body={**body, "encoding_format": "base64"})).json()
+    assert list(struct.unpack("<2f", base64.b64decode(encoded["data"][0]["embedding"]))) == [0.5, -0.25]
+    missing = await request("POST", "/v1/embeddings", key=bearer, body={**body, "model": "bert"})
+    assert missing.status == 404 and missing.json()["error"]["code"] == "model_not_found"
+    empty = await request("POST", "/v1/embeddings", key=bearer, body={"model": "smollm2", "input": []})
+    assert empty.status == 400 and empty.json()["error"]["param"] == "input"
