@@ -66,14 +66,16 @@ def run_naive(llm: Any, toks: list[list[int]], n_new: int) -> tuple[float, int]:
     tokens, seconds = 0, 0.0
     for prompt in toks:
         llm.reset()
-        first = last = None
+        first = last = 0.0
         n = 0
-        for _chunk in llm.create_completion(prompt, max_tokens=n_new, temperature=0.0, stream=True):
+        for chunk in llm.create_completion(prompt, max_tokens=n_new, temperature=0.0, stream=True):
+            if chunk["choices"][0]["finish_reason"] is not None:
+                break  # the closing chunk carries no token
             last = time.perf_counter()
             first = first or last
             n += 1
         tokens += n - 1
-        seconds += (last or 0) - (first or 0)
+        seconds += last - first
     return tokens / seconds, tokens
 
 
@@ -134,6 +136,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--window", type=int, default=1024, help="per-lane context window")
+    parser.add_argument("--repeats", type=int, default=2, help="tries per runner and level; the best counts")
     args = parser.parse_args()
     path = bundled_model_path()
     engine = LlamaEngine(EngineConfig(model_path=path, lanes=max(LEVELS), max_context=args.window))
@@ -142,18 +145,30 @@ def main() -> int:
     llm = naive_llama(path, args.window, engine.threads)
     run_batched(engine, texts[:2], 4)  # warm up both: first decodes allocate compute buffers
     run_naive(llm, toks[:1], 4)
-    results: dict[str, dict[str, float]] = {}
+    # Other work on these cores skews single runs, so each runner gets several tries, interleaved, and keeps its
+    # best: contention only ever slows a run down.
+    best: dict[str, dict[str, tuple[float, int]]] = {str(level): {} for level in LEVELS}
+    for _ in range(args.repeats):
+        for level in LEVELS:
+            tries = {
+                "batched": run_batched(engine, texts[:level], args.new_tokens),
+                "naive": run_naive(llm, toks[:level], args.new_tokens),
+                "bare": run_bare(engine, toks[:level], args.new_tokens),
+            }
+            for name, value in tries.items():
+                if value[0] > best[str(level)].get(name, (0.0, 0))[0]:
+                    best[str(level)][name] = value
+    results: dict[str, dict[str, Any]] = {}
     for level in LEVELS:
-        batched, n_b = run_batched(engine, texts[:level], args.new_tokens)
-        naive, n_n = run_naive(llm, toks[:level], args.new_tokens)
-        bare, n_r = run_bare(engine, toks[:level], args.new_tokens)
+        b = best[str(level)]
+        batched, naive, bare = b["batched"][0], b["naive"][0], b["bare"][0]
         results[str(level)] = {
             "batched": round(batched, 2),
             "naive": round(naive, 2),
             "bare": round(bare, 2),
             "batched_over_bare": round(batched / bare, 3),
             "batched_over_naive": round(batched / naive, 3),
-            "decode_tokens": {"batched": n_b, "naive": n_n, "bare": n_r},
+            "decode_tokens": {name: value[1] for name, value in b.items()},
         }
         r = results[str(level)]
         print(f"concurrency {level}: batched {batched:7.1f} tok/s  naive {naive:7.1f}  bare {bare:7.1f}  "
@@ -166,8 +181,10 @@ def main() -> int:
         "concurrency": results,
         "targets_met": targets,
         "settings": {"new_tokens": args.new_tokens, "window": args.window, "threads": engine.threads,
+                     "repeats": args.repeats,
                      "unified_kv": UNIFIED_KV, "flash_attn": FLASH_ATTN, "n_batch": engine.n_batch},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "llama_cpp": L.__version__},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "llama_cpp": L.__version__,
+                    "load_average_after": os.getloadavg()},
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")

@@ -34,7 +34,8 @@ class Announcer:
         address = self.host if self.host and self.host not in {"0.0.0.0", "::"} else _local_address()
         name = f"fleet-{socket.gethostname()}-{self.port}.{SERVICE_TYPE}"
         return ServiceInfo(SERVICE_TYPE, name, addresses=[socket.inet_aton(address)], port=self.port,
-                           properties={"models": ",".join(models), "path": "/ws/node/"}, server=f"{socket.gethostname()}.local.")
+                           properties={"models": ",".join(models), "path": "/ws/node/"},
+                           server=f"{socket.gethostname()}.local.")
 
     def start(self, models: list[str]) -> None:
         from zeroconf import Zeroconf

@@ -14,14 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleet.links import NodeLost, registry
-from nodes.link.prefix import PrefixKey, prefix_keys
 from nodes.link.messages import Accepted, Done, Error, TokenBatch
+from nodes.link.prefix import PrefixKey, prefix_keys
 from nodes.link.spec import GenerateSpec
 
 log = logging.getLogger("fleet")
 
 MAX_ATTEMPTS = 3
-RETRYABLE_CODES = {"engine_crashed", "node_lost"}
+# Only a lost node is retried elsewhere. An engine that crashed on a generation is not: the same request could
+# crash every node it is sent to (llama.cpp aborts on some inputs), so it ends with a clear error instead.
+RETRYABLE_CODES = {"node_lost"}
 
 
 class GenerationError(Exception):
@@ -111,7 +113,7 @@ class GenerationStream:
         excluded: set[str] = set()
         for attempt in range(1, MAX_ATTEMPTS + 1):
             choice = await self._place(excluded)
-            link = reg.links.get(choice.node_id)
+            link = reg.links.get(choice.node_id) or _remote_link(choice.node_id)
             if link is None:  # the node left between choosing and sending
                 reg.placement.release(choice.node_id)
                 continue
@@ -204,7 +206,7 @@ class GenerationStream:
                     yield self._on_done(event, link)
                     return
                 elif isinstance(event, Error):
-                    if event.code in RETRYABLE_CODES or event.retryable:
+                    if event.code in RETRYABLE_CODES:
                         raise _NodeFailed(event.code, event.message)
                     raise GenerationError(event.code, event.message, status=_status_for(event.code),
                                           param="messages" if event.code == "context_length_exceeded" else None)
@@ -264,6 +266,12 @@ class GenerationStream:
                 log.debug("cancel of %s on %s failed", self.spec.gen_id, node_id, exc_info=True)
 
 
+def _remote_link(node_id: str):
+    from fleet.remote import remote_link
+
+    return remote_link(node_id)
+
+
 async def _cancel_quietly(link, gen_id: str) -> None:
     try:
         await link.send_cancel(gen_id, "client went away")
@@ -283,6 +291,7 @@ def _status_for(code: str) -> int:
         "invalid_grammar": 400,
         "invalid_request": 400,
         "deadline_exceeded": 504,
+        "engine_crashed": 502,
     }.get(code, 500)
 
 

@@ -92,7 +92,14 @@ class Registry:
     def __init__(self) -> None:
         self.links: dict[str, LinkHandle] = {}
         self.relays: dict[str, Relay] = {}
-        self.placement = PlacementState(load_tokens=settings.FLEET_LOAD_TOKENS)
+        if settings.REDIS_URL:
+            from fleet.placement_redis import RedisPlacementState
+
+            self.placement = RedisPlacementState(settings.REDIS_URL, prefix=settings.FLEET_REDIS_PREFIX,
+                                                 load_tokens=settings.FLEET_LOAD_TOKENS,
+                                                 node_ttl_s=settings.FLEET_NODE_TIMEOUT_S * 3)
+        else:
+            self.placement = PlacementState(load_tokens=settings.FLEET_LOAD_TOKENS)
         self.lanes = LaneSignal()
 
     def relay_push(self, gen_id: str, event: Any) -> bool:

@@ -120,16 +120,19 @@ else:
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = os.environ.get("REDIS_URL", "").strip()
+# One Redis can serve several fleets (or test runs): every key and channel name starts with this prefix.
+FLEET_REDIS_PREFIX = os.environ.get("FLEET_REDIS_PREFIX", "fleet:")
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
             # The default capacity of 100 raised ChannelFull under a token stream; batches keep
             # the message rate low, and a larger capacity absorbs bursts.
-            "CONFIG": {"hosts": [REDIS_URL], "capacity": 2000, "expiry": 30},
+            "CONFIG": {"hosts": [REDIS_URL], "capacity": 2000, "expiry": 30, "prefix": FLEET_REDIS_PREFIX + "asgi"},
         }
     }
-    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL,
+                          "KEY_PREFIX": FLEET_REDIS_PREFIX + "cache"}}
     CELERY_BROKER_URL = REDIS_URL
     CELERY_RESULT_BACKEND = REDIS_URL
 else:

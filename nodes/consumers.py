@@ -18,14 +18,26 @@ from django.conf import settings
 from django.core.cache import cache
 
 from fleet.links import NodeLost, registry
-from nodes.link.routing import NodeSlot
 from nodes import services
 from nodes.link.channel import SecureChannel
 from nodes.link.handshake import Responder
 from nodes.link.messages import (
-    Accepted, Bye, Cancel, Done, Error, Generate, Heartbeat, LinkError, Register, Registered, StateOp, StateResult,
+    Accepted,
+    Bye,
+    Cancel,
+    Done,
+    Error,
+    Generate,
+    Heartbeat,
+    LinkError,
+    Register,
+    Registered,
+    StateOp,
+    StateResult,
     TokenBatch,
+    encode,
 )
+from nodes.link.routing import NodeSlot
 from nodes.models import FleetToken
 
 log = logging.getLogger("fleet")
@@ -67,6 +79,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         self.channel_: SecureChannel | None = None
         self.token: FleetToken | None = None
         self.running: set[str] = set()
+        self.remote: dict[str, str] = {}  # gen_id -> the head process channel its client waits on
         self.pending_ops: dict[str, asyncio.Future] = {}
         self.send_lock = asyncio.Lock()
         self.last_frame = time.monotonic()
@@ -132,10 +145,10 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
 
     async def _on_message(self, msg: Any) -> None:
         if isinstance(msg, TokenBatch | Accepted):
-            registry().relay_push(msg.gen_id, msg)
+            await self._relay(msg)
         elif isinstance(msg, Done | Error):
             self._generation_ended(msg.gen_id)
-            registry().relay_push(msg.gen_id, msg)
+            await self._relay(msg, last=True)
         elif isinstance(msg, Heartbeat):
             await self._on_heartbeat(msg)
         elif isinstance(msg, StateResult):
@@ -148,6 +161,14 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             await self.close(code=1000)
         else:
             raise LinkError(f"unexpected message {type(msg).__name__} from a node")
+
+    async def _relay(self, msg: Any, *, last: bool = False) -> None:
+        """To the generation's client: in this process directly, else over the channel layer (one per batch)."""
+        reply_to = self.remote.pop(msg.gen_id, None) if last else self.remote.get(msg.gen_id)
+        if reply_to is None:
+            registry().relay_push(msg.gen_id, msg)
+            return
+        await self.channel_layer.send(reply_to, {"type": "relay.frame", "gen_id": msg.gen_id, "frame": encode(msg)})
 
     def _generation_ended(self, gen_id: str) -> None:
         if gen_id in self.running:
@@ -173,7 +194,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         registry_.placement.node_up(
             NodeSlot(self.node_id, node.identity, list(reg.model_names), msg.lanes, msg.context_window,
                      schedulable=node.schedulable),
-            cache_cleared=msg.cache_cleared,
+            cache_cleared=msg.cache_cleared, channel=self.channel_name,
         )
         await self.channel_layer.group_add(node_group(self.node_id), self.channel_name)
         await self._send(Registered(node_id=self.node_id, model_names=reg.model_names,
@@ -188,8 +209,10 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
     async def _on_heartbeat(self, msg: Heartbeat) -> None:
         if not self.node_id:
             raise LinkError("heartbeat before register")
+        placement = registry().placement
+        placement.node_alive(self.node_id)
         if msg.cache_cleared:
-            registry().placement.forget_node(self.node_id)
+            placement.forget_node(self.node_id)
         stats = {"lanes_busy": msg.lanes_busy, "lanes": msg.lanes, "kv_used": msg.kv_used, "kv_total": msg.kv_total,
                  "tokens_per_s": msg.tokens_per_s, "replicas": msg.replicas, "at": time.time()}
         await database_sync_to_async(cache.set)(liveness_key(self.node_id), stats, settings.FLEET_NODE_TIMEOUT_S)
@@ -225,7 +248,13 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             log.warning("fleet node %r lost (link closed, code %s); %d generation(s) running there", self.identity,
                         code, len(self.running))
         for gen_id in list(self.running):
-            reg.relay_push(gen_id, NodeLost(self.node_id, f"link closed (code {code})"))
+            reason = f"link closed (code {code})"
+            reply_to = self.remote.pop(gen_id, None)
+            if reply_to is None:
+                reg.relay_push(gen_id, NodeLost(self.node_id, reason))
+            else:
+                await self.channel_layer.send(reply_to, {"type": "relay.lost", "gen_id": gen_id,
+                                                         "node_id": self.node_id, "reason": reason})
         self.running.clear()
         for fut in self.pending_ops.values():
             if not fut.done():
@@ -265,6 +294,19 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         return result.result
 
     # --- channel-layer events ---
+    async def link_generate(self, event: dict) -> None:
+        """A generation placed on this node by another head process."""
+        self.remote[event["gen_id"]] = event["reply_to"]
+        try:
+            await self.send_generate(event["gen_id"], event["spec"])
+        except Exception as exc:
+            self.remote.pop(event["gen_id"], None)
+            await self.channel_layer.send(event["reply_to"], {"type": "relay.lost", "gen_id": event["gen_id"],
+                                                              "node_id": self.node_id, "reason": str(exc)})
+
+    async def link_cancel(self, event: dict) -> None:
+        await self.send_cancel(event["gen_id"], event.get("reason", "cancelled"))
+
     async def node_hold(self, event: dict) -> None:
         registry().placement.set_schedulable(self.node_id, event["schedulable"])
         registry().lanes.notify()

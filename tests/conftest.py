@@ -33,8 +33,18 @@ def _fresh_registry():
     if not settings.configured:  # plain (Django-free) runs of the link and engine tests
         yield
         return
-    from fleet.links import registry_reset
+    from fleet.links import registry, registry_reset
 
+    # In-process tests never share placement keys with a live head or a real fleet on the same Redis.
+    settings.FLEET_REDIS_PREFIX = "fleet-pytest:"
     registry_reset()
+    _clear_placement(registry())
     yield
+    _clear_placement(registry())
     registry_reset()
+
+
+def _clear_placement(reg) -> None:
+    clear = getattr(reg.placement, "clear", None)
+    if clear is not None:
+        clear()

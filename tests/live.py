@@ -82,7 +82,7 @@ class Head:
 
     def health(self) -> dict | None:
         try:
-            with urllib.request.urlopen(f"{self.url}/healthz", timeout=2) as resp:
+            with urllib.request.urlopen(f"{self.url}/healthz", timeout=2) as resp:  # noqa: S310 - our own http URL
                 return json.loads(resp.read())
         except OSError:
             return None
@@ -129,6 +129,7 @@ def make_head(tmp: Path, *, extra_env: dict[str, str] | None = None, port: int |
     home.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
     env.update({"FLEET_HOME": str(home), "FLEET_MDNS": "0", "DJANGO_SETTINGS_MODULE": "fleet.settings",
+                "FLEET_REDIS_PREFIX": f"fleet-test-{uuid.uuid4().hex[:8]}:",
                 "PYTHONUNBUFFERED": "1", "DJANGO_SUPERUSER_PASSWORD": "test-password-1"})
     db = database_url or _fresh_database_url()
     if db:
@@ -153,3 +154,13 @@ def start_node(head: Head, *args: str, identity: str = "test-node", model: str =
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     return NodeProc(proc, log_path)
+
+
+def make_peer_head(head: Head, tmp: Path) -> Head:
+    """A second head process on the same database, Redis prefix and secret key (a multi-process head)."""
+    home = tmp / f"peer-{uuid.uuid4().hex[:6]}"
+    home.mkdir(parents=True)
+    env = {**head.env, "FLEET_HOME": str(home), "SECRET_KEY": (head.home / "secret_key").read_text().strip()}
+    if "DATABASE_URL" not in env:
+        env["FLEET_SQLITE_PATH"] = str(head.home / "fleet.sqlite3")
+    return Head(home=home, port=free_port(), env=env, api_key=head.api_key)

@@ -11,7 +11,12 @@ from api.services import api_key_create
 from nodes.models import Node
 from nodes.services import fleet_token_create
 from tests.factories import (
-    GenerationFactory, GrammarHandleFactory, LogitBiasHandleFactory, MessageFactory, NodeFactory, SessionFactory,
+    GenerationFactory,
+    GrammarHandleFactory,
+    LogitBiasHandleFactory,
+    MessageFactory,
+    NodeFactory,
+    SessionFactory,
     UserFactory,
 )
 
@@ -79,7 +84,8 @@ def test_revoke_token_action(staff_client):
     from nodes.models import FleetToken
 
     token = FleetToken.objects.first()
-    staff_client.post(reverse("admin:nodes_fleettoken_changelist"), {"action": "revoke", "_selected_action": [token.pk]})
+    url = reverse("admin:nodes_fleettoken_changelist")
+    staff_client.post(url, {"action": "revoke", "_selected_action": [token.pk]})
     token.refresh_from_db()
     assert token.revoked_at is not None
 

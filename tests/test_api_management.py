@@ -12,7 +12,7 @@ from sessions.models import GrammarHandle, InferenceSession, LogitBiasHandle, Me
 from tests.api_support import FakeLink, Script, add_fake_node, request
 from tests.factories import GenerationFactory, NodeFactory, SessionFactory, UserFactory
 
-pytest_plugins = ["tests.api_support"]
+pytest_plugins = ["tests.api_fixtures"]
 
 pytestmark = pytest.mark.django_db
 

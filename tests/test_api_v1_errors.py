@@ -7,7 +7,7 @@ from api.services import api_key_revoke
 from tests.api_support import request
 from tests.factories import GrammarHandleFactory, LogitBiasHandleFactory
 
-pytest_plugins = ["tests.api_support"]
+pytest_plugins = ["tests.api_fixtures"]
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -14,7 +14,7 @@ from sessions.models import Generation, Message
 from sessions.services import grammar_handle_create, logit_bias_handle_create, session_create
 from tests.api_support import FakeLink, Script, add_fake_node, request, start
 
-pytest_plugins = ["tests.api_support"]
+pytest_plugins = ["tests.api_fixtures"]
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

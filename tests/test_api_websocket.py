@@ -10,7 +10,7 @@ from channels.testing import WebsocketCommunicator
 from sessions.models import Generation
 from tests.api_support import FakeLink, Script, add_fake_node
 
-pytest_plugins = ["tests.api_support"]
+pytest_plugins = ["tests.api_fixtures"]
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

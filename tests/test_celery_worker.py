@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+
 import pytest
 
 from tests.live import ROOT, make_head, wait_for
@@ -13,7 +14,8 @@ SEND = (
     "from django.utils import timezone\n"
     "from nodes.models import Node\n"
     "from nodes.tasks import node_sweep_lost_task\n"
-    "Node.objects.create(identity='silent', state='online', last_seen_at=timezone.now() - __import__('datetime').timedelta(hours=1))\n"
+    "from datetime import timedelta\n"
+    "Node.objects.create(identity='silent', state='online', last_seen_at=timezone.now() - timedelta(hours=1))\n"
     "print('first', node_sweep_lost_task.delay().get(timeout=60))\n"
     "print('second', node_sweep_lost_task.delay().get(timeout=60))\n"
     "print('state', Node.objects.get(identity='silent').state)\n"

@@ -10,8 +10,15 @@ from api.services import api_key_authenticate, api_key_create, api_key_revoke
 from nodes.link.handshake import parse_token
 from nodes.models import FleetToken, Node
 from nodes.services import (
-    fleet_token_create, fleet_token_revoke, fleet_token_secret, fleet_token_verify, node_fleet_model_name,
-    node_mark_offline, node_register, node_set_hold, node_sweep_lost,
+    fleet_token_create,
+    fleet_token_revoke,
+    fleet_token_secret,
+    fleet_token_verify,
+    node_fleet_model_name,
+    node_mark_offline,
+    node_register,
+    node_set_hold,
+    node_sweep_lost,
 )
 from tests.factories import NodeFactory, UserFactory
 

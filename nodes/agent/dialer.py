@@ -20,7 +20,18 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from nodes.link.channel import MAX_FRAME, SecureChannel
 from nodes.link.handshake import Initiator, parse_token
 from nodes.link.messages import (
-    Accepted, Bye, Cancel, Done, Error, Generate, Heartbeat, LinkError, Register, Registered, StateOp, StateResult,
+    Accepted,
+    Bye,
+    Cancel,
+    Done,
+    Error,
+    Generate,
+    Heartbeat,
+    LinkError,
+    Register,
+    Registered,
+    StateOp,
+    StateResult,
     TokenBatch,
 )
 from nodes.link.spec import GenerateSpec, SpecError

@@ -98,7 +98,8 @@ async def _run(options: NodeOptions, resolve_head) -> None:
 
     configs, name = engine_configs(options)
     token = remember_token(options)
-    agent_config = AgentConfig(head=options.head, token=token, identity=options.identity or AgentConfig.identity_default())
+    identity = options.identity or AgentConfig.identity_default()
+    agent_config = AgentConfig(head=options.head, token=token, identity=identity)
     agent: NodeAgent | None = None
 
     def forward(index: int):

@@ -27,7 +27,8 @@ def gpu_groups(replicas: int, gpus: str | None) -> list[list[str]]:
     else:
         flat = [g.strip() for g in gpus.split(",") if g.strip()]
         if len(flat) % replicas:
-            raise ReplicaConfigError(f"--replicas {replicas} does not divide the {len(flat)} GPUs in --gpus {gpus}")
+            raise ReplicaConfigError(
+                f"--replicas {replicas} does not divide the {len(flat)} GPUs in --gpus {gpus}")
         size = len(flat) // replicas
         groups = [flat[i * size:(i + 1) * size] for i in range(replicas)]
     seen: dict[str, int] = {}
@@ -47,7 +48,8 @@ def cpu_groups(replicas: int, cpus: list[int] | None = None) -> list[list[int]]:
     if replicas == 1:
         return [cpus]
     if len(cpus) < replicas:
-        raise ReplicaConfigError(f"--replicas {replicas} needs at least {replicas} CPU cores; this node has {len(cpus)}")
+        raise ReplicaConfigError(
+            f"--replicas {replicas} needs at least {replicas} CPU cores; this node has {len(cpus)}")
     size = len(cpus) // replicas
     return [cpus[i * size:(i + 1) * size] for i in range(replicas)]
 
@@ -120,7 +122,8 @@ class ReplicaSet:
 
     def stats(self) -> dict[str, Any]:
         per = [w.stats() for w in self.workers]
-        total = {k: sum(p.get(k, 0) for p in per) for k in ("lanes_busy", "lanes", "kv_used", "kv_total", "tokens_per_s")}
+        fields = ("lanes_busy", "lanes", "kv_used", "kv_total", "tokens_per_s")
+        total = {k: sum(p.get(k, 0) for p in per) for k in fields}
         total["cache_cleared"] = any(p.get("cache_cleared") for p in per)
         total["replicas"] = self._replica_states()
         return total

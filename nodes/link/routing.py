@@ -76,7 +76,7 @@ class PlacementState:
         self._by_gen: dict[tuple[str, str], list[str]] = {}
 
     # --- nodes ---
-    def node_up(self, slot: NodeSlot, *, cache_cleared: bool = True) -> None:
+    def node_up(self, slot: NodeSlot, *, cache_cleared: bool = True, channel: str = "") -> None:
         with self._lock:
             old = self._nodes.get(slot.node_id)
             if old is not None and not cache_cleared:
@@ -84,6 +84,12 @@ class PlacementState:
             self._nodes[slot.node_id] = slot
             if cache_cleared:
                 self._forget_node_locked(slot.node_id)
+
+    def node_alive(self, node_id: str) -> None:
+        """Liveness is the link itself in one process; the Redis state expires silent nodes instead."""
+
+    def channel_of(self, node_id: str) -> str:
+        return ""
 
     def node_down(self, node_id: str) -> None:
         with self._lock:

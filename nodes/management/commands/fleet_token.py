@@ -53,7 +53,8 @@ class Command(BaseCommand):
     def _revoke(self, public_id: str):
         token = FleetToken.objects.filter(public_id=public_id).first()
         if token is None:
-            raise CommandError(f"no fleet token with id {public_id!r}; see `manage.py fleet_token --list`", returncode=2)
+            raise CommandError(f"no fleet token with id {public_id!r}; see `manage.py fleet_token --list`",
+                               returncode=2)
         if fleet_token_revoke(token=token):
             self.stdout.write(f"Revoked fleet token {public_id}; nodes using it are refused at their next handshake.\n")
         else:

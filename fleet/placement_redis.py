@@ -1,0 +1,211 @@
+"""The placement state in Redis, so several head processes place consistently (used when REDIS_URL is set).
+
+The same interface and the same rule as nodes.link.routing.PlacementState. `choose` runs as one Lua script,
+so two heads cannot both take a node's last free lane. Calls are synchronous: each is one round trip on
+loopback (well under a millisecond) and happens a few times per generation, never per token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import redis
+
+from nodes.link.prefix import PrefixKey
+from nodes.link.routing import Choice, NodeSlot
+
+KEY_TTL_S = 24 * 3600
+
+# KEYS: none (names are built from the prefix). ARGV: prefix, model, load_tokens, n_keys, key..., chars...,
+# then excluded node ids. Returns a JSON object with the choice and the runner-up, or nil.
+CHOOSE = """
+local p, model, load = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local n = tonumber(ARGV[4])
+local keys, chars, excluded = {}, {}, {}
+for i = 1, n do keys[i] = ARGV[4 + i]; chars[i] = tonumber(ARGV[4 + n + i]) end
+for i = 5 + 2 * n, #ARGV do excluded[ARGV[i]] = true end
+local scored = {}
+for _, id in ipairs(redis.call('SMEMBERS', p .. 'nodes')) do
+  local h = redis.call('HGETALL', p .. 'node:' .. id)
+  if #h == 0 then
+    redis.call('SREM', p .. 'nodes', id)
+  else
+    local s = {}
+    for i = 1, #h, 2 do s[h[i]] = h[i + 1] end
+    local serves = false
+    for _, m in ipairs(cjson.decode(s.models)) do if m == model then serves = true end end
+    local running, lanes = tonumber(s.running), tonumber(s.lanes)
+    if serves and s.schedulable == '1' and running < lanes and not excluded[id] then
+      local cpt = tonumber(s.cpt)
+      local total = n > 0 and math.floor(chars[n] / cpt) or 0
+      local matched = 0
+      for i = 1, n do
+        if redis.call('HEXISTS', p .. 'k:' .. keys[i], id) == 0 then break end
+        matched = math.floor(chars[i] / cpt)
+      end
+      local cost = math.max(total - matched, 0) + load * running
+      table.insert(scored, {cost, running, tonumber(s.routed), s.identity, id, matched, total})
+    end
+  end
+end
+if #scored == 0 then return nil end
+table.sort(scored, function(a, b)
+  for i = 1, 4 do if a[i] ~= b[i] then return a[i] < b[i] end end
+  return false
+end)
+local best = scored[1]
+redis.call('HINCRBY', p .. 'node:' .. best[5], 'running', 1)
+redis.call('HINCRBY', p .. 'node:' .. best[5], 'routed', 1)
+local out = {node_id = best[5], identity = best[4], cost = best[1], matched = best[6], total = best[7],
+             candidates = #scored}
+if #scored > 1 then
+  out.runner_up = {node = scored[2][4], cost = scored[2][1], matched_tokens = scored[2][6]}
+end
+return cjson.encode(out)
+"""
+
+RELEASE = """
+local key = ARGV[1]
+if redis.call('EXISTS', key) == 1 and tonumber(redis.call('HGET', key, 'running')) > 0 then
+  redis.call('HINCRBY', key, 'running', -1)
+end
+return 1
+"""
+
+
+class RedisPlacementState:
+    """Placement state shared by every head process through Redis."""
+
+    def __init__(self, url: str, *, prefix: str = "fleet:", load_tokens: int = 3000, max_keys: int = 200_000,
+                 node_ttl_s: int = 60):
+        self.r = redis.Redis.from_url(url, decode_responses=True)
+        self.p = f"{prefix}pl:"
+        self.load_tokens, self.max_keys, self.node_ttl_s = load_tokens, max_keys, node_ttl_s
+        self._choose = self.r.register_script(CHOOSE)
+        self._release = self.r.register_script(RELEASE)
+
+    # --- nodes ---
+    def node_up(self, slot: NodeSlot, *, cache_cleared: bool = True, channel: str = "") -> None:
+        key = f"{self.p}node:{slot.node_id}"
+        pipe = self.r.pipeline()
+        pipe.hset(key, mapping={
+            "identity": slot.identity, "models": json.dumps(slot.models), "lanes": slot.lanes, "running": 0,
+            "routed": slot.routed, "schedulable": int(slot.schedulable), "cpt": slot.chars_per_token,
+            "ctx": slot.context_window, "channel": channel,
+        })
+        pipe.expire(key, self.node_ttl_s)
+        pipe.sadd(f"{self.p}nodes", slot.node_id)
+        pipe.execute()
+        if cache_cleared:
+            self.forget_node(slot.node_id)
+
+    def node_alive(self, node_id: str) -> None:
+        """Heartbeat: a node whose head process died drops out of placement after node_ttl_s."""
+        self.r.expire(f"{self.p}node:{node_id}", self.node_ttl_s)
+
+    def node_down(self, node_id: str) -> None:
+        self.r.srem(f"{self.p}nodes", node_id)
+        self.r.delete(f"{self.p}node:{node_id}")
+        self.forget_node(node_id)
+
+    def set_schedulable(self, node_id: str, schedulable: bool) -> None:
+        key = f"{self.p}node:{node_id}"
+        if self.r.exists(key):
+            self.r.hset(key, "schedulable", int(schedulable))
+
+    def nodes(self) -> list[NodeSlot]:
+        ids = sorted(self.r.smembers(f"{self.p}nodes"))
+        pipe = self.r.pipeline()
+        for node_id in ids:
+            pipe.hgetall(f"{self.p}node:{node_id}")
+        slots = []
+        for node_id, h in zip(ids, pipe.execute(), strict=True):
+            if h:
+                slots.append(NodeSlot(node_id, h["identity"], json.loads(h["models"]), int(h["lanes"]),
+                                      int(h.get("ctx", 0)), int(h["running"]), int(h["routed"]),
+                                      h["schedulable"] == "1", float(h["cpt"])))
+        return slots
+
+    def channel_of(self, node_id: str) -> str:
+        return self.r.hget(f"{self.p}node:{node_id}", "channel") or ""
+
+    def models(self) -> list[str]:
+        return sorted({m for s in self.nodes() for m in s.models})
+
+    def free_lanes(self, model: str) -> int:
+        return sum(s.free for s in self.nodes() if model in s.models and s.schedulable)
+
+    # --- placing ---
+    def choose(self, model: str, keys: list[PrefixKey], *, exclude: set[str] = frozenset()) -> Choice | None:
+        args = [self.p, model, self.load_tokens, len(keys), *[k.key for k in keys], *[k.chars for k in keys], *exclude]
+        raw = self._choose(args=args)
+        if raw is None:
+            return None
+        got = json.loads(raw)
+        if keys:
+            pipe = self.r.pipeline()
+            pipe.zadd(f"{self.p}lru", {k.key: time.time() for k in keys}, xx=True)
+            pipe.execute()
+        return Choice(got["node_id"], got["identity"], int(got["cost"]), int(got["matched"]), int(got["total"]),
+                      got.get("runner_up"), int(got["candidates"]))
+
+    def release(self, node_id: str) -> None:
+        self._release(args=[f"{self.p}node:{node_id}"])
+
+    # --- the prefix index ---
+    def record(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, prompt_tokens: int = 0) -> None:
+        node_key = f"{self.p}node:{node_id}"
+        if not keys or not self.r.exists(node_key):
+            return
+        if prompt_tokens > 0:
+            cpt = float(self.r.hget(node_key, "cpt") or 4.0)
+            self.r.hset(node_key, "cpt", 0.8 * cpt + 0.2 * max(keys[-1].chars / prompt_tokens, 1.0))
+        now = time.time()
+        pipe = self.r.pipeline()
+        for k in keys:
+            pipe.hset(f"{self.p}k:{k.key}", node_id, gen_id)
+            pipe.expire(f"{self.p}k:{k.key}", KEY_TTL_S)
+        pipe.zadd(f"{self.p}lru", {k.key: now for k in keys})
+        pipe.sadd(f"{self.p}nk:{node_id}", *[k.key for k in keys])
+        gen_key = f"{self.p}gen:{node_id}:{gen_id}"
+        pipe.delete(gen_key)
+        pipe.rpush(gen_key, *[k.key for k in keys])
+        pipe.expire(gen_key, KEY_TTL_S)
+        pipe.execute()
+        self._trim()
+
+    def _trim(self) -> None:
+        excess = self.r.zcard(f"{self.p}lru") - self.max_keys
+        if excess > 0:
+            popped = self.r.zpopmin(f"{self.p}lru", excess)
+            if popped:
+                self.r.delete(*[f"{self.p}k:{key}" for key, _ in popped])
+
+    def evict(self, node_id: str, gen_ids: list[str]) -> None:
+        for gen_id in gen_ids:
+            gen_key = f"{self.p}gen:{node_id}:{gen_id}"
+            for key in self.r.lrange(gen_key, 0, -1):
+                if self.r.hget(f"{self.p}k:{key}", node_id) == gen_id:
+                    self.r.hdel(f"{self.p}k:{key}", node_id)
+            self.r.delete(gen_key)
+
+    def forget_node(self, node_id: str) -> None:
+        held = self.r.smembers(f"{self.p}nk:{node_id}")
+        if held:
+            pipe = self.r.pipeline()
+            for key in held:
+                pipe.hdel(f"{self.p}k:{key}", node_id)
+            pipe.execute()
+        self.r.delete(f"{self.p}nk:{node_id}")
+
+    def holders(self, key: str) -> set[str]:
+        return set(self.r.hkeys(f"{self.p}k:{key}"))
+
+    def index_size(self) -> int:
+        return int(self.r.zcard(f"{self.p}lru"))
+
+    def clear(self) -> None:
+        """Tests and `manage.py` maintenance: drop every placement key."""
+        for key in self.r.scan_iter(f"{self.p}*"):
+            self.r.delete(key)

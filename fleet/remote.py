@@ -1,0 +1,90 @@
+"""Generations whose node link lives in another head process: they ride the channel layer (Redis), in batches.
+
+Each head process listens on one channel of its own. A generation placed on a node held by another process
+goes there as `link.generate` with this process's channel as `reply_to`; that process's link consumer sends the
+node's frames back as `relay.frame` messages (msgpack bytes, one per token batch), which land in the same
+in-process Relay a local generation uses. So the dispatcher does not know which path it is on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from channels.layers import get_channel_layer
+
+from fleet.links import NodeLost, registry
+from nodes.link.messages import LinkError, decode
+
+log = logging.getLogger("fleet")
+
+
+class ProcessChannel:
+    """This head process's own channel, and the task that delivers what arrives on it."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    async def ensure(self) -> str:
+        async with self._lock:
+            if self.name is None or self._task is None or self._task.done():
+                layer = get_channel_layer()
+                self.name = await layer.new_channel("fleet.head.")
+                self._task = asyncio.ensure_future(self._read(layer, self.name))
+        return self.name
+
+    async def _read(self, layer, name: str) -> None:
+        while True:
+            try:
+                message = await layer.receive(name)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a broken Redis connection: retry rather than lose every remote stream
+                log.warning("fleet head: reading its channel failed; retrying", exc_info=True)
+                await asyncio.sleep(0.5)
+                continue
+            deliver(message)
+
+
+def deliver(message: dict[str, Any]) -> None:
+    gen_id = message.get("gen_id", "")
+    if message.get("type") == "relay.lost":
+        registry().relay_push(gen_id, NodeLost(message.get("node_id", ""), message.get("reason", "link closed")))
+        return
+    try:
+        registry().relay_push(gen_id, decode(message["frame"]))
+    except (LinkError, KeyError):
+        log.warning("fleet head: dropped a malformed relay message for %s", gen_id)
+
+
+_process_channel = ProcessChannel()
+
+
+class RemoteLink:
+    """A LinkHandle for a node whose link is held by another head process."""
+
+    def __init__(self, node_id: str, identity: str, channel: str):
+        self.node_id, self.identity, self.channel = node_id, identity, channel
+
+    async def send_generate(self, gen_id: str, spec: dict[str, Any]) -> None:
+        reply_to = await _process_channel.ensure()
+        await get_channel_layer().send(self.channel, {"type": "link.generate", "gen_id": gen_id, "spec": spec,
+                                                      "reply_to": reply_to})
+
+    async def send_cancel(self, gen_id: str, reason: str) -> None:
+        await get_channel_layer().send(self.channel, {"type": "link.cancel", "gen_id": gen_id, "reason": reason})
+
+    async def state_op(self, op: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
+        raise LinkError(f"node {self.identity!r} is linked to another head process; state operations go there")
+
+
+def remote_link(node_id: str) -> RemoteLink | None:
+    reg = registry()
+    channel = reg.placement.channel_of(node_id)
+    if not channel:
+        return None
+    slot = next((s for s in reg.placement.nodes() if s.node_id == node_id), None)
+    return RemoteLink(node_id, slot.identity if slot else node_id, channel)
