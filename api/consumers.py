@@ -38,14 +38,18 @@ class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
         await self.accept()
         key = bearer_from_scope(self.scope)
         if key is None:
-            await self.close(code=CLOSE_UNAUTHORIZED, reason="missing API key: send Authorization: Bearer <key> "
-                             "or ?api_key=<key>")
+            await self._refuse("missing API key: send Authorization: Bearer <key> or ?api_key=<key>")
             return
         row = await database_sync_to_async(api_key_authenticate)(key=key)
         if row is None or not row.owner.is_active:
-            await self.close(code=CLOSE_UNAUTHORIZED, reason="the API key is wrong or revoked")
+            await self._refuse("the API key is wrong or revoked")
             return
         self.api_key = row
+
+    async def _refuse(self, reason: str) -> None:
+        # daphne drops close reasons, so the reason also goes out as an error frame first.
+        await self.send_json(_error(None, 0, "unauthorized", reason))
+        await self.close(code=CLOSE_UNAUTHORIZED, reason=reason)
 
     async def disconnect(self, code: int) -> None:
         for client_id in list(getattr(self, "running", {})):

@@ -32,7 +32,9 @@ class ProcessChannel:
         async with self._lock:
             if self.name is None or self._task is None or self._task.done():
                 layer = get_channel_layer()
-                self.name = await layer.new_channel("fleet.head.")
+                # The default prefix matters: channels-redis reads every process-local channel of a layer through
+                # one shared list, and a second prefix starves the consumers' channels (messages were lost).
+                self.name = await layer.new_channel()
                 self._task = asyncio.ensure_future(self._read(layer, self.name))
         return self.name
 

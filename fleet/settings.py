@@ -128,7 +128,10 @@ if REDIS_URL:
             "BACKEND": "channels_redis.core.RedisChannelLayer",
             # The default capacity of 100 raised ChannelFull under a token stream; batches keep
             # the message rate low, and a larger capacity absorbs bursts.
-            "CONFIG": {"hosts": [REDIS_URL], "capacity": 2000, "expiry": 30, "prefix": FLEET_REDIS_PREFIX + "asgi"},
+            # redis-py 8 reads with a 5 s socket timeout, the same as channels-redis's blocking pop: without a
+            # longer one, an idle consumer's receive fails with "Timeout reading" and takes its websocket down.
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 60}], "capacity": 2000, "expiry": 30,
+                       "prefix": FLEET_REDIS_PREFIX + "asgi"},
         }
     }
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL,

@@ -43,6 +43,8 @@ async def frames_until_end(comm, ids, timeout=5.0):
 @pytest.mark.parametrize("credential, reason", [(None, "missing API key"), ("fk-1234.nope", "wrong or revoked")])
 async def test_a_socket_without_a_valid_key_is_closed_with_4401(credential, reason):
     comm = await connect(credential)
+    error = await comm.receive_json_from(timeout=3)
+    assert error["type"] == "error" and error["code"] == "unauthorized" and reason in error["message"]
     closed = await comm.receive_output(timeout=3)
     assert closed["type"] == "websocket.close" and closed["code"] == 4401 and reason in closed["reason"]
 

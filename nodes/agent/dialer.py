@@ -40,6 +40,7 @@ log = logging.getLogger("nodes.agent")
 
 BACKOFF_START_S = 2.0
 BACKOFF_MAX_S = 30.0
+ENGINE_WAIT_S = 30.0
 REFUSAL_CODES = {
     4001: "the head refused this node's fleet token (unknown, revoked or wrong secret): create a new one on the head "
           "with `manage.py fleet_token` and pass it with --token",
@@ -203,6 +204,12 @@ class NodeAgent:
             self.outbox.put_nowait(Error(gen_id=msg.gen_id, code="invalid_request", message=str(exc)))
             return
         self.running.add(msg.gen_id)
+        # A worker restarting after a crash is back within its cooldown plus a model load: hold the generation
+        # for it rather than fail a request this node was chosen for.
+        for _ in range(int(ENGINE_WAIT_S / 0.1)):
+            if self.engine.alive:
+                break
+            await asyncio.sleep(0.1)
         await self.engine.submit(spec)
 
     async def _on_state_op(self, msg: StateOp) -> None:

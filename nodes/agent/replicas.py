@@ -69,6 +69,10 @@ class ReplicaSet:
     def info(self) -> dict[str, Any]:
         return self._info
 
+    @property
+    def alive(self) -> bool:
+        return any(w.alive for w in self.workers)
+
     async def start(self, on_progress=None) -> dict[str, Any]:
         infos = []
         for index, worker in enumerate(self.workers):

@@ -61,7 +61,9 @@ class Choice:
 
 @dataclass
 class _Holders:
-    by_node: dict[str, str] = field(default_factory=dict)  # node_id -> generation id that put the key there
+    # node_id -> the generations whose lanes hold the key there. A set, not the last one: two lanes of a node
+    # can hold the same prefix (a shared system prompt), and evicting one lane must not forget the other.
+    by_node: dict[str, set[str]] = field(default_factory=dict)
 
 
 class PlacementState:
@@ -119,8 +121,11 @@ class PlacementState:
             ]
             if not candidates:
                 return None
+            # One text-to-token ratio for every candidate: with each node's own, a node that learned a higher
+            # ratio would look cheaper for a prompt nobody holds, and that noise would override the tie-break.
+            cpt = sum(s.chars_per_token for s in candidates) / len(candidates)
             scored = sorted(
-                (self._cost_locked(s, keys) + (s.running, s.routed, s.identity, s) for s in candidates),
+                (self._cost_locked(s, keys, cpt) + (s.running, s.routed, s.identity, s) for s in candidates),
                 key=lambda row: row[:5],
             )
             cost, matched, total, _, _, _, best = scored[0]
@@ -135,14 +140,14 @@ class PlacementState:
                     self._index.move_to_end(k.key)
             return Choice(best.node_id, best.identity, cost, matched, total, runner_up, len(candidates))
 
-    def _cost_locked(self, slot: NodeSlot, keys: list[PrefixKey]) -> tuple[int, int, int]:
-        total = keys[-1].tokens(slot.chars_per_token) if keys else 0
+    def _cost_locked(self, slot: NodeSlot, keys: list[PrefixKey], chars_per_token: float) -> tuple[int, int, int]:
+        total = keys[-1].tokens(chars_per_token) if keys else 0
         matched = 0
         for k in keys:
             holders = self._index.get(k.key)
             if holders is None or slot.node_id not in holders.by_node:
                 break
-            matched = k.tokens(slot.chars_per_token)
+            matched = k.tokens(chars_per_token)
         return (max(total - matched, 0) + self.load_tokens * slot.running, matched, total)
 
     def release(self, node_id: str) -> None:
@@ -169,7 +174,7 @@ class PlacementState:
                 holders = self._index.get(k.key)
                 if holders is None:
                     holders = self._index[k.key] = _Holders()
-                holders.by_node[node_id] = gen_id
+                holders.by_node.setdefault(node_id, set()).add(gen_id)
                 self._index.move_to_end(k.key)
             self._by_gen[(node_id, gen_id)] = [k.key for k in keys]
             while len(self._index) > self.max_keys:
@@ -181,8 +186,11 @@ class PlacementState:
             for gen_id in gen_ids:
                 for key in self._by_gen.pop((node_id, gen_id), []):
                     holders = self._index.get(key)
-                    if holders is not None and holders.by_node.get(node_id) == gen_id:
-                        del holders.by_node[node_id]
+                    gens = holders.by_node.get(node_id) if holders is not None else None
+                    if gens is not None:
+                        gens.discard(gen_id)
+                        if not gens:
+                            del holders.by_node[node_id]
 
     def forget_node(self, node_id: str) -> None:
         with self._lock:

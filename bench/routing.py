@@ -1,0 +1,447 @@
+"""Placement policies side by side on four simulated CPU nodes under a multi-turn chat workload.
+
+Each node is a real MockEngine (nodes/agent/engine/mock.py) stepped by a thread of its own, so its costs are
+really spent: every step sleeps one decode step plus `prefill_ms_per_token` for each prompt token it reads,
+and a lane's prefix cache saves exactly the tokens it already holds. The head side is one asyncio loop:
+conversations send each turn with the whole history, a generation waits in one FIFO queue until some lane
+is free, and the policy picks the node:
+
+- cache_aware:  nodes.link.routing.PlacementState as fleet/dispatch.py drives it (choose with the prompt's
+                prefix keys; at done, record the prompt's and the answer's keys and evict what the node reports);
+- round_robin:  the next node in turn that has a free lane;
+- least_loaded: the node running the fewest generations, ties to the least routed.
+
+All three see the same workload (same seeds). Every simulated duration is multiplied by --time-scale to keep the
+run short; reported times are divided by it again, so they read as on the simulated node.
+Run from the repository root:  .venv/bin/python bench/routing.py        Writes bench/results/routing.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import queue
+import random
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nodes.agent.engine.base import EngineConfig  # noqa: E402
+from nodes.agent.engine.mock import MockEngine  # noqa: E402
+from nodes.link.prefix import PrefixKey, prefix_keys  # noqa: E402
+from nodes.link.routing import NodeSlot, PlacementState  # noqa: E402
+from nodes.link.spec import GenerateSpec  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "routing.json"
+MODEL = "mock-1b"
+POLICIES = ["cache_aware", "round_robin", "least_loaded"]
+VOCABULARY = [
+    "fleet", "node", "lane", "head", "model", "token", "prompt", "cache", "answer", "question", "user",
+    "system", "policy", "rule", "always", "never", "careful", "brief", "polite", "support", "billing",
+    "refund", "account", "order", "shipping", "invoice", "customer", "product", "warranty", "return",
+    "exchange", "password", "login", "security", "privacy", "data", "report", "summary", "detail", "example",
+    "step", "first", "then", "finally", "please", "check", "confirm", "explain", "describe", "list", "table",
+    "format", "markdown", "code", "python", "error", "log"
+]
+
+
+@dataclass
+class Params:
+    """The simulated fleet and workload (durations in simulated seconds, before --time-scale)."""
+
+    nodes: int = 4
+    lanes: int = 4
+    prefill_ms_per_token: float = 2.0  # ~500 prompt tokens/s: a 1-3B Q4 model on a few CPU cores
+    decode_tps: float = 25.0  # decode steps per second; each step gives every busy lane one token
+    context_window: int = 4096
+    conversations: int = 28
+    turns: tuple[int, int] = (4, 6)
+    system_prompts: int = 4
+    system_words: tuple[int, int] = (400, 800)  # the mock's tokens are whitespace words
+    user_words: tuple[int, int] = (8, 30)
+    answer_tokens: tuple[int, int] = (24, 64)
+    think_s: tuple[float, float] = (1.0, 4.0)  # between an answer and the user's next turn
+    arrival_gap_s: float = 0.8  # mean gap between conversation starts (exponential)
+    load_tokens: int = 3000  # PlacementState's default
+    time_scale: float = 0.5
+    seed: int = 7
+
+
+# --- the workload --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Conversation:
+    start_s: float
+    system: str
+    users: list[str]
+    answer_tokens: list[int]
+    think_s: list[float]
+
+
+def workload(p: Params) -> list[Conversation]:
+    rng = random.Random(p.seed)
+    systems = [_words(rng, rng.randint(*p.system_words)) for _ in range(p.system_prompts)]
+    convs, start = [], 0.0
+    for _ in range(p.conversations):
+        start += rng.expovariate(1 / p.arrival_gap_s)
+        turns = rng.randint(*p.turns)
+        convs.append(Conversation(
+            start_s=start,
+            system=rng.choice(systems),
+            users=[_words(rng, rng.randint(*p.user_words)) + "?" for _ in range(turns)],
+            answer_tokens=[rng.randint(*p.answer_tokens) for _ in range(turns)],
+            think_s=[rng.uniform(*p.think_s) for _ in range(turns)],
+        ))
+    return convs
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(VOCABULARY) for _ in range(n))
+
+
+# --- the nodes ------------------------------------------------------------------------------------------
+
+
+class SimNode:
+    """One node: a MockEngine driven by its own thread (the mock's sleeps release the GIL, so nodes overlap)."""
+
+    def __init__(self, index: int, p: Params, deliver) -> None:
+        self.index = index
+        self.engine = MockEngine(EngineConfig(
+            model_name=MODEL, lanes=p.lanes, max_context=p.context_window, flush_tokens=1, flush_ms=0.0,
+            mock={"decode_tps": p.decode_tps / p.time_scale,
+                  "prefill_ms_per_token": p.prefill_ms_per_token * p.time_scale,
+                  "context_window": p.context_window},
+        ))
+        self.inbox: queue.SimpleQueue[GenerateSpec | None] = queue.SimpleQueue()
+        self.busy_s = 0.0
+        self._deliver = deliver
+        self._thread = threading.Thread(target=self._run, name=f"node-{index}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                spec = self.inbox.get(block=not engine.busy())
+            except queue.Empty:
+                spec = None
+            events = []
+            while spec is not None:
+                events += engine.submit(spec)
+                spec = self.inbox.get_nowait() if not self.inbox.empty() else None
+            if engine.busy():
+                started = time.perf_counter()
+                events += engine.step()
+                self.busy_s += time.perf_counter() - started
+            if events:
+                self._deliver(self.index, events, time.perf_counter())
+            if spec is None and not engine.busy() and self._stopping:
+                return
+
+    _stopping = False
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.inbox.put(None)
+        self._thread.join(timeout=10)
+
+
+# --- the policies ---------------------------------------------------------------------------------------
+
+
+class Policy:
+    """Lane accounting shared by the baselines; `place` reserves a lane or returns None when none is free."""
+
+    def __init__(self, p: Params) -> None:
+        self.lanes = p.lanes
+        self.running = [0] * p.nodes
+        self.routed = [0] * p.nodes
+
+    def place(self, keys: list[PrefixKey]) -> int | None:
+        free = [i for i, n in enumerate(self.running) if n < self.lanes]
+        if not free:
+            return None
+        node = self.pick(free)
+        self.running[node] += 1
+        self.routed[node] += 1
+        return node
+
+    def pick(self, free: list[int]) -> int:
+        raise NotImplementedError
+
+    def finished(self, node: int, gen: Generation, done: dict[str, Any]) -> None:
+        self.running[node] -= 1
+
+
+class RoundRobin(Policy):
+    def __init__(self, p: Params) -> None:
+        super().__init__(p)
+        self.turn = 0
+
+    def pick(self, free: list[int]) -> int:
+        n = len(self.running)
+        node = next(i % n for i in range(self.turn, self.turn + n) if i % n in free)
+        self.turn = node + 1
+        return node
+
+
+class LeastLoaded(Policy):
+    def pick(self, free: list[int]) -> int:
+        return min(free, key=lambda i: (self.running[i], self.routed[i], i))
+
+
+class CacheAware(Policy):
+    """PlacementState, driven the way fleet/dispatch.py and the node link consumer drive it."""
+
+    def __init__(self, p: Params) -> None:
+        super().__init__(p)
+        self.state = PlacementState(load_tokens=p.load_tokens)
+        for i in range(p.nodes):
+            self.state.node_up(NodeSlot(f"n{i}", f"node-{i}", [MODEL], p.lanes, p.context_window))
+
+    def place(self, keys: list[PrefixKey]) -> int | None:
+        choice = self.state.choose(MODEL, keys)
+        if choice is None:
+            return None
+        node = int(choice.node_id[1:])
+        self.running[node] += 1
+        self.routed[node] += 1
+        return node
+
+    def finished(self, node: int, gen: Generation, done: dict[str, Any]) -> None:
+        node_id = f"n{node}"
+        answer = [{"role": "assistant", "content": gen.text}]
+        held = gen.keys + prefix_keys(model=MODEL, messages=gen.spec.messages + answer)
+        self.state.record(node_id, gen.spec.gen_id, held, prompt_tokens=done["usage"]["prompt_tokens"])
+        if done["evicted"]:
+            self.state.evict(node_id, list(done["evicted"]))
+        self.state.release(node_id)
+        super().finished(node, gen, done)
+
+
+POLICY_CLASSES = {"cache_aware": CacheAware, "round_robin": RoundRobin, "least_loaded": LeastLoaded}
+
+
+# --- the head -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Generation:
+    spec: GenerateSpec
+    keys: list[PrefixKey]
+    arrived: float
+    done: asyncio.Future
+    node: int = -1
+    first_token: float | None = None
+    text: str = ""
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Tally:
+    ttft_s: list[float] = field(default_factory=list)
+    prefill_tokens: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    per_node: list[int] = field(default_factory=list)
+
+
+class Head:
+    """Places generations in arrival order (FIFO when every lane is busy) and relays the nodes' events."""
+
+    def __init__(self, policy: Policy, p: Params) -> None:
+        self.policy = policy
+        self.loop = asyncio.get_running_loop()
+        self.nodes = [SimNode(i, p, self._deliver) for i in range(p.nodes)]
+        self.waiting: deque[Generation] = deque()
+        self.gens: dict[str, Generation] = {}
+        self.tally = Tally(per_node=[0] * p.nodes)
+
+    async def generate(self, spec: GenerateSpec) -> Generation:
+        keys = prefix_keys(model=MODEL, messages=spec.messages)
+        gen = Generation(spec, keys, time.perf_counter(), self.loop.create_future())
+        self.gens[spec.gen_id] = gen
+        self.waiting.append(gen)
+        self._pump()
+        return await gen.done
+
+    def _pump(self) -> None:
+        while self.waiting:
+            node = self.policy.place(self.waiting[0].keys)
+            if node is None:
+                return
+            gen = self.waiting.popleft()
+            gen.node = node
+            self.tally.per_node[node] += 1
+            self.nodes[node].inbox.put(gen.spec)
+
+    def _deliver(self, index: int, events: list[dict[str, Any]], at: float) -> None:
+        self.loop.call_soon_threadsafe(self._on_events, events, at)
+
+    def _on_events(self, events: list[dict[str, Any]], at: float) -> None:
+        for event in events:
+            gen = self.gens[event["gen_id"]]
+            kind = event["type"]
+            if kind == "tokens":
+                gen.first_token = gen.first_token or at
+                gen.text += "".join(event["text"])
+                gen.completion_tokens += len(event["ids"])
+            elif kind == "accepted":
+                gen.prompt_tokens, gen.cached_tokens = event["prompt_tokens"], event["cached_tokens"]
+            elif kind == "done":
+                self._on_done(gen, event)
+            else:
+                raise RuntimeError(f"generation {event['gen_id']} failed on node {gen.node}: {event}")
+
+    def _on_done(self, gen: Generation, event: dict[str, Any]) -> None:
+        self.policy.finished(gen.node, gen, event)
+        del self.gens[gen.spec.gen_id]
+        t = self.tally
+        t.ttft_s.append(gen.first_token - gen.arrived)
+        t.prefill_tokens += gen.prompt_tokens - gen.cached_tokens
+        t.prompt_tokens += gen.prompt_tokens
+        t.completion_tokens += gen.completion_tokens
+        gen.done.set_result(gen)
+        self._pump()
+
+    def close(self) -> list[float]:
+        for node in self.nodes:
+            node.stop()
+        return [node.busy_s for node in self.nodes]
+
+
+async def converse(head: Head, conv: Conversation, number: int, scale: float) -> None:
+    await asyncio.sleep(conv.start_s * scale)
+    messages = [{"role": "system", "content": conv.system}]
+    for turn, user in enumerate(conv.users):
+        messages.append({"role": "user", "content": user})
+        spec = GenerateSpec(gen_id=f"c{number}t{turn}", model=MODEL, messages=list(messages),
+                            max_tokens=conv.answer_tokens[turn], seed=number * 100 + turn, ignore_eos=True)
+        gen = await head.generate(spec)
+        messages.append({"role": "assistant", "content": gen.text})
+        await asyncio.sleep(conv.think_s[turn] * scale)
+
+
+async def run_policy(name: str, p: Params, convs: list[Conversation]) -> dict[str, Any]:
+    head = Head(POLICY_CLASSES[name](p), p)
+    started = time.perf_counter()
+    try:
+        await asyncio.gather(*(converse(head, c, i, p.time_scale) for i, c in enumerate(convs)))
+    finally:
+        busy = head.close()
+    return summarize(head.tally, busy, (time.perf_counter() - started) / p.time_scale, p.time_scale)
+
+
+# --- figures --------------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def summarize(t: Tally, busy_s: list[float], wall_s: float, scale: float) -> dict[str, Any]:
+    ttft_ms = [s / scale * 1000 for s in t.ttft_s]
+    return {
+        "prefill_tokens": t.prefill_tokens,
+        "ttft_ms_p50": round(percentile(ttft_ms, 0.50), 1),
+        "ttft_ms_p95": round(percentile(ttft_ms, 0.95), 1),
+        "throughput_tok_s": round(t.completion_tokens / wall_s, 1),
+        "max_over_mean_load": round(max(t.per_node) / (sum(t.per_node) / len(t.per_node)), 3),
+        "max_over_mean_busy": round(max(busy_s) / (sum(busy_s) / len(busy_s)), 3),
+        "generations_per_node": t.per_node,
+        "busy_s_per_node": [round(b / scale, 1) for b in busy_s],
+        "prompt_tokens": t.prompt_tokens,
+        "completion_tokens": t.completion_tokens,
+        "cache_hit_ratio": round(1 - t.prefill_tokens / t.prompt_tokens, 3),
+        "generations": len(ttft_ms),
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def ratios(policies: dict[str, dict[str, Any]]) -> dict[str, float]:
+    ca, rr = policies["cache_aware"], policies["round_robin"]
+    return {
+        "prefill_round_robin_over_cache_aware": round(rr["prefill_tokens"] / max(ca["prefill_tokens"], 1), 2),
+        "ttft_p50_round_robin_over_cache_aware": round(rr["ttft_ms_p50"] / ca["ttft_ms_p50"], 2),
+        "cache_aware_max_over_mean_load": ca["max_over_mean_load"],
+    }
+
+
+def targets(r: dict[str, float]) -> dict[str, bool]:
+    return {
+        "prefill_at_least_3x_fewer": r["prefill_round_robin_over_cache_aware"] >= 3.0,
+        "ttft_p50_at_least_2x_better": r["ttft_p50_round_robin_over_cache_aware"] >= 2.0,
+        "no_node_above_1_5x_mean_load": r["cache_aware_max_over_mean_load"] <= 1.5,
+    }
+
+
+def print_report(p: Params, policies: dict[str, dict[str, Any]], r: dict[str, float], met: dict[str, bool]) -> None:
+    cols = ["prefill_tokens", "ttft_ms_p50", "ttft_ms_p95", "throughput_tok_s", "max_over_mean_load",
+            "max_over_mean_busy", "cache_hit_ratio"]
+    print(f"{'policy':<14}" + "".join(f"{c:>20}" for c in cols))
+    for name, row in policies.items():
+        print(f"{name:<14}" + "".join(f"{row[c]:>20}" for c in cols))
+    print("max_over_mean_load = the busiest node's share of generations over the mean; "
+          "max_over_mean_busy = the same for the time its engine spent stepping")
+    for key, value in r.items():
+        print(f"{key}: {value}")
+    for key, ok in met.items():
+        print(f"target {key}: {'met' if ok else 'NOT met'}")
+
+
+def parse_args() -> tuple[Params, Path]:
+    p = Params()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--time-scale", type=float, default=p.time_scale, help="multiply simulated durations")
+    parser.add_argument("--conversations", type=int, default=p.conversations)
+    parser.add_argument("--load-tokens", type=int, default=p.load_tokens, help="cache_aware's load penalty")
+    parser.add_argument("--seed", type=int, default=p.seed)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    p.time_scale, p.conversations, p.load_tokens, p.seed = (
+        args.time_scale, args.conversations, args.load_tokens, args.seed)
+    return p, args.out
+
+
+def main() -> None:
+    p, out = parse_args()
+    convs = workload(p)
+    print(f"{p.nodes} nodes x {p.lanes} lanes, prefill {p.prefill_ms_per_token} ms/uncached token, "
+          f"decode {p.decode_tps} tok/s per lane; {len(convs)} conversations, "
+          f"{sum(len(c.users) for c in convs)} turns, {p.system_prompts} system prompts of {p.system_words} words; "
+          f"load_tokens {p.load_tokens}; time scale {p.time_scale}")
+    policies = {}
+    for name in POLICIES:
+        policies[name] = asyncio.run(run_policy(name, p, convs))
+        print(f"  {name}: done in {policies[name]['wall_s'] * p.time_scale:.1f} s of wall time", flush=True)
+    r = ratios(policies)
+    met = targets(r)
+    print_report(p, policies, r, met)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "policies": policies, "ratios": r, "targets_met": met, "parameters": asdict(p),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+    }, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,434 @@
+"""Placement (the replica rule) and prefix keys: nodes.link.routing.PlacementState and nodes.link.prefix.
+
+No database, no Django: the placement state is plain in-process Python shared by the head and by replicas.
+"""
+
+from __future__ import annotations
+
+from nodes.link.prefix import BLOCK_CHARS, prefix_keys
+from nodes.link.routing import NodeSlot, PlacementState
+
+MODEL = "m"
+
+
+def slot(node_id: str, *, lanes: int = 4, running: int = 0, models: tuple[str, ...] = (MODEL,)) -> NodeSlot:
+    return NodeSlot(node_id, f"node-{node_id}", list(models), lanes, running=running)
+
+
+def fleet(*node_ids: str, load_tokens: int = 3000, max_keys: int = 200_000, lanes: int = 4) -> PlacementState:
+    state = PlacementState(load_tokens=load_tokens, max_keys=max_keys)
+    for node_id in node_ids:
+        state.node_up(slot(node_id, lanes=lanes))
+    return state
+
+
+def running(state: PlacementState) -> dict[str, int]:
+    return {s.node_id: s.running for s in state.nodes()}
+
+
+def chat(system: str, *turns: str) -> list[dict[str, str]]:
+    """A conversation: the system prompt, then user / assistant turns alternating."""
+    messages = [{"role": "system", "content": system}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return messages
+
+
+# --- the cost formula ------------------------------------------------------------------------------
+
+
+def test_cost_is_tokens_to_read_again_plus_load_penalty_per_running_generation():
+    # Given a 1024-character prompt (256 tokens at 4 chars a token) whose first half node a already holds,
+    # while a runs one generation and b runs none
+    keys = prefix_keys(model=MODEL, prompt="x" * 1024)
+    assert [k.tokens() for k in keys] == [64, 128, 192, 256]
+    state = PlacementState(load_tokens=100)
+    state.node_up(slot("a", running=1))
+    state.node_up(slot("b"))
+    state.record("a", "g0", keys[:2])
+
+    # When a generation is placed, a costs 128 to read again + 100 for its running one; b costs all 256
+    choice = state.choose(MODEL, keys)
+
+    assert choice is not None
+    assert (choice.node_id, choice.cost, choice.matched_tokens, choice.prompt_tokens_estimate) == ("a", 228, 128, 256)
+    assert choice.runner_up == {"node": "node-b", "cost": 256, "matched_tokens": 0}
+    assert running(state) == {"a": 2, "b": 0}
+
+
+def test_a_heavier_load_penalty_sends_the_same_prompt_to_the_idle_node():
+    keys = prefix_keys(model=MODEL, prompt="x" * 1024)
+    state = PlacementState(load_tokens=200)
+    state.node_up(slot("a", running=1))
+    state.node_up(slot("b"))
+    state.record("a", "g0", keys[:2])
+
+    choice = state.choose(MODEL, keys)
+
+    # a would cost 128 + 200 = 328, more than b's 256
+    assert (choice.node_id, choice.cost, choice.matched_tokens) == ("b", 256, 0)
+    assert choice.runner_up == {"node": "node-a", "cost": 328, "matched_tokens": 128}
+
+
+def test_matching_stops_at_the_first_key_the_node_does_not_hold():
+    keys = prefix_keys(model=MODEL, prompt="y" * 1024)
+    state = fleet("a", load_tokens=0)
+    state.record("a", "g0", [keys[0], keys[2], keys[3]])  # a hole at the second block
+
+    choice = state.choose(MODEL, keys)
+
+    assert (choice.matched_tokens, choice.cost) == (64, 192)
+
+
+def test_no_keys_costs_only_the_load():
+    state = PlacementState(load_tokens=50)
+    state.node_up(slot("a", running=3))
+    choice = state.choose(MODEL, [])
+    assert (choice.cost, choice.matched_tokens, choice.prompt_tokens_estimate) == (150, 0, 0)
+
+
+def test_the_token_estimate_learns_each_nodes_chars_per_token():
+    keys = prefix_keys(model=MODEL, prompt="z" * 1024)
+    state = fleet("a", load_tokens=0)
+    for i in range(30):  # the node keeps reporting 128 tokens for these 1024 characters: 8 chars a token
+        state.record("a", f"g{i}", keys, prompt_tokens=128)
+
+    [a] = state.nodes()
+    assert abs(a.chars_per_token - 8.0) < 0.01
+    choice = state.choose(MODEL, keys)
+    assert (choice.prompt_tokens_estimate, choice.matched_tokens, choice.cost) == (128, 128, 0)
+
+
+# --- tie-breaks ------------------------------------------------------------------------------------
+
+
+def test_equal_cost_goes_to_the_least_loaded_node():
+    state = PlacementState(load_tokens=0)  # load adds no cost, so every node costs the same
+    state.node_up(slot("a", running=2))
+    state.node_up(slot("b", running=1))
+    state.node_up(slot("c", running=3))
+
+    assert state.choose(MODEL, []).node_id == "b"
+    assert state.choose(MODEL, []).node_id in {"a", "b"}  # both now run 2
+    assert running(state)["c"] == 3
+
+
+def test_idle_nodes_share_the_work_least_routed_first():
+    state = fleet("a", "b", "c")
+    placed = []
+    for _ in range(6):  # one generation at a time: every node is idle at each choice
+        choice = state.choose(MODEL, [])
+        placed.append(choice.node_id)
+        state.release(choice.node_id)
+
+    assert placed == ["a", "b", "c", "a", "b", "c"]
+    assert {s.node_id: s.routed for s in state.nodes()} == {"a": 2, "b": 2, "c": 2}
+
+
+def test_concurrent_generations_spread_over_idle_nodes():
+    state = fleet("a", "b", "c")
+    placed = [state.choose(MODEL, []).node_id for _ in range(6)]
+    assert sorted(placed) == ["a", "a", "b", "b", "c", "c"]
+    assert running(state) == {"a": 2, "b": 2, "c": 2}
+
+
+# --- a conversation goes back to its node ------------------------------------------------------------
+
+
+def test_next_turn_returns_to_its_node_until_that_node_is_busier_by_more_than_the_reread():
+    system = "You are a careful assistant for the fleet. " * 40  # 1720 chars: about 430 tokens
+    state = fleet("a", "b", "c", load_tokens=300)
+    turn1 = chat(system, "Hello, who are you?")
+    first = state.choose(MODEL, prefix_keys(model=MODEL, messages=turn1))
+    assert (first.node_id, first.matched_tokens) == ("a", 0)
+    answer = "I am the fleet's assistant."
+    held = prefix_keys(model=MODEL, messages=[*turn1, {"role": "assistant", "content": answer}])
+    state.record("a", "g1", held)
+    state.release("a")
+    keys2 = prefix_keys(model=MODEL, messages=chat(system, "Hello, who are you?", answer, "Tell me more."))
+    whole, new = keys2[-1].tokens(), keys2[-1].tokens() - held[-1].tokens()
+    assert 0 < new < whole - 300 and whole < 2 * 300
+
+    # When a runs one generation more than b and c: 300 + the new turn is cheaper than the whole prompt
+    state.choose(MODEL, [], exclude={"b", "c"})
+    again = state.choose(MODEL, keys2)
+    assert (again.node_id, again.matched_tokens, again.cost) == ("a", held[-1].tokens(), new + 300)
+    assert again.runner_up == {"node": "node-b", "cost": whole, "matched_tokens": 0}
+    state.release("a")
+
+    # When it runs two more (600 > the whole prompt), the turn is read again on an idle node
+    state.choose(MODEL, [], exclude={"b", "c"})
+    assert running(state) == {"a": 2, "b": 0, "c": 0}
+    elsewhere = state.choose(MODEL, keys2)
+    assert (elsewhere.node_id, elsewhere.matched_tokens, elsewhere.cost) == ("b", 0, whole)
+    assert elsewhere.runner_up == {"node": "node-c", "cost": whole, "matched_tokens": 0}
+    assert state.holders(held[-1].key) == {"a"}  # a still holds the conversation for the turn after
+
+
+# --- forgetting: restart, cache cleared, eviction ------------------------------------------------------
+
+
+def test_a_restarted_node_is_forgotten_and_its_routed_count_reset():
+    keys = prefix_keys(model=MODEL, prompt="r" * 512)
+    state = fleet("a", "b")
+    state.record("a", "g1", keys)
+    state.record("b", "g2", keys)
+    state.choose(MODEL, [])
+    state.release("a")
+
+    state.node_up(slot("a"), cache_cleared=True)
+
+    assert state.holders(keys[-1].key) == {"b"}
+    assert state.choose(MODEL, keys).node_id == "b"
+    assert {s.node_id: s.routed for s in state.nodes()}["a"] == 0
+
+
+def test_a_reconnect_without_cache_loss_keeps_what_the_node_holds():
+    keys = prefix_keys(model=MODEL, prompt="r" * 512)
+    state = fleet("a", "b")
+    state.record("a", "g1", keys)
+    state.choose(MODEL, keys)
+    state.release("a")
+
+    state.node_up(slot("a"), cache_cleared=False)
+
+    assert state.holders(keys[-1].key) == {"a"}
+    assert {s.node_id: s.routed for s in state.nodes()}["a"] == 1
+    assert state.choose(MODEL, keys).matched_tokens == keys[-1].tokens()
+
+
+def test_forget_node_and_node_down_drop_everything_the_node_held():
+    keys = prefix_keys(model=MODEL, prompt="f" * 512)
+    state = fleet("a", "b")
+    state.record("a", "g1", keys)
+    state.record("b", "g2", keys)
+
+    state.forget_node("a")
+    assert state.holders(keys[0].key) == {"b"}
+    state.evict("a", ["g1"])  # a late eviction report for a forgotten generation changes nothing
+    assert state.holders(keys[0].key) == {"b"}
+
+    state.node_down("b")
+    assert state.holders(keys[0].key) == set()
+    assert [s.node_id for s in state.nodes()] == ["a"]
+    assert state.choose(MODEL, keys).matched_tokens == 0
+
+
+def test_eviction_drops_only_the_keys_that_generation_put_there():
+    system = "s" * 600
+    state = fleet("a")
+    turn1 = prefix_keys(model=MODEL, messages=chat(system, "first question", "first answer"))
+    other = prefix_keys(model=MODEL, messages=chat("another system prompt", "unrelated"))
+    state.record("a", "g1", turn1)
+    state.record("a", "g9", other)
+
+    state.evict("a", ["g1"])
+
+    assert all(state.holders(k.key) == set() for k in turn1)
+    assert all(state.holders(k.key) == {"a"} for k in other)
+
+
+def test_eviction_keeps_keys_a_later_generation_recorded_again():
+    system = "s" * 600
+    state = fleet("a")
+    turn1 = prefix_keys(model=MODEL, messages=chat(system, "q1", "a1"))
+    turn2 = prefix_keys(model=MODEL, messages=chat(system, "q1", "a1", "q2", "a2"))
+    assert turn2[: len(turn1)] == turn1
+    state.record("a", "g1", turn1)
+    state.record("a", "g2", turn2)  # the next turn re-read, and so holds again, the whole of turn 1
+
+    state.evict("a", ["g1"])  # the lane g1 used was taken, but g2 still holds its prefix
+    assert all(state.holders(k.key) == {"a"} for k in turn2)
+    assert state.choose(MODEL, turn2).matched_tokens == turn2[-1].tokens()
+    state.release("a")
+
+    state.evict("a", ["g2"])
+    assert all(state.holders(k.key) == set() for k in turn2)
+
+
+def test_evicting_one_lane_keeps_a_shared_system_prompt_another_lane_still_holds():
+    # Two conversations share a system prompt on node a, each in its own lane. The second one's lane is
+    # taken by an unrelated generation; the first conversation's lane still holds the system prompt and its
+    # own history, so its next turn must still match all of it.
+    system = "shared system prompt. " * 40
+    state = fleet("a", "b", load_tokens=0)
+    conv1 = prefix_keys(model=MODEL, messages=chat(system, "q1", "a1"))
+    conv2 = prefix_keys(model=MODEL, messages=chat(system, "other question", "other answer"))
+    state.record("a", "g1", conv1)
+    state.record("a", "g2", conv2)
+
+    state.evict("a", ["g2"])
+
+    assert all(state.holders(k.key) == {"a"} for k in conv1)
+    assert state.holders(conv2[-1].key) == set()
+    next_turn = prefix_keys(model=MODEL, messages=chat(system, "q1", "a1", "q2"))
+    choice = state.choose(MODEL, next_turn)
+    assert (choice.node_id, choice.matched_tokens) == ("a", conv1[-1].tokens())
+
+
+# --- the LRU cap ----------------------------------------------------------------------------------------
+
+
+def test_the_index_drops_the_least_recently_used_keys_past_max_keys():
+    state = fleet("a", max_keys=4, load_tokens=0)
+    old = prefix_keys(model=MODEL, prompt="o" * 512)  # 2 keys each
+    mid = prefix_keys(model=MODEL, prompt="m" * 512)
+    new = prefix_keys(model=MODEL, prompt="n" * 512)
+    state.record("a", "g1", old)
+    state.record("a", "g2", mid)
+    assert state.index_size() == 4
+
+    state.choose(MODEL, old)  # placing a prompt uses its keys: `old` is now more recent than `mid`
+    state.release("a")
+    state.record("a", "g3", new)
+
+    assert state.index_size() == 4
+    assert [state.holders(k.key) for k in mid] == [set(), set()]
+    assert [state.holders(k.key) for k in old + new] == [{"a"}] * 4
+
+
+def test_recording_refreshes_keys_too():
+    state = fleet("a", max_keys=4)
+    first = prefix_keys(model=MODEL, prompt="1" * 512)
+    second = prefix_keys(model=MODEL, prompt="2" * 512)
+    state.record("a", "g1", first)
+    state.record("a", "g2", second)
+    state.record("a", "g3", first)  # first is the newest again
+    state.record("a", "g4", prefix_keys(model=MODEL, prompt="3" * 256))
+
+    assert state.index_size() == 4
+    assert state.holders(second[0].key) == set()
+    assert state.holders(second[1].key) == {"a"}
+    assert all(state.holders(k.key) == {"a"} for k in first)
+
+
+# --- who may take work ------------------------------------------------------------------------------------
+
+
+def test_a_drained_node_takes_no_work_even_when_it_holds_the_prompt():
+    keys = prefix_keys(model=MODEL, prompt="d" * 1024)
+    state = fleet("a", "b")
+    state.record("a", "g1", keys)
+
+    state.set_schedulable("a", False)
+    choice = state.choose(MODEL, keys)
+    assert choice.node_id == "b" and choice.candidates == 1 and choice.runner_up is None
+    assert state.free_lanes(MODEL) == 3
+
+    state.set_schedulable("b", False)
+    assert state.choose(MODEL, keys) is None
+    assert state.free_lanes(MODEL) == 0
+
+    state.set_schedulable("a", True)
+    assert state.choose(MODEL, keys).node_id == "a"
+
+
+def test_only_nodes_serving_the_model_are_candidates():
+    state = PlacementState()
+    state.node_up(slot("a", models=("llama",)))
+    state.node_up(slot("b", models=("qwen",)))
+    assert state.choose("qwen", []).node_id == "b"
+    assert state.choose("mistral", []) is None
+    assert state.models() == ["llama", "qwen"]
+
+
+def test_a_full_node_takes_nothing_until_release_frees_a_lane():
+    state = fleet("a", lanes=2)
+    assert state.choose(MODEL, []).node_id == "a"
+    assert state.choose(MODEL, []).node_id == "a"
+    assert state.choose(MODEL, []) is None
+    assert state.free_lanes(MODEL) == 0
+
+    state.release("a")
+    assert state.free_lanes(MODEL) == 1
+    assert state.choose(MODEL, []).node_id == "a"
+
+
+def test_release_never_goes_below_zero_and_ignores_unknown_nodes():
+    state = fleet("a", lanes=2)
+    state.release("a")
+    state.release("nobody")
+    assert running(state) == {"a": 0}
+    assert state.free_lanes(MODEL) == 2
+
+
+def test_exclude_skips_nodes_a_failed_attempt_used():
+    keys = prefix_keys(model=MODEL, prompt="e" * 1024)
+    state = fleet("a", "b")
+    state.record("a", "g1", keys)
+    assert state.choose(MODEL, keys, exclude={"a"}).node_id == "b"
+
+
+# --- placement evidence -----------------------------------------------------------------------------------
+
+
+def test_evidence_names_the_choice_its_cost_and_the_runner_up():
+    keys = prefix_keys(model=MODEL, prompt="v" * 1024)
+    state = fleet("a", "b", "c", load_tokens=1000)
+    state.record("b", "g1", keys[:3])
+
+    evidence = state.choose(MODEL, keys).evidence()
+
+    assert evidence == {
+        "node": "node-b",
+        "node_id": "b",
+        "cost": 64,
+        "matched_tokens": 192,
+        "prompt_tokens_estimate": 256,
+        "runner_up": {"node": "node-a", "cost": 256, "matched_tokens": 0},
+        "candidates": 3,
+    }
+
+
+# --- prefix keys -------------------------------------------------------------------------------------------
+
+
+def test_prefix_keys_are_stable_for_the_same_messages():
+    messages = chat("be brief", "hello")
+    assert prefix_keys(model=MODEL, messages=messages) == prefix_keys(model=MODEL, messages=[dict(m) for m in messages])
+    assert prefix_keys(model=MODEL, prompt="p" * 700) == prefix_keys(model=MODEL, prompt="p" * 700)
+
+
+def test_a_conversations_turns_share_their_prefix_keys():
+    system = "You answer questions about llama.cpp fleets. " * 20
+    turn1 = prefix_keys(model=MODEL, messages=chat(system, "What is a lane?"))
+    turn2 = prefix_keys(model=MODEL, messages=chat(system, "What is a lane?", "A decode slot.", "And a node?"))
+
+    assert turn2[: len(turn1)] == turn1
+    assert len(turn2) == len(turn1) + 2  # one boundary per added message (both are short)
+    assert turn2[-1].chars > turn1[-1].chars
+
+
+def test_a_long_system_prompt_gets_block_keys_so_other_conversations_match_it():
+    system = "s" * (3 * BLOCK_CHARS + 10)
+    one = prefix_keys(model=MODEL, messages=chat(system, "question one"))
+    two = prefix_keys(model=MODEL, messages=chat(system, "question two"))
+
+    # three block keys inside the system message, then its boundary, then the user message's boundary
+    assert len(one) == 5
+    assert one[:4] == two[:4] and one[4] != two[4]
+    assert [k.chars for k in one[:3]] == [BLOCK_CHARS, 2 * BLOCK_CHARS, 3 * BLOCK_CHARS]
+
+
+def test_raw_prompts_get_block_keys_with_character_offsets():
+    keys = prefix_keys(model=MODEL, prompt="a" * (2 * BLOCK_CHARS + 100))
+    assert [k.chars for k in keys] == [BLOCK_CHARS, 2 * BLOCK_CHARS]  # a partial last block has no key
+    changed = prefix_keys(model=MODEL, prompt="a" * BLOCK_CHARS + "b" * (BLOCK_CHARS + 100))
+    assert changed[0] == keys[0] and changed[1] != keys[1]
+
+
+def test_prefix_keys_differ_across_models():
+    messages = chat("be brief", "hello")
+    a = prefix_keys(model="llama", messages=messages)
+    b = prefix_keys(model="qwen", messages=messages)
+    assert len(a) == len(b)
+    assert not {k.key for k in a} & {k.key for k in b}
+    assert not {k.key for k in prefix_keys(model="llama", prompt="x" * 512)} & {
+        k.key for k in prefix_keys(model="qwen", prompt="x" * 512)
+    }
+
+
+def test_different_conversations_do_not_share_keys_after_their_first_difference():
+    one = prefix_keys(model=MODEL, messages=chat("system one", "hi"))
+    two = prefix_keys(model=MODEL, messages=chat("system two", "hi"))
+    assert not {k.key for k in one} & {k.key for k in two}
