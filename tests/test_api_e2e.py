@@ -212,15 +212,18 @@ def test_with_every_lane_busy_a_request_expires_at_its_deadline(live_head, clien
     firsts = []
 
     def occupy():
+        # Keep reading: a client that stops reading and drops the connection has gone away, and its lane is freed.
         with httpx.stream("POST", f"{live_head.url}/v1/completions", timeout=180, json={
                 "model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True},
                 headers={"Authorization": f"Bearer {live_head.api_key}"}) as response:
+            running = False
             for line in response.iter_lines():
-                if line.startswith("data: {") and '"text":""' not in line:
+                if not running and line.startswith("data: {") and '"text":""' not in line:
                     firsts.append(line)
+                    running = True
+                    started.wait()
+                if stop.is_set():
                     break
-            started.wait()
-            stop.wait(120)
 
     threads = [threading.Thread(target=occupy, daemon=True) for _ in range(lanes)]
     for thread in threads:

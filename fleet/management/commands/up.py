@@ -7,6 +7,7 @@ worker with beat, and a local node on the bundled model, until Ctrl-C stops them
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -85,8 +86,23 @@ class Command(BaseCommand):
             # Own process groups: Ctrl-C reaches `up`, which stops each child in order.
             children[name] = subprocess.Popen(argv, env=env, cwd=settings.BASE_DIR, start_new_session=True)
             if name == "daphne":
-                time.sleep(1.0)
+                self._wait_listening(children[name], options["host"], options["port"])
         return children
+
+    def _wait_listening(self, proc: subprocess.Popen, host: str, port: int) -> None:
+        """Start the node and say "up" only once the head answers."""
+        address = "127.0.0.1" if host in {"0.0.0.0", "::"} else host
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise CommandError(f"daphne exited with status {proc.returncode}; is port {port} already in use?",
+                                   returncode=1)
+            try:
+                socket.create_connection((address, port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        raise CommandError(f"the head did not start listening on {host}:{port} within 60 s", returncode=1)
 
     def _watch(self, children):
         stop = {"now": False}

@@ -1,0 +1,257 @@
+"""The batched llama.cpp engine against the real SmolLM2-135M-Instruct model, in-process."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from nodes.agent.engine import EngineConfig
+from nodes.agent.engine.local import Outcome, bundled_model_path, run_local
+from nodes.link.spec import GenerateSpec
+
+pytestmark = pytest.mark.slow
+
+WINDOW = 512
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from nodes.agent.engine.llama import LlamaEngine
+
+    engine = LlamaEngine(EngineConfig(model_path=bundled_model_path(), model_name="smollm2", lanes=4, max_context=WINDOW))
+    yield engine
+    engine.close()
+
+
+def chat(gen_id: str, question: str, **kwargs) -> GenerateSpec:
+    kwargs.setdefault("temperature", 0)
+    kwargs.setdefault("max_tokens", 32)
+    return GenerateSpec(gen_id=gen_id, messages=[{"role": "user", "content": question}], **kwargs)
+
+
+def one(engine, spec: GenerateSpec) -> Outcome:
+    outcome = run_local(engine, [spec])[spec.gen_id]
+    assert not engine.busy()
+    return outcome
+
+
+def test_chat_answer_streams_real_tokens(engine):
+    out = one(engine, chat("paris", "What is the capital of France?"))
+
+    assert out.error is None
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"
+    assert out.accepted["prompt_tokens"] == out.done["usage"]["prompt_tokens"] > 10
+    assert out.done["usage"]["completion_tokens"] == len(out.ids) == len(out.texts)
+    assert engine.state_op("detokenize", {"tokens": out.ids})["text"] == out.text
+    timings = out.done["timings"]
+    assert 0 < timings["prompt_ms"] <= timings["ttft_ms"] <= timings["total_ms"]
+    assert engine.info()["capabilities"]["chat"] is True
+
+
+def test_greedy_is_deterministic(engine):
+    first = one(engine, chat("g1", "Write a short poem about the sea.", max_tokens=24))
+    second = one(engine, chat("g2", "Write a short poem about the sea.", max_tokens=24))
+
+    assert first.ids == second.ids and len(first.ids) == 24
+
+
+def test_stop_string_ends_the_answer_and_is_not_emitted(engine):
+    full = one(engine, chat("full", "Count from one to ten in words.", max_tokens=40)).text
+    words = full.split()
+    stop = words[len(words) // 2]
+    cut = one(engine, chat("cut", "Count from one to ten in words.", max_tokens=40, stop=[stop]))
+
+    assert cut.finish_reason == "stop"
+    assert cut.text == full[: full.index(stop)]
+    assert stop not in cut.text
+
+
+def test_max_tokens_finishes_with_length(engine):
+    out = one(engine, chat("len", "Tell me a long story about a dragon.", max_tokens=5))
+
+    assert out.finish_reason == "length"
+    assert out.done["usage"]["completion_tokens"] == 5
+
+
+def test_gbnf_grammar_constrains_the_answer(engine):
+    out = one(engine, chat("yn", "Is the sky green?", grammar='root ::= "yes" | "no"', max_tokens=8))
+
+    assert out.text in {"yes", "no"}
+    assert out.finish_reason == "stop"
+
+
+def test_json_schema_output_parses_and_matches(engine):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    out = one(engine, chat("json", "Describe a person as JSON.", json_schema=json.dumps(schema), max_tokens=60))
+
+    value = json.loads(out.text)
+    assert set(value) == {"name", "age"}
+    assert isinstance(value["name"], str) and isinstance(value["age"], int)
+
+
+def test_logit_bias_keeps_a_token_out(engine):
+    plain = one(engine, chat("plain", "What is the capital of France?", max_tokens=12))
+    banned = plain.ids[0]
+    biased = one(engine, chat("biased", "What is the capital of France?", max_tokens=12, logit_bias={banned: -100.0}))
+
+    assert banned not in biased.ids
+    assert biased.text != plain.text
+
+
+def test_logprobs_come_with_top_alternatives(engine):
+    out = one(engine, chat("lp", "Say hello.", max_tokens=6, logprobs=True, top_logprobs=3))
+
+    assert len(out.logprobs) == len(out.ids) == 6
+    for text, entry in zip(out.texts, out.logprobs, strict=True):
+        assert entry["logprob"] <= 0.0
+        assert len(entry["top"]) == 3
+        tops = [t["logprob"] for t in entry["top"]]
+        assert tops == sorted(tops, reverse=True)
+        # Greedy picks the most likely token: the sampled one is the top alternative.
+        assert entry["top"][0]["token"] == entry["token"] and entry["token"].endswith(text)
+        assert entry["logprob"] == pytest.approx(tops[0])
+
+
+def test_concurrent_greedy_generations_match_the_same_prompts_run_alone(engine):
+    questions = ["What is 2+2?", "Name three colors.", "Write a haiku about rain.", "Who wrote Hamlet?"]
+    alone = {f"a{i}": one(engine, chat(f"a{i}", q, max_tokens=24, ignore_eos=True)) for i, q in enumerate(questions)}
+    together = run_local(engine, [chat(f"t{i}", q, max_tokens=24, ignore_eos=True) for i, q in enumerate(questions)])
+
+    assert len({o.accepted["lane"] for o in together.values()}) == 4
+    for i in range(len(questions)):
+        assert together[f"t{i}"].finish_reason == "length"
+        assert together[f"t{i}"].ids == alone[f"a{i}"].ids
+
+
+def test_same_long_prompt_twice_reuses_the_prefix(engine):
+    system = "You are a careful assistant. " + " ".join(f"Rule {i}: be precise and kind." for i in range(40))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Say hi."}]
+    first = one(engine, GenerateSpec(gen_id="p1", messages=messages, max_tokens=4, temperature=0))
+    second = one(engine, GenerateSpec(gen_id="p2", messages=messages, max_tokens=4, temperature=0))
+
+    prompt = first.done["usage"]["prompt_tokens"]
+    assert prompt > 300
+    assert first.done["usage"]["cached_tokens"] < prompt // 2
+    assert second.done["usage"]["cached_tokens"] == prompt - 1  # only the last token is read again
+    assert second.done["timings"]["prompt_ms"] < first.done["timings"]["prompt_ms"] / 3
+    assert second.ids == first.ids
+
+
+def test_prompt_longer_than_the_window_is_refused(engine):
+    out = one(engine, GenerateSpec(gen_id="huge", prompt="hello " * 2 * WINDOW, max_tokens=4))
+
+    assert out.error["code"] == "context_length_exceeded"
+    assert str(WINDOW) in out.error["message"] and "tokens" in out.error["message"]
+    assert out.error["retryable"] is False and out.done is None
+
+
+def test_bad_input_gets_error_codes(engine):
+    out = run_local(
+        engine,
+        [
+            chat("bad-grammar", "hi", grammar="root ::= (("),
+            chat("bad-schema", "hi", json_schema="{not json"),
+            chat("bad-penalty", "hi", repeat_penalty=0.0),
+            chat("bad-bias", "hi", logit_bias={10**9: 1.0}),
+        ],
+    )
+    assert out["bad-grammar"].error["code"] == "invalid_grammar"
+    assert out["bad-schema"].error["code"] == "invalid_grammar"
+    assert out["bad-penalty"].error["code"] == "invalid_request"
+    assert out["bad-bias"].error["code"] == "invalid_request"
+
+
+def test_cancel_stops_a_running_generation(engine):
+    def cancel_soon(step, _events):
+        return engine.cancel("story") if step == 4 else []
+
+    spec = chat("story", "Tell me a very long story.", max_tokens=200, ignore_eos=True)
+    out = run_local(engine, [spec], on_step=cancel_soon)["story"]
+
+    assert out.finish_reason == "cancelled"
+    assert 0 < len(out.ids) < 10
+    assert engine.cancel("story") == []  # already gone
+
+
+def test_deadline_ends_a_generation(engine):
+    spec = chat("late", "Tell me a very long story.", max_tokens=400, ignore_eos=True, deadline=time.time() + 0.5)
+    out = one(engine, spec)
+
+    assert out.finish_reason == "deadline"
+    assert 0 < len(out.ids) < 400
+
+
+def test_resume_text_continues_where_another_node_stopped(engine):
+    base = one(engine, chat("base", "Write a short poem about the sea.", max_tokens=24, ignore_eos=True))
+    streamed = "".join(base.texts[:10])
+    resumed = one(engine, chat("resume", "Write a short poem about the sea.", max_tokens=14, resume_text=streamed))
+
+    resume_tokens = len(engine.state_op("tokenize", {"text": streamed})["tokens"])
+    assert resumed.done["usage"]["prompt_tokens"] == base.done["usage"]["prompt_tokens"] + resume_tokens
+    assert streamed + resumed.text == base.text
+
+
+def test_resume_text_advances_the_grammar(engine):
+    schema = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+    out = one(engine, chat("rj", "Name a city as JSON.", json_schema=schema, resume_text='{"city": "', max_tokens=30))
+
+    assert json.loads('{"city": "' + out.text)["city"]
+    wrong = one(engine, chat("rw", "Name a city.", grammar='root ::= "yes" | "no"', resume_text="maybe"))
+    assert wrong.error["code"] == "invalid_request"
+
+
+def test_seeded_sampling_repeats_and_penalties_run(engine):
+    spec = {"temperature": 0.9, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "seed": 42, "max_tokens": 16}
+    a = one(engine, chat("s1", "Invent a word.", **spec))
+    b = one(engine, chat("s2", "Invent a word.", **spec))
+    c = one(engine, chat("s3", "Invent a word.", presence_penalty=1.5, frequency_penalty=1.0, repeat_penalty=1.3,
+                         **spec))
+
+    assert a.ids == b.ids
+    assert c.finish_reason in {"stop", "length"} and c.ids
+
+
+def test_more_generations_than_lanes_queue_in_order(engine):
+    out = run_local(engine, [chat(f"q{i}", f"Say the number {i}.", max_tokens=3, ignore_eos=True) for i in range(5)])
+
+    assert all(o.finish_reason == "length" for o in out.values())
+    assert out["q4"].done["timings"]["ttft_ms"] > out["q0"].done["timings"]["ttft_ms"]
+
+
+def test_embeddings_and_tokenize(engine):
+    result = engine.state_op("embed", {"texts": ["a cat sat on the mat", "a kitten sat on a rug", "tax law"]})
+    cat, kitten, tax = result["embeddings"]
+
+    def dot(a, b):
+        return sum(x * y for x, y in zip(a, b, strict=True))
+
+    assert len(cat) == engine.model.n_embd
+    assert dot(cat, cat) == pytest.approx(1.0, abs=1e-4)
+    assert dot(cat, kitten) > dot(cat, tax)
+    assert engine.state_op("tokenize", {"text": "hello world"})["tokens"]
+
+
+def test_park_saves_lanes_and_a_new_engine_starts_warm(tmp_path):
+    from nodes.agent.engine.llama import LlamaEngine
+
+    config = EngineConfig(model_path=bundled_model_path(), lanes=2, max_context=WINDOW, park_dir=str(tmp_path))
+    messages = [{"role": "system", "content": "Be brief. " * 30}, {"role": "user", "content": "Hi."}]
+    first = LlamaEngine(config)
+    cold = one(first, GenerateSpec(gen_id="cold", messages=messages, max_tokens=4, temperature=0))
+    first.idle_work()
+    first.close()
+
+    second = LlamaEngine(config)
+    warm = one(second, GenerateSpec(gen_id="warm", messages=messages, max_tokens=4, temperature=0))
+    second.close()
+
+    assert cold.done["usage"]["cached_tokens"] == 0
+    assert warm.done["usage"]["cached_tokens"] == warm.done["usage"]["prompt_tokens"] - 1
+    assert warm.ids == cold.ids

@@ -1,0 +1,165 @@
+"""The mock engine: deterministic text, the shared lane/prefix-cache accounting, and really-spent costs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from nodes.agent.engine import EngineConfig, create_engine
+from nodes.agent.engine.local import run_local
+from nodes.agent.engine.mock import MockEngine
+from nodes.agent.engine.runs import stop_cut
+from nodes.link.spec import GenerateSpec
+
+LONG = " ".join(f"word{i}" for i in range(300))
+
+
+def mock(**params) -> MockEngine:
+    lanes = params.pop("lanes", 2)
+    config = EngineConfig(model_name="mock-model", lanes=lanes, mock={"decode_tps": 2000, **params})
+    engine = create_engine(config)
+    assert isinstance(engine, MockEngine)
+    return engine
+
+
+def test_same_request_gives_the_same_text_and_other_prompts_differ():
+    engine = mock()
+    first = run_local(engine, [GenerateSpec(gen_id="a", prompt="tell me about lanes", max_tokens=12)])["a"]
+    again = run_local(engine, [GenerateSpec(gen_id="b", prompt="tell me about lanes", max_tokens=12)])["b"]
+    other = run_local(engine, [GenerateSpec(gen_id="c", prompt="something else entirely", max_tokens=12)])["c"]
+
+    assert first.text == again.text
+    assert first.text != other.text
+    assert first.finish_reason == "length"
+    assert first.done["usage"]["completion_tokens"] == 12 == len(first.ids)
+
+
+def test_events_come_in_order_with_sequence_numbers_and_flush_batches():
+    engine = create_engine(EngineConfig(lanes=1, flush_tokens=4, flush_ms=10_000, mock={"decode_tps": 2000}))
+    outcome = run_local(engine, [GenerateSpec(gen_id="a", prompt="hello there", max_tokens=10)])["a"]
+
+    assert outcome.accepted == {"type": "accepted", "gen_id": "a", "prompt_tokens": 2, "cached_tokens": 0, "lane": 0}
+    assert outcome.seqs == [1, 2, 3, 4]  # 4 + 4 + 2 tokens, then done
+    assert len(outcome.ids) == 10
+
+
+def test_cached_tokens_follow_the_lane_prefix():
+    engine = mock(lanes=2)
+    run_local(engine, [GenerateSpec(gen_id="turn1", prompt=LONG, max_tokens=3)])
+    second = run_local(engine, [GenerateSpec(gen_id="turn2", prompt=LONG + " and more words", max_tokens=3)])["turn2"]
+
+    assert second.accepted["cached_tokens"] == 300
+    assert second.done["usage"] == {"prompt_tokens": 303, "cached_tokens": 300, "completion_tokens": 3}
+    assert second.done["evicted"] == []
+
+
+def test_a_replaced_prefix_is_reported_as_evicted():
+    engine = mock(lanes=1)
+    run_local(engine, [GenerateSpec(gen_id="old", prompt="alpha beta gamma", max_tokens=2)])
+    new = run_local(engine, [GenerateSpec(gen_id="new", prompt="alpha delta", max_tokens=2)])["new"]
+
+    assert new.accepted["cached_tokens"] == 1
+    assert new.done["evicted"] == ["old"]
+
+
+def test_prefill_cost_is_spent_only_on_uncached_tokens():
+    engine = mock(lanes=1, prefill_ms_per_token=1.0, decode_tps=1000)
+    cold = run_local(engine, [GenerateSpec(gen_id="cold", prompt=LONG, max_tokens=2)])["cold"]
+    warm = run_local(engine, [GenerateSpec(gen_id="warm", prompt=LONG, max_tokens=2)])["warm"]
+
+    assert cold.done["timings"]["ttft_ms"] >= 250  # 300 tokens at 1 ms each
+    assert warm.done["timings"]["ttft_ms"] < cold.done["timings"]["ttft_ms"] / 5
+    assert warm.done["usage"]["cached_tokens"] == 299
+
+
+def test_decode_rate_is_honoured_and_lanes_decode_together():
+    engine = mock(lanes=4, decode_tps=100, prefill_ms_per_token=0)
+    started = time.perf_counter()
+    outcomes = run_local(engine, [GenerateSpec(gen_id=f"g{i}", prompt=f"p{i}", max_tokens=20) for i in range(4)])
+    elapsed = time.perf_counter() - started
+
+    assert all(o.finish_reason == "length" for o in outcomes.values())
+    # 20 steps of 10 ms serve all four lanes at once: nowhere near the 0.8 s four lanes one by one would take.
+    assert 0.18 <= elapsed < 0.6
+    assert max(o.done["timings"]["decode_tps"] for o in outcomes.values()) <= 110
+
+
+def test_stop_string_ends_the_generation_and_is_never_emitted():
+    engine = mock(words=["alpha", "beta", "gamma", "delta"])
+    full = run_local(engine, [GenerateSpec(gen_id="a", prompt="x", max_tokens=8)])["a"].text
+    stop = full.split()[2]
+    stopped = run_local(engine, [GenerateSpec(gen_id="b", prompt="x", max_tokens=8, stop=[" " + stop])])["b"]
+
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full[: full.index(" " + stop)]
+    assert stop not in stopped.text
+
+
+@pytest.mark.parametrize(
+    ("text", "stops", "expected"),
+    [
+        ("hello world", ["wor"], (6, 6)),  # complete stop: cut before it
+        ("hello wo", ["world"], (None, 6)),  # "wo" may grow into "world": hold it back
+        ("hello", ["xyz"], (None, 5)),
+        ("ab", ["b", "abc"], (1, 1)),
+    ],
+)
+def test_stop_cut(text, stops, expected):
+    assert stop_cut(text, stops) == expected
+
+
+def test_cancel_and_deadline_finish_with_their_reasons():
+    engine = mock(lanes=2, decode_tps=200)
+
+    def cancel_after_three(step, _events):
+        return engine.cancel("slow") if step == 3 else []
+
+    out = run_local(engine, [GenerateSpec(gen_id="slow", prompt="a", max_tokens=500)], on_step=cancel_after_three)
+    assert out["slow"].finish_reason == "cancelled"
+    assert 1 <= len(out["slow"].ids) < 10
+
+    late = run_local(engine, [GenerateSpec(gen_id="late", prompt="b", max_tokens=500, deadline=time.time() + 0.1)])
+    assert late["late"].finish_reason == "deadline"
+    gone = run_local(engine, [GenerateSpec(gen_id="gone", prompt="c", deadline=time.time() - 1)])
+    assert gone["gone"].finish_reason == "deadline" and gone["gone"].ids == []
+
+
+def test_errors_have_codes_and_clear_messages():
+    engine = mock(context_window=64)
+    out = run_local(
+        engine,
+        [
+            GenerateSpec(gen_id="long", prompt=LONG),
+            GenerateSpec(gen_id="grammar", prompt="x", grammar="not a grammar"),
+            GenerateSpec(gen_id="zero", prompt="x", max_tokens=0),
+        ],
+    )
+    assert out["long"].error["code"] == "context_length_exceeded"
+    assert "300 tokens" in out["long"].error["message"] and "64" in out["long"].error["message"]
+    assert out["grammar"].error["code"] == "invalid_grammar"
+    assert out["zero"].error["code"] == "invalid_request"
+    assert not engine.busy()
+
+
+def test_more_generations_than_lanes_wait_their_turn_in_order():
+    engine = mock(lanes=1)
+    out = run_local(engine, [GenerateSpec(gen_id=f"g{i}", prompt=f"p{i}", max_tokens=3) for i in range(3)])
+
+    assert [o.finish_reason for o in out.values()] == ["length"] * 3
+    ends = [o.done["timings"]["total_ms"] for o in out.values()]
+    assert ends == sorted(ends)
+
+
+def test_stats_and_state_ops():
+    engine = mock(lanes=3)
+    engine.submit(GenerateSpec(gen_id="a", prompt="one two three", max_tokens=50))
+    engine.step()
+    stats = engine.stats()
+    assert stats["lanes_busy"] == 1 and stats["lanes"] == 3
+    assert stats["kv_used"] >= 3 and stats["kv_total"] == 3 * 2048
+
+    assert len(engine.state_op("tokenize", {"text": "one two three"})["tokens"]) == 3
+    vectors = engine.state_op("embed", {"texts": ["a", "b"]})["embeddings"]
+    assert len(vectors) == 2 and vectors[0] != vectors[1]
+    assert engine.info()["engine"] == "mock"
