@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,15 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
-test: lint
+# The page tests drive a real headless Chromium (Debian's chromium and chromium-driver).
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
+	  else echo "make: the page tests need Chromium: sudo apt-get install chromium chromium-driver" >&2; exit 1; fi; \
+	fi
+
+test: lint browser
 	$(BIN)/python -m pytest
 
 bench: install

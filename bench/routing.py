@@ -68,7 +68,7 @@ class Params:
     system_prompts: int = 4
     system_words: tuple[int, int] = (400, 800)  # the mock's tokens are whitespace words
     user_words: tuple[int, int] = (8, 30)
-    answer_tokens: tuple[int, int] = (24, 64)
+    answer_tokens: tuple[int, int] = (60, 160)
     think_s: tuple[float, float] = (1.0, 4.0)  # between an answer and the user's next turn
     arrival_gap_s: float = 0.8  # mean gap between conversation starts (exponential)
     load_tokens: int = 3000  # PlacementState's default
@@ -331,7 +331,9 @@ async def converse(head: Head, conv: Conversation, number: int, scale: float) ->
         spec = GenerateSpec(gen_id=f"c{number}t{turn}", model=MODEL, messages=list(messages),
                             max_tokens=conv.answer_tokens[turn], seed=number * 100 + turn, ignore_eos=True)
         gen = await head.generate(spec)
-        messages.append({"role": "assistant", "content": gen.text})
+        # Trimmed as chat clients show it. The mock renders "<|assistant|> " + content and its tokens carry their
+        # leading space, so an untrimmed answer would never match the tokens the lane holds (llama.cpp's would).
+        messages.append({"role": "assistant", "content": gen.text.lstrip()})
         await asyncio.sleep(conv.think_s[turn] * scale)
 
 

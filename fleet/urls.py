@@ -5,6 +5,10 @@ from django.urls import include, path
 
 from fleet import views
 
+admin.site.site_header = "Fleet administration"
+admin.site.site_title = "Fleet"
+admin.site.index_title = "Nodes, keys, conversations and generations"
+
 urlpatterns = [
     path("admin/fleet/", admin.site.admin_view(views.fleet_overview), name="fleet-overview"),
     path("admin/", admin.site.urls),

@@ -38,7 +38,7 @@ def one(engine, spec: GenerateSpec) -> Outcome:
 
 
 def test_chat_answer_streams_real_tokens(engine):
-    out = one(engine, chat("paris", "What is the capital of France?"))
+    out = one(engine, chat("paris", "What is the capital of France? Answer in one word."))
 
     assert out.error is None
     assert "Paris" in out.text

@@ -228,7 +228,6 @@ class NodeAgent:
 
     async def _heartbeat(self) -> None:
         while True:
-            await asyncio.sleep(self.heartbeat_s)
             stats = self.engine.stats()
             cleared = bool(stats.pop("cache_cleared", False))
             self.outbox.put_nowait(Heartbeat(
@@ -237,6 +236,7 @@ class NodeAgent:
                 tokens_per_s=float(stats.get("tokens_per_s", 0.0)), replicas=list(stats.get("replicas", [])),
                 cache_cleared=cleared,
             ))
+            await asyncio.sleep(self.heartbeat_s)
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,0 +1,77 @@
+"""The operator's pages in a real browser (headless Chromium): log in, the fleet page, a node action, API docs."""
+
+import shutil
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.fail("Chromium and chromedriver are needed for the page tests: `make test` installs them "
+                    "(apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+def login(browser, head):
+    from selenium.webdriver.common.by import By
+
+    browser.delete_all_cookies()
+    browser.get(f"{head.url}/admin/login/")
+    browser.find_element(By.NAME, "username").send_keys("admin")
+    browser.find_element(By.NAME, "password").send_keys("test-password-1")
+    browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+    assert "Site administration" in browser.page_source
+
+
+def test_fleet_page_shows_the_live_node(browser, live_head, live_node, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    login(browser, live_head)
+    browser.find_element(By.LINK_TEXT, "Fleet overview").click()
+    rows = browser.find_elements(By.CSS_SELECTOR, "#fleet-nodes tbody tr")
+    text = " ".join(r.text for r in rows)
+    assert "node-a" in text and "online" in text and "smollm2" in text
+    assert "smollm2" in browser.find_element(By.ID, "fleet-models").text
+    browser.save_screenshot(str(tmp_path / "fleet.png"))
+    assert (tmp_path / "fleet.png").stat().st_size > 10_000
+
+
+def test_drain_and_uncordon_a_node_from_the_changelist(browser, live_head, live_node):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    login(browser, live_head)
+
+    def act(action):
+        browser.get(f"{live_head.url}/admin/nodes/node/")
+        browser.find_element(By.CSS_SELECTOR, "input.action-select").click()
+        Select(browser.find_element(By.NAME, "action")).select_by_value(action)
+        browser.find_element(By.NAME, "index").click()
+        return browser.find_element(By.ID, "result_list").text
+
+    assert "draining" in act("drain")
+    assert "online" in act("uncordon")
+
+
+def test_api_docs_page_lists_the_endpoints(browser, live_head):
+    browser.get(f"{live_head.url}/api/docs/")
+    page = browser.page_source
+    assert "/api/nodes/" in page and "/v1/chat/completions" in page
