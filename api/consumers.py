@@ -118,6 +118,8 @@ class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
                     await self.send_json(self._done(client_id, seq, run))
         except OpenAIError as exc:
             await self.send_json(_error(client_id, seq + 1, exc.code or "error", exc.message, exc.param))
+        except Exception:  # the socket is closing under us; disconnect() cancels the generation
+            log.debug("client stream %r: could not send", client_id, exc_info=True)
         finally:
             if self.running.get(client_id, (None,))[0] is run:
                 del self.running[client_id]

@@ -38,7 +38,7 @@ def login(browser, head):
     browser.find_element(By.NAME, "username").send_keys("admin")
     browser.find_element(By.NAME, "password").send_keys("test-password-1")
     browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
-    assert "Site administration" in browser.page_source
+    assert "Fleet administration" in browser.page_source
 
 
 def test_fleet_page_shows_the_live_node(browser, live_head, live_node, tmp_path):

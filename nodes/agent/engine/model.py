@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,8 @@ class LoadedModel:
     """One GGUF model and its vocabulary, with the helpers the engine needs around them."""
 
     def __init__(self, path: str, on_progress: Callable[[float], Any] | None = None) -> None:
+        if not os.path.isfile(path):
+            raise EngineLoadError(f"could not load the model: no file at {path!r}")
         L.llama_backend_init()
         params = L.llama_model_default_params()
         # The CPU backend repacks weights into AMX tiles when the CPU reports AMX, but VMs that do not grant
