@@ -14,11 +14,11 @@ class NodeAdmin(admin.ModelAdmin):
     list_filter = ("state", "hold", "engine")
     search_fields = ("identity", "address")
     readonly_fields = ("id", "identity", "models_served", "lanes", "context_window", "state", "address", "version",
-                       "engine", "capabilities", "replicas", "token", "joined_at", "last_seen_at", "created_at",
-                       "updated_at")
-    fields = ("id", "identity", "state", "hold", "labels", "models_served", "lanes", "context_window", "address",
-              "version", "engine", "capabilities", "replicas", "token", "joined_at", "last_seen_at", "created_at",
-              "updated_at")
+                       "engine", "capabilities", "replicas", "live", "token", "joined_at", "last_seen_at",
+                       "created_at", "updated_at")
+    fields = ("id", "identity", "state", "hold", "labels", "models_served", "lanes", "context_window", "live",
+              "address", "version", "engine", "capabilities", "replicas", "token", "joined_at", "last_seen_at",
+              "created_at", "updated_at")
     list_select_related = ("token",)
     actions = ("drain", "cordon", "uncordon")
 
@@ -29,6 +29,23 @@ class NodeAdmin(admin.ModelAdmin):
     def state_badge(self, node):
         colour = {"online": "#2e7d32", "offline": "#999", "draining": "#e65100", "cordoned": "#e65100"}[node.state]
         return format_html('<b style="color:{}">{}</b>', colour, node.state)
+
+    @admin.display(description="live (last heartbeat)")
+    def live(self, node):
+        """Lanes, KV use, speed and per-replica state from the last heartbeat (kept with a TTL, not in the row)."""
+        from django.core.cache import cache
+
+        from nodes.consumers import liveness_key
+
+        beat = cache.get(liveness_key(str(node.pk)))
+        if not beat:
+            return "no heartbeat (offline, or just joined)"
+        replicas = "; ".join(
+            f"replica {r['index']}: {'alive' if r.get('alive') else 'DOWN'}, {r.get('running', 0)} running, "
+            f"{r.get('routed', 0)} routed" for r in beat.get("replicas") or [])
+        return format_html("{} / {} lanes busy, KV {} / {}, {} tokens/s{}", beat["lanes_busy"], beat["lanes"],
+                           beat["kv_used"], beat["kv_total"], round(beat["tokens_per_s"], 1),
+                           f" — {replicas}" if replicas else "")
 
     @admin.display(description="models")
     def models_list(self, node):

@@ -125,7 +125,7 @@ def create_engine(config: EngineConfig, on_progress: Any = None) -> Engine:
     if config.mock is not None:
         from nodes.agent.engine.mock import MockEngine
 
-        return MockEngine(config)
+        return MockEngine(config, on_progress=on_progress)
     from nodes.agent.engine.llama import LlamaEngine
 
     return LlamaEngine(config, on_progress=on_progress)

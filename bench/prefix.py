@@ -1,0 +1,112 @@
+"""Prefix reuse across a five-turn chat: tokens actually read and time to first token, with and without reuse.
+
+Each turn resends the whole conversation (a ~400-token system prompt, the earlier turns, the new question),
+as an OpenAI-style client does. With reuse the engine finds the lane holding the conversation so far and
+reads only what is new; without reuse every turn starts from a cleared cache. Both read the same prompts:
+the answers come from the reuse run and are replayed into the conversation for both.
+Run from the repository root:  .venv/bin/python bench/prefix.py     Writes bench/results/prefix.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nodes.agent.engine.base import EngineConfig  # noqa: E402
+from nodes.agent.engine.llama import LlamaEngine  # noqa: E402
+from nodes.agent.engine.local import bundled_model_path, run_local  # noqa: E402
+from nodes.link.spec import GenerateSpec  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "prefix.json"
+QUESTIONS = [
+    "What should I pack for a weekend hike?",
+    "How much water should I bring?",
+    "What if it rains?",
+    "Which snacks keep well?",
+    "How do I plan the route?",
+]
+
+
+def system_prompt() -> str:
+    rules = [
+        "Answer briefly and concretely.",
+        "Prefer lists when there are several items.",
+        "Mention safety first when it matters.",
+        "Do not invent facts about places you do not know.",
+        "Use metric units.",
+        "Keep a friendly, calm tone.",
+    ]
+    body = " ".join(f"Guideline {i + 1}: {rules[i % len(rules)]}" for i in range(48))
+    return "You are a hiking assistant for a small outdoor club. " + body
+
+
+def forget(engine: LlamaEngine) -> None:
+    """Clear every lane's KV cache: the next generation reads its whole prompt."""
+    for lane in engine.lanes:
+        engine._trim_lane(lane, 0)
+        lane.tokens, lane.holders = [], []
+
+
+def turn(engine: LlamaEngine, gen_id: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    spec = GenerateSpec(gen_id=gen_id, messages=messages, max_tokens=32, temperature=0)
+    outcome = run_local(engine, [spec])[gen_id]
+    assert outcome.done is not None, outcome.error
+    return {"text": outcome.text, "usage": outcome.done["usage"], "timings": outcome.done["timings"]}
+
+
+def main() -> int:
+    engine = LlamaEngine(EngineConfig(model_path=bundled_model_path(), lanes=2, max_context=2048))
+    turn(engine, "warmup", [{"role": "user", "content": "Hi."}])
+    forget(engine)
+    messages = [{"role": "system", "content": system_prompt()}]
+    rows = []
+    for index, question in enumerate(QUESTIONS, start=1):
+        messages.append({"role": "user", "content": question})
+        reused = turn(engine, f"turn{index}", list(messages))
+        # The same prompt on a cleared cache, then the conversation's lane is put back as the reuse run left it.
+        saved = [(lane.tokens[:], lane.holders[:]) for lane in engine.lanes]
+        forget(engine)
+        cold = turn(engine, f"cold{index}", list(messages))
+        forget(engine)
+        for lane, (tokens, holders) in zip(engine.lanes, saved, strict=True):
+            lane.tokens, lane.holders = [], holders
+            if tokens:  # re-read the lane the reuse run left behind so the next turn can reuse it
+                run_local(engine, [GenerateSpec(gen_id=f"restore{index}", prompt="", max_tokens=1)])
+        usage = reused["usage"]
+        rows.append(
+            {
+                "prompt_tokens": usage["prompt_tokens"],
+                "read_tokens": usage["prompt_tokens"] - usage["cached_tokens"],
+                "ttft_ms": reused["timings"]["ttft_ms"],
+                "ttft_ms_no_reuse": cold["timings"]["ttft_ms"],
+                "read_tokens_no_reuse": cold["usage"]["prompt_tokens"] - cold["usage"]["cached_tokens"],
+            }
+        )
+        r = rows[-1]
+        print(
+            f"turn {index}: prompt {r['prompt_tokens']:4d} tokens, read {r['read_tokens']:4d} "
+            f"({r['read_tokens'] / r['prompt_tokens']:.0%}), ttft {r['ttft_ms']:7.1f} ms "
+            f"vs {r['ttft_ms_no_reuse']:7.1f} ms without reuse ({r['ttft_ms_no_reuse'] / r['ttft_ms']:.1f}x)",
+            flush=True,
+        )
+        messages.append({"role": "assistant", "content": reused["text"]})
+    last = rows[-1]
+    out = {
+        "turns": rows,
+        "turn5_read_fraction": round(last["read_tokens"] / last["prompt_tokens"], 4),
+        "target_met": last["read_tokens"] < 0.2 * last["prompt_tokens"],
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"turn 5 read {out['turn5_read_fraction']:.1%} of its prompt; target (<20%) met: {out['target_met']}")
+    print(f"wrote {RESULTS}")
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

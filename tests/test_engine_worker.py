@@ -1,0 +1,191 @@
+"""The engine worker process: events over the pipe, state operations, and surviving a crashed child."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from nodes.agent.engine import EngineConfig, EngineLoadError, EngineWorker, StateOpError
+from nodes.agent.engine.local import bundled_model_path
+from nodes.link.spec import GenerateSpec
+
+
+class Recorder:
+    """Collects worker events and lets a test wait for a generation's end."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, event: dict) -> None:
+        self.events.append(event)
+        self._changed.set()
+
+    def of(self, gen_id: str, kind: str | None = None) -> list[dict]:
+        return [e for e in self.events if e["gen_id"] == gen_id and (kind is None or e["type"] == kind)]
+
+    async def wait_for(self, gen_id: str, kinds: tuple[str, ...], timeout: float = 60) -> dict:
+        async def waiter() -> dict:
+            while True:
+                found = [e for e in self.of(gen_id) if e["type"] in kinds]
+                if found:
+                    return found[0]
+                self._changed.clear()
+                await self._changed.wait()
+
+        return await asyncio.wait_for(waiter(), timeout)
+
+
+async def wait_until(predicate, timeout: float = 60) -> None:
+    async def poll() -> None:
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(poll(), timeout)
+
+
+def mock_config(**params) -> EngineConfig:
+    return EngineConfig(model_name="mock", lanes=2, mock={"decode_tps": 500, **params})
+
+
+async def test_mock_worker_streams_events_and_answers_state_ops():
+    events = Recorder()
+    progress: list[float] = []
+    worker = EngineWorker(mock_config(load_s=0.1), events, restart_cooldown=0.5)
+    info = await worker.start(on_progress=progress.append)
+    try:
+        assert info["engine"] == "mock" and info["lanes"] == 2
+        assert worker.alive and worker.pid and worker.pid != os.getpid()
+        assert progress and progress[-1] == 1.0
+
+        await worker.submit(GenerateSpec(gen_id="a", prompt="hello there", max_tokens=10))
+        done = await events.wait_for("a", ("done", "error"))
+
+        assert done["type"] == "done" and done["finish_reason"] == "length"
+        kinds = [e["type"] for e in events.of("a")]
+        assert kinds[0] == "accepted" and kinds[-1] == "done"
+        assert sum(len(e["ids"]) for e in events.of("a", "tokens")) == 10
+        assert [e["seq"] for e in events.of("a") if "seq" in e] == list(range(1, done["seq"] + 1))
+
+        assert len((await worker.state_op("tokenize", {"text": "one two"}))["tokens"]) == 2
+        assert len((await worker.state_op("embed", {"texts": ["x", "y"]}))["embeddings"]) == 2
+        with pytest.raises(StateOpError) as failure:
+            await worker.state_op("no-such-op", {})
+        assert failure.value.code == "unknown_op"
+        await wait_until(lambda: "lanes_busy" in worker.stats())
+        assert worker.stats()["lanes"] == 2
+    finally:
+        await worker.stop()
+    assert not worker.alive
+
+
+async def test_mock_worker_cancel_reaches_the_child():
+    events = Recorder()
+    worker = EngineWorker(mock_config(decode_tps=100), events)
+    await worker.start()
+    try:
+        await worker.submit(GenerateSpec(gen_id="long", prompt="x", max_tokens=1000))
+        await events.wait_for("long", ("tokens",))
+        await worker.cancel("long")
+        done = await events.wait_for("long", ("done",))
+        assert done["finish_reason"] == "cancelled"
+    finally:
+        await worker.stop()
+
+
+async def test_load_failure_raises_with_a_clear_message():
+    worker = EngineWorker(EngineConfig(model_path="/nonexistent/model.gguf"), Recorder())
+    with pytest.raises(EngineLoadError, match="could not load"):
+        await worker.start()
+    assert not worker.alive
+
+    bad_mock = EngineWorker(EngineConfig(mock={"no_such_knob": 1}), Recorder())
+    with pytest.raises(EngineLoadError, match="no_such_knob"):
+        await bad_mock.start()
+
+
+async def test_killed_mock_worker_fails_its_generations_and_restarts():
+    events = Recorder()
+    restarts: list[dict] = []
+    worker = EngineWorker(mock_config(decode_tps=50), events, on_restart=restarts.append, restart_cooldown=0.5)
+    await worker.start()
+    try:
+        await worker.submit(GenerateSpec(gen_id="victim", prompt="x", max_tokens=1000))
+        await events.wait_for("victim", ("tokens",))
+        first_pid = worker.pid
+        os.kill(first_pid, signal.SIGKILL)
+
+        error = await events.wait_for("victim", ("error", "done"))
+        assert error == {
+            "type": "error",
+            "gen_id": "victim",
+            "code": "engine_crashed",
+            "message": "the engine worker died (exit code -9); the generation was stopped",
+            "retryable": True,
+        }
+        await wait_until(lambda: worker.alive)
+        assert worker.pid != first_pid
+        assert restarts and restarts[0]["cache_cleared"] is True
+        assert worker.info().get("cache_cleared") is True
+        assert "cache_cleared" not in worker.info()  # reported once
+
+        await worker.submit(GenerateSpec(gen_id="after", prompt="y", max_tokens=5))
+        assert (await events.wait_for("after", ("done", "error")))["type"] == "done"
+    finally:
+        await worker.stop()
+
+
+async def test_an_abort_inside_the_engine_is_a_crash_not_an_agent_death():
+    events = Recorder()
+    worker = EngineWorker(mock_config(abort_on="BOOM"), events, restart_cooldown=0.3)
+    await worker.start()
+    try:
+        await worker.submit(GenerateSpec(gen_id="running", prompt="fine", max_tokens=10_000))
+        await events.wait_for("running", ("tokens",))
+        await worker.submit(GenerateSpec(gen_id="boom", prompt="BOOM", max_tokens=5))
+        crashed = await events.wait_for("boom", ("error",))
+        assert crashed["code"] == "engine_crashed" and "exit code -6" in crashed["message"]
+        assert (await events.wait_for("running", ("error",)))["code"] == "engine_crashed"
+
+        while_down = Recorder()
+        worker.on_event = while_down
+        if not worker.alive:
+            await worker.submit(GenerateSpec(gen_id="early", prompt="z"))
+            assert (await while_down.wait_for("early", ("error",)))["code"] == "engine_unavailable"
+        await wait_until(lambda: worker.alive)
+    finally:
+        await worker.stop()
+
+
+@pytest.mark.slow
+async def test_real_model_worker_generates_and_survives_kill_9():
+    events = Recorder()
+    config = EngineConfig(model_path=bundled_model_path(), model_name="smollm2", lanes=2, max_context=512)
+    worker = EngineWorker(config, events, restart_cooldown=1.0)
+    info = await worker.start()
+    try:
+        assert info["engine"] == "llama.cpp" and info["context_window"] == 512
+
+        question = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+        await worker.submit(GenerateSpec(gen_id="paris", messages=question, max_tokens=16, temperature=0))
+        done = await events.wait_for("paris", ("done", "error"))
+        assert done["type"] == "done"
+        assert "Paris" in "".join(t for e in events.of("paris", "tokens") for t in e["text"])
+
+        story = GenerateSpec(gen_id="story", prompt="Once upon a time", max_tokens=400, ignore_eos=True)
+        await worker.submit(story)
+        await events.wait_for("story", ("tokens",))
+        os.kill(worker.pid, signal.SIGKILL)
+        error = await events.wait_for("story", ("error", "done"))
+        assert error["code"] == "engine_crashed" and error["retryable"] is True
+
+        await wait_until(lambda: worker.alive, timeout=120)
+        await worker.submit(GenerateSpec(gen_id="again", messages=question, max_tokens=16, temperature=0))
+        again = await events.wait_for("again", ("done", "error"))
+        assert again["type"] == "done" and again["usage"]["cached_tokens"] == 0
+        assert worker.stats().get("cache_cleared") is True
+    finally:
+        await worker.stop()
