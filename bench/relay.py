@@ -1,0 +1,172 @@
+"""The head's cost on a stream: SSE through a real head and node vs the same generation on the engine directly.
+
+Both sides run the same engine code (an EngineWorker process on the bundled model, the same lanes and context);
+the difference is everything the head adds: HTTP and SSE, placement, the encrypted link and the relay.
+Runs alternate (head, direct, head, direct, ...) so machine load drifts hit both alike.
+
+    .venv/bin/python bench/relay.py [--runs 12] [--tokens 64]
+
+Prints the decode tokens/s ratio (head / direct) and the added time to first token (p50, p95), and writes
+bench/results/relay.json as {"ratio": x, "ttft_added_ms_p50": y, "ttft_added_ms_p95": z, ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+
+from nodes.agent.engine.base import EngineConfig  # noqa: E402
+from nodes.agent.engine.worker import EngineWorker  # noqa: E402
+from nodes.agent.models import resolve_model  # noqa: E402
+from nodes.link.spec import GenerateSpec  # noqa: E402
+
+PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper and a storm."}]
+LANES = 2
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def through_head(client: httpx.Client, url: str, key: str, tokens: int) -> tuple[float, float, int]:
+    """(ttft_ms, decode tok/s after the first token, tokens) of one SSE stream through the head."""
+    body = {
+        "model": "smollm2",
+        "messages": PROMPT,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first = last = None
+    count = 0
+    with client.stream(
+        "POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                count = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+    return (first - start) * 1000, (count - 1) / max(last - first, 1e-9), count
+
+
+async def direct(worker: EngineWorker, queue: asyncio.Queue, tokens: int) -> tuple[float, float, int]:
+    """The same generation submitted straight to an engine worker."""
+    spec = GenerateSpec(
+        gen_id=uuid.uuid4().hex, model="smollm2", messages=PROMPT, max_tokens=tokens, temperature=0, ignore_eos=True
+    )
+    start = time.perf_counter()
+    first = last = None
+    count = 0
+    await worker.submit(spec)
+    while True:
+        event = await queue.get()
+        if event.get("gen_id") != spec.gen_id:
+            continue
+        if event["type"] == "tokens":
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            count += len(event["ids"])
+        elif event["type"] in {"done", "error"}:
+            break
+    # The head's client sees batches too; measure both from first to last batch the same way.
+    return (first - start) * 1000, (count - 1) / max(last - first, 1e-9), count
+
+
+def start_fleet(tmp: Path):
+    from tests.live import make_head, start_node
+
+    head = make_head(tmp)
+    head.start()
+    node = start_node(head, "--max-batch", str(LANES), identity="bench-node")
+    head.wait_nodes(1, timeout=240)
+    return head, node
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=12)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    os.environ.pop("DATABASE_URL", None)
+    os.environ.pop("REDIS_URL", None)
+    tmp = Path(tempfile.mkdtemp(prefix="fleet-bench-relay-"))
+    head, node = start_fleet(tmp)
+    queue: asyncio.Queue = asyncio.Queue()
+    path, _ = resolve_model("smollm2")
+    worker = EngineWorker(
+        EngineConfig(model_path=str(path), model_name="smollm2", lanes=LANES), on_event=queue.put_nowait
+    )
+    await worker.start()
+    rows = {"head": [], "direct": []}
+    try:
+        with httpx.Client(timeout=300) as client:
+            through_head(client, head.url, head.api_key, 8)  # warm both: caches, first-call costs
+            await direct(worker, queue, 8)
+            for _ in range(args.runs):
+                rows["head"].append(await asyncio.to_thread(through_head, client, head.url, head.api_key, args.tokens))
+                rows["direct"].append(await direct(worker, queue, args.tokens))
+    finally:
+        await worker.stop()
+        node.stop()
+        head.stop()
+    report(rows, args)
+
+
+def report(rows: dict[str, list[tuple[float, float, int]]], args) -> None:
+    ttft = {k: [r[0] for r in v] for k, v in rows.items()}
+    tps = {k: statistics.median(r[1] for r in v) for k, v in rows.items()}
+    added = [h - d for h, d in zip(ttft["head"], ttft["direct"], strict=True)]
+    result = {
+        "ratio": round(tps["head"] / tps["direct"], 3),
+        "ttft_added_ms_p50": round(percentile(added, 0.5), 1),
+        "ttft_added_ms_p95": round(percentile(added, 0.95), 1),
+        "decode_tok_s": {k: round(v, 1) for k, v in tps.items()},
+        "ttft_ms_p50": {k: round(percentile(v, 0.5), 1) for k, v in ttft.items()},
+        "runs": args.runs,
+        "tokens": args.tokens,
+        "lanes": LANES,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    print(f"{'':8}{'decode tok/s (p50)':>20}{'ttft ms (p50)':>16}")
+    for k in ("head", "direct"):
+        print(f"{k:8}{result['decode_tok_s'][k]:>20}{result['ttft_ms_p50'][k]:>16}")
+    print(f"relay ratio (head/direct tok/s): {result['ratio']}   target >= 0.95")
+    print(
+        f"added time to first token: p50 {result['ttft_added_ms_p50']} ms (target <= 10), "
+        f"p95 {result['ttft_added_ms_p95']} ms"
+    )
+    out = ROOT / "bench" / "results" / "relay.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
