@@ -38,6 +38,8 @@ def sse_response(run: Run, first: Any) -> StreamingHttpResponse:
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     response["X-Fleet-Generation"] = run.request.gen_id
+    if run.node:  # known when the generation started before the headers went out
+        response["X-Fleet-Node"] = run.node
     return response
 
 

@@ -33,8 +33,16 @@ from nodes.agent.engine.local import bundled_model_path, run_local  # noqa: E402
 from nodes.link.spec import GenerateSpec  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine.json"
-TOPICS = ["a dragon who loves tea", "a lighthouse keeper", "a robot learning to paint", "a city under the sea",
-          "a detective cat", "the last tree on Mars", "a talking river", "a clockmaker's apprentice"]
+TOPICS = [
+    "a dragon who loves tea",
+    "a lighthouse keeper",
+    "a robot learning to paint",
+    "a city under the sea",
+    "a detective cat",
+    "the last tree on Mars",
+    "a talking river",
+    "a clockmaker's apprentice",
+]
 LEVELS = [1, 2, 4, 8]
 
 
@@ -50,9 +58,7 @@ def prompts(engine: LlamaEngine) -> list[list[int]]:
 
 def run_batched(engine: LlamaEngine, messages: list[list[dict[str, str]]], n_new: int) -> tuple[float, int]:
     """Decode tokens/s of the engine running len(messages) generations at once."""
-    specs = [
-        GenerateSpec(gen_id=f"g{i}", messages=m, max_tokens=n_new, temperature=0) for i, m in enumerate(messages)
-    ]
+    specs = [GenerateSpec(gen_id=f"g{i}", messages=m, max_tokens=n_new, temperature=0) for i, m in enumerate(messages)]
     done = [o.done for o in run_local(engine, specs).values()]
     assert all(d is not None for d in done)
     first = min(d["timings"]["ttft_ms"] for d in done)  # type: ignore[index]
@@ -126,8 +132,15 @@ def naive_llama(path: str, window: int, threads: int) -> Any:
 
     L.llama_cpp.llama_model_default_params = params
     try:
-        return L.Llama(path, n_ctx=window, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                       flash_attn=FLASH_ATTN, verbose=False)
+        return L.Llama(
+            path,
+            n_ctx=window,
+            n_batch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            flash_attn=FLASH_ATTN,
+            verbose=False,
+        )
     finally:
         L.llama_cpp.llama_model_default_params = original
 
@@ -171,8 +184,11 @@ def main() -> int:
             "decode_tokens": {name: value[1] for name, value in b.items()},
         }
         r = results[str(level)]
-        print(f"concurrency {level}: batched {batched:7.1f} tok/s  naive {naive:7.1f}  bare {bare:7.1f}  "
-              f"batched/bare {r['batched_over_bare']:.2f}  batched/naive {r['batched_over_naive']:.2f}", flush=True)
+        print(
+            f"concurrency {level}: batched {batched:7.1f} tok/s  naive {naive:7.1f}  bare {bare:7.1f}  "
+            f"batched/bare {r['batched_over_bare']:.2f}  batched/naive {r['batched_over_naive']:.2f}",
+            flush=True,
+        )
     targets = {
         "batched_over_bare_ge_0.85_all": all(r["batched_over_bare"] >= 0.85 for r in results.values()),
         "batched_over_naive_ge_1.3_at_4_and_8": all(results[k]["batched_over_naive"] >= 1.3 for k in ("4", "8")),
@@ -180,11 +196,21 @@ def main() -> int:
     out = {
         "concurrency": results,
         "targets_met": targets,
-        "settings": {"new_tokens": args.new_tokens, "window": args.window, "threads": engine.threads,
-                     "repeats": args.repeats,
-                     "unified_kv": UNIFIED_KV, "flash_attn": FLASH_ATTN, "n_batch": engine.n_batch},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "llama_cpp": L.__version__,
-                    "load_average_after": os.getloadavg()},
+        "settings": {
+            "new_tokens": args.new_tokens,
+            "window": args.window,
+            "threads": engine.threads,
+            "repeats": args.repeats,
+            "unified_kv": UNIFIED_KV,
+            "flash_attn": FLASH_ATTN,
+            "n_batch": engine.n_batch,
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "llama_cpp": L.__version__,
+            "load_average_after": os.getloadavg(),
+        },
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")

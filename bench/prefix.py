@@ -40,7 +40,7 @@ def system_prompt() -> str:
         "Use metric units.",
         "Keep a friendly, calm tone.",
     ]
-    body = " ".join(f"Guideline {i + 1}: {rules[i % len(rules)]}" for i in range(48))
+    body = " ".join(f"Guideline {i + 1}: {rules[i % len(rules)]}" for i in range(30))
     return "You are a hiking assistant for a small outdoor club. " + body
 
 

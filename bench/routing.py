@@ -45,12 +45,63 @@ RESULTS = Path(__file__).resolve().parent / "results" / "routing.json"
 MODEL = "mock-1b"
 POLICIES = ["cache_aware", "round_robin", "least_loaded"]
 VOCABULARY = [
-    "fleet", "node", "lane", "head", "model", "token", "prompt", "cache", "answer", "question", "user",
-    "system", "policy", "rule", "always", "never", "careful", "brief", "polite", "support", "billing",
-    "refund", "account", "order", "shipping", "invoice", "customer", "product", "warranty", "return",
-    "exchange", "password", "login", "security", "privacy", "data", "report", "summary", "detail", "example",
-    "step", "first", "then", "finally", "please", "check", "confirm", "explain", "describe", "list", "table",
-    "format", "markdown", "code", "python", "error", "log"
+    "fleet",
+    "node",
+    "lane",
+    "head",
+    "model",
+    "token",
+    "prompt",
+    "cache",
+    "answer",
+    "question",
+    "user",
+    "system",
+    "policy",
+    "rule",
+    "always",
+    "never",
+    "careful",
+    "brief",
+    "polite",
+    "support",
+    "billing",
+    "refund",
+    "account",
+    "order",
+    "shipping",
+    "invoice",
+    "customer",
+    "product",
+    "warranty",
+    "return",
+    "exchange",
+    "password",
+    "login",
+    "security",
+    "privacy",
+    "data",
+    "report",
+    "summary",
+    "detail",
+    "example",
+    "step",
+    "first",
+    "then",
+    "finally",
+    "please",
+    "check",
+    "confirm",
+    "explain",
+    "describe",
+    "list",
+    "table",
+    "format",
+    "markdown",
+    "code",
+    "python",
+    "error",
+    "log",
 ]
 
 
@@ -95,13 +146,15 @@ def workload(p: Params) -> list[Conversation]:
     for _ in range(p.conversations):
         start += rng.expovariate(1 / p.arrival_gap_s)
         turns = rng.randint(*p.turns)
-        convs.append(Conversation(
-            start_s=start,
-            system=rng.choice(systems),
-            users=[_words(rng, rng.randint(*p.user_words)) + "?" for _ in range(turns)],
-            answer_tokens=[rng.randint(*p.answer_tokens) for _ in range(turns)],
-            think_s=[rng.uniform(*p.think_s) for _ in range(turns)],
-        ))
+        convs.append(
+            Conversation(
+                start_s=start,
+                system=rng.choice(systems),
+                users=[_words(rng, rng.randint(*p.user_words)) + "?" for _ in range(turns)],
+                answer_tokens=[rng.randint(*p.answer_tokens) for _ in range(turns)],
+                think_s=[rng.uniform(*p.think_s) for _ in range(turns)],
+            )
+        )
     return convs
 
 
@@ -117,12 +170,20 @@ class SimNode:
 
     def __init__(self, index: int, p: Params, deliver) -> None:
         self.index = index
-        self.engine = MockEngine(EngineConfig(
-            model_name=MODEL, lanes=p.lanes, max_context=p.context_window, flush_tokens=1, flush_ms=0.0,
-            mock={"decode_tps": p.decode_tps / p.time_scale,
-                  "prefill_ms_per_token": p.prefill_ms_per_token * p.time_scale,
-                  "context_window": p.context_window},
-        ))
+        self.engine = MockEngine(
+            EngineConfig(
+                model_name=MODEL,
+                lanes=p.lanes,
+                max_context=p.context_window,
+                flush_tokens=1,
+                flush_ms=0.0,
+                mock={
+                    "decode_tps": p.decode_tps / p.time_scale,
+                    "prefill_ms_per_token": p.prefill_ms_per_token * p.time_scale,
+                    "context_window": p.context_window,
+                },
+            )
+        )
         self.inbox: queue.SimpleQueue[GenerateSpec | None] = queue.SimpleQueue()
         self.busy_s = 0.0
         self._deliver = deliver
@@ -257,6 +318,7 @@ class Tally:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     per_node: list[int] = field(default_factory=list)
+    conversation_s: float = 0.0  # summed over conversations, from first turn to last answer
 
 
 class Head:
@@ -325,16 +387,25 @@ class Head:
 
 async def converse(head: Head, conv: Conversation, number: int, scale: float) -> None:
     await asyncio.sleep(conv.start_s * scale)
+    started = time.perf_counter()
     messages = [{"role": "system", "content": conv.system}]
     for turn, user in enumerate(conv.users):
+        if turn:
+            await asyncio.sleep(conv.think_s[turn] * scale)
         messages.append({"role": "user", "content": user})
-        spec = GenerateSpec(gen_id=f"c{number}t{turn}", model=MODEL, messages=list(messages),
-                            max_tokens=conv.answer_tokens[turn], seed=number * 100 + turn, ignore_eos=True)
+        spec = GenerateSpec(
+            gen_id=f"c{number}t{turn}",
+            model=MODEL,
+            messages=list(messages),
+            max_tokens=conv.answer_tokens[turn],
+            seed=number * 100 + turn,
+            ignore_eos=True,
+        )
         gen = await head.generate(spec)
         # Trimmed as chat clients show it. The mock renders "<|assistant|> " + content and its tokens carry their
         # leading space, so an untrimmed answer would never match the tokens the lane holds (llama.cpp's would).
         messages.append({"role": "assistant", "content": gen.text.lstrip()})
-        await asyncio.sleep(conv.think_s[turn] * scale)
+    head.tally.conversation_s += time.perf_counter() - started
 
 
 async def run_policy(name: str, p: Params, convs: list[Conversation]) -> dict[str, Any]:
@@ -344,7 +415,7 @@ async def run_policy(name: str, p: Params, convs: list[Conversation]) -> dict[st
         await asyncio.gather(*(converse(head, c, i, p.time_scale) for i, c in enumerate(convs)))
     finally:
         busy = head.close()
-    return summarize(head.tally, busy, (time.perf_counter() - started) / p.time_scale, p.time_scale)
+    return summarize(head.tally, busy, time.perf_counter() - started, p.time_scale)
 
 
 # --- figures --------------------------------------------------------------------------------------------
@@ -358,8 +429,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-def summarize(t: Tally, busy_s: list[float], wall_s: float, scale: float) -> dict[str, Any]:
+def summarize(t: Tally, busy_s: list[float], elapsed: float, scale: float) -> dict[str, Any]:
     ttft_ms = [s / scale * 1000 for s in t.ttft_s]
+    wall_s = elapsed / scale
     return {
         "prefill_tokens": t.prefill_tokens,
         "ttft_ms_p50": round(percentile(ttft_ms, 0.50), 1),
@@ -374,6 +446,7 @@ def summarize(t: Tally, busy_s: list[float], wall_s: float, scale: float) -> dic
         "cache_hit_ratio": round(1 - t.prefill_tokens / t.prompt_tokens, 3),
         "generations": len(ttft_ms),
         "wall_s": round(wall_s, 1),
+        "mean_active_conversations": round(t.conversation_s / elapsed, 1),
     }
 
 
@@ -395,13 +468,22 @@ def targets(r: dict[str, float]) -> dict[str, bool]:
 
 
 def print_report(p: Params, policies: dict[str, dict[str, Any]], r: dict[str, float], met: dict[str, bool]) -> None:
-    cols = ["prefill_tokens", "ttft_ms_p50", "ttft_ms_p95", "throughput_tok_s", "max_over_mean_load",
-            "max_over_mean_busy", "cache_hit_ratio"]
+    cols = [
+        "prefill_tokens",
+        "ttft_ms_p50",
+        "ttft_ms_p95",
+        "throughput_tok_s",
+        "max_over_mean_load",
+        "max_over_mean_busy",
+        "cache_hit_ratio",
+    ]
     print(f"{'policy':<14}" + "".join(f"{c:>20}" for c in cols))
     for name, row in policies.items():
         print(f"{name:<14}" + "".join(f"{row[c]:>20}" for c in cols))
-    print("max_over_mean_load = the busiest node's share of generations over the mean; "
-          "max_over_mean_busy = the same for the time its engine spent stepping")
+    print(
+        "max_over_mean_load = the busiest node's share of generations over the mean; "
+        "max_over_mean_busy = the same for the time its engine spent stepping"
+    )
     for key, value in r.items():
         print(f"{key}: {value}")
     for key, ok in met.items():
@@ -418,17 +500,23 @@ def parse_args() -> tuple[Params, Path]:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     p.time_scale, p.conversations, p.load_tokens, p.seed = (
-        args.time_scale, args.conversations, args.load_tokens, args.seed)
+        args.time_scale,
+        args.conversations,
+        args.load_tokens,
+        args.seed,
+    )
     return p, args.out
 
 
 def main() -> None:
     p, out = parse_args()
     convs = workload(p)
-    print(f"{p.nodes} nodes x {p.lanes} lanes, prefill {p.prefill_ms_per_token} ms/uncached token, "
-          f"decode {p.decode_tps} tok/s per lane; {len(convs)} conversations, "
-          f"{sum(len(c.users) for c in convs)} turns, {p.system_prompts} system prompts of {p.system_words} words; "
-          f"load_tokens {p.load_tokens}; time scale {p.time_scale}")
+    print(
+        f"{p.nodes} nodes x {p.lanes} lanes, prefill {p.prefill_ms_per_token} ms/uncached token, "
+        f"decode {p.decode_tps} tok/s per lane; {len(convs)} conversations, "
+        f"{sum(len(c.users) for c in convs)} turns, {p.system_prompts} system prompts of {p.system_words} words; "
+        f"load_tokens {p.load_tokens}; time scale {p.time_scale}"
+    )
     policies = {}
     for name in POLICIES:
         policies[name] = asyncio.run(run_policy(name, p, convs))
@@ -437,11 +525,24 @@ def main() -> None:
     met = targets(r)
     print_report(p, policies, r, met)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "policies": policies, "ratios": r, "targets_met": met, "parameters": asdict(p),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
-    }, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "policies": policies,
+                "ratios": r,
+                "targets_met": met,
+                "parameters": asdict(p),
+                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "machine": {
+                    "platform": platform.platform(),
+                    "python": platform.python_version(),
+                    "cpus": os.cpu_count(),
+                },
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

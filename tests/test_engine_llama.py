@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -20,7 +21,8 @@ WINDOW = 512
 def engine():
     from nodes.agent.engine.llama import LlamaEngine
 
-    engine = LlamaEngine(EngineConfig(model_path=bundled_model_path(), model_name="smollm2", lanes=4, max_context=WINDOW))
+    config = EngineConfig(model_path=bundled_model_path(), model_name="smollm2", lanes=4, max_context=WINDOW)
+    engine = LlamaEngine(config)
     yield engine
     engine.close()
 
@@ -81,6 +83,18 @@ def test_gbnf_grammar_constrains_the_answer(engine):
 
     assert out.text in {"yes", "no"}
     assert out.finish_reason == "stop"
+
+
+def test_a_grammar_with_no_way_forward_fails_that_generation_only(engine):
+    # Once "yes" is out only end-of-generation is allowed, and the bias forbids it: llama.cpp would abort
+    # the process if the engine let the grammar accept a token anyway.
+    no_end = {t: -math.inf for t in engine.model.eog_ids}
+    stuck = chat("stuck", "Is the sky blue?", grammar='root ::= "yes"', logit_bias=no_end, max_tokens=8)
+    out = run_local(engine, [stuck, chat("fine", "Say hello.", max_tokens=4)])
+
+    assert out["stuck"].text == "yes"
+    assert out["stuck"].error["code"] == "invalid_grammar" and out["stuck"].done is None
+    assert out["fine"].finish_reason == "length"
 
 
 def test_json_schema_output_parses_and_matches(engine):
@@ -211,8 +225,9 @@ def test_seeded_sampling_repeats_and_penalties_run(engine):
     spec = {"temperature": 0.9, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "seed": 42, "max_tokens": 16}
     a = one(engine, chat("s1", "Invent a word.", **spec))
     b = one(engine, chat("s2", "Invent a word.", **spec))
-    c = one(engine, chat("s3", "Invent a word.", presence_penalty=1.5, frequency_penalty=1.0, repeat_penalty=1.3,
-                         **spec))
+    c = one(
+        engine, chat("s3", "Invent a word.", presence_penalty=1.5, frequency_penalty=1.0, repeat_penalty=1.3, **spec)
+    )
 
     assert a.ids == b.ids
     assert c.finish_reason in {"stop", "length"} and c.ids

@@ -22,6 +22,7 @@ from nodes.agent.engine.base import (
     ERR_INVALID_REQUEST,
     EngineConfig,
     EngineError,
+    EngineLoadError,
     StateOpError,
 )
 from nodes.agent.engine.model import LoadedModel
@@ -96,14 +97,15 @@ class LlamaEngine(LaneEngine):
         self.ctx = self.model.new_context(
             window * config.lanes, config.lanes, n_batch, self.threads, unified_kv=UNIFIED_KV, flash_attn=FLASH_ATTN
         )
+        if L.llama_n_ctx_seq(self.ctx) < window:
+            raise EngineLoadError(f"llama.cpp gave each lane {L.llama_n_ctx_seq(self.ctx)} tokens, not {window}")
         self.mem = L.llama_get_memory(self.ctx)
         super().__init__(config, window, L.llama_n_batch(self.ctx))
         self.batch = TokenBatch(self.n_batch)
         self._embed_ctx: Any = None
         self.parking = LaneParking(config.park_dir, self.model, self.ctx) if config.park_dir else None
         self._unparked: set[int] = set()
-        if self.parking is not None:
-            self.parking.restore(self.lanes, self.window)
+        self.warm_lanes = self.parking.restore(self.lanes, self.window) if self.parking is not None else 0
 
     def info(self) -> dict[str, Any]:
         return {
@@ -123,6 +125,7 @@ class LlamaEngine(LaneEngine):
             "n_ctx_train": self.model.n_ctx_train,
             "n_batch": self.n_batch,
             "threads": self.threads,
+            "warm_lanes": self.warm_lanes,  # lanes restored from the park directory at start
         }
 
     def close(self) -> None:
@@ -219,7 +222,10 @@ class LlamaEngine(LaneEngine):
 
     def _sample(self, run: Run | None, index: int) -> Sample:
         assert run is not None
-        token_id = run.sampler.sample(self.ctx, index, self.model.n_vocab)
+        try:
+            token_id = run.sampler.sample(self.ctx, index, self.model.n_vocab)
+        except EngineError as exc:
+            return exc
         logprob = None
         if run.spec.logprobs:
             # Sampling copies the logits, so these are still the model's own, untouched by bias or grammar.

@@ -16,6 +16,7 @@ from nodes.link.spec import GenerateSpec
 
 PENALTY_LAST_N = 64  # llama.cpp's default window for repeat/frequency/presence penalties
 MAX_TOP_LOGPROBS = 20
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
 
 
 @dataclass
@@ -26,12 +27,32 @@ class LaneSampler:
     chain: Any
     grammar: Any = None  # owned by the chain; kept to check resume tokens against it
     argmax: bool = False
+    _candidates: Any = None  # numpy llama_token_data[n_vocab], for grammar runs
 
     def sample(self, ctx: Any, index: int, n_vocab: int) -> int:
         if self.argmax:
             logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, index), shape=(n_vocab,))
             return int(logits.argmax())
+        if self.grammar is not None:
+            return self._sample_checked(ctx, index, n_vocab)
         return int(L.llama_sampler_sample(self.chain, ctx, index))
+
+    def _sample_checked(self, ctx: Any, index: int, n_vocab: int) -> int:
+        """llama_sampler_sample done by hand, so the pick is checked before the grammar accepts it: when the
+        grammar allows no token at all, accepting one would abort the process inside llama.cpp."""
+        if self._candidates is None:
+            self._candidates = np.zeros(n_vocab, dtype=_TOKEN_DATA)
+            self._candidates["id"] = np.arange(n_vocab, dtype=np.int32)
+        cur = self._candidates
+        cur["logit"] = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, index), shape=(n_vocab,))
+        cur["p"] = 0.0
+        array = L.llama_token_data_array(cur.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n_vocab, -1, False)
+        L.llama_sampler_apply(self.chain, ctypes.byref(array))
+        if not 0 <= array.selected < array.size or not math.isfinite(array.data[array.selected].logit):
+            raise EngineError(ERR_INVALID_GRAMMAR, "the grammar allows no further token; check that it can end")
+        token_id = int(array.data[array.selected].id)
+        L.llama_sampler_accept(self.chain, token_id)
+        return token_id
 
     def free(self) -> None:
         if self.chain:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,8 @@ from nodes.agent.engine.base import (
 from nodes.agent.engine.runs import Run, clock
 from nodes.link.spec import GenerateSpec
 
-Sample = tuple[int, dict[str, Any] | None]  # sampled token id, logprob entry
+# A sampled token id and its logprob entry, or the error that stopped that lane's generation.
+Sample = tuple[int, dict[str, Any] | None] | EngineError
 
 
 @dataclass
@@ -258,8 +260,12 @@ class LaneEngine(ABC):
             if run.prefill_started_at is None:
                 run.prefill_started_at = started
             if work.sample:
+                sample = samples[lane.index]
+                if isinstance(sample, EngineError):
+                    events += self._abort(lane, sample, now)
+                    continue
                 produced += 1
-                events += self._take(lane, run, *samples[lane.index], now)
+                events += self._take(lane, run, *sample, now)
         self._rate.append((now, produced))
         return events
 
@@ -276,15 +282,21 @@ class LaneEngine(ABC):
         return []
 
     def _finish(self, lane: Lane, reason: str, now: float) -> list[Event]:
+        return self._end(lane, now, lambda run: run.done_event(reason, now))
+
+    def _abort(self, lane: Lane, exc: EngineError, now: float) -> list[Event]:
+        """One lane's generation failed (its sampler refused): stream what it had, then the error."""
+        return self._end(lane, now, lambda run: error_event(run.gen_id, exc.code, exc.message, exc.retryable))
+
+    def _end(self, lane: Lane, now: float, final: Callable[[Run], Event]) -> list[Event]:
+        """Flush what the lane's generation still holds, close it with `final` and free the lane."""
         run = lane.run
         assert run is not None
         run.release_all(now)
         run.finished = True
-        events: list[Event] = []
         batch = run.take_batch(now, force=True)
-        if batch is not None:
-            events.append(batch)
-        events.append(run.done_event(reason, now))
+        events = [batch] if batch is not None else []
+        events.append(final(run))  # after the flush: `done` carries the next seq
         lane.run = None
         lane.last_used = now
         self._release_run(run)
