@@ -2,6 +2,7 @@
 
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,7 +17,7 @@ def worker_pids(node) -> list[int]:
     pids = []
     for pid in children(node.proc.pid):
         try:
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
         if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:

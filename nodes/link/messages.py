@@ -145,7 +145,10 @@ class Accepted(Message):
 
 @dataclass(slots=True)
 class TokenBatch(Message):
-    """node -> head: consecutive tokens, one string per token; `seq` counts batches from 0."""
+    """node -> head: consecutive tokens, one string per token.
+
+    `seq` counts a generation's batches from 1; Done carries the next number, so the head sees gaps and duplicates.
+    """
 
     TYPE: ClassVar[MessageType] = MessageType.TOKEN_BATCH
     gen_id: str
