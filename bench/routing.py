@@ -365,8 +365,8 @@ class Head:
                 gen.prompt_tokens, gen.cached_tokens = event["prompt_tokens"], event["cached_tokens"]
             elif kind == "done":
                 self._on_done(gen, event)
-            else:
-                raise RuntimeError(f"generation {event['gen_id']} failed on node {gen.node}: {event}")
+            elif not gen.done.done():
+                gen.done.set_exception(RuntimeError(f"generation {event['gen_id']} failed on node {gen.node}: {event}"))
 
     def _on_done(self, gen: Generation, event: dict[str, Any]) -> None:
         self.policy.finished(gen.node, gen, event)

@@ -264,6 +264,7 @@ def test_park_saves_lanes_and_a_new_engine_starts_warm(tmp_path):
     first.close()
 
     second = LlamaEngine(config)
+    assert second.info()["warm_lanes"] == 1
     warm = one(second, GenerateSpec(gen_id="warm", messages=messages, max_tokens=4, temperature=0))
     second.close()
 

@@ -21,6 +21,7 @@ from nodes.agent.engine.base import (
     ERR_INVALID_REQUEST,
     Engine,
     EngineConfig,
+    EngineLoadError,
     StateOpError,
     create_engine,
     error_event,
@@ -40,7 +41,7 @@ def child_main(conn: Connection, config_data: dict[str, Any]) -> None:
     try:
         engine = create_engine(config, on_progress=_progress_sender(conn))
     except Exception as exc:  # any load failure goes back as a message, never as a silent exit
-        conn.send(("load_error", f"{type(exc).__name__}: {exc}"))
+        conn.send(("load_error", str(exc) if isinstance(exc, EngineLoadError) else f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", engine.info()))
     try:

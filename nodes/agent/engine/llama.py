@@ -1,9 +1,9 @@
 """The batched llama.cpp engine: one model, one context, every lane decoded in one `llama_decode` per step.
 
-Lanes are llama sequence ids in one unified KV cache of `lanes * window` cells. Each step packs every
-busy lane's work — prompt chunks and next tokens together — into one reused batch, checks its sizes
-(llama.cpp aborts the whole process on some malformed batches), decodes once and samples each lane with
-its own sampler chain.
+Lanes are llama sequence ids; the context holds `lanes * window` KV cells, a stream of `window` per lane.
+Each step packs every busy lane's work — prompt chunks and next tokens together — into one reused batch,
+checks its sizes (llama.cpp aborts the whole process on some malformed batches), decodes once and samples
+each lane with its own sampler chain.
 """
 
 from __future__ import annotations
