@@ -22,12 +22,19 @@ _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float3
 @dataclass
 class LaneSampler:
     """A generation's sampler chain. `argmax` marks plain greedy decoding, which skips the chain: an argmax
-    over the logits gives the same token without llama.cpp copying the whole vocabulary each step."""
+    over the logits gives the same token without llama.cpp copying the whole vocabulary each step.
+
+    The grammar is kept out of the chain. Running it over the whole vocabulary costs far more than a decode
+    step of a small model, so (as llama.cpp's own common sampler does) the chain picks a token first and the
+    grammar checks only that one; only when it refuses does the grammar filter every candidate and the chain
+    pick again.
+    """
 
     chain: Any
-    grammar: Any = None  # owned by the chain; kept to check resume tokens against it
+    grammar: Any = None  # owned here, not by the chain
     argmax: bool = False
     _candidates: Any = None  # numpy llama_token_data[n_vocab], for grammar runs
+    _probe: Any = None
 
     def sample(self, ctx: Any, index: int, n_vocab: int) -> int:
         if self.argmax:
@@ -37,27 +44,54 @@ class LaneSampler:
             return self._sample_checked(ctx, index, n_vocab)
         return int(L.llama_sampler_sample(self.chain, ctx, index))
 
-    def _sample_checked(self, ctx: Any, index: int, n_vocab: int) -> int:
-        """llama_sampler_sample done by hand, so the pick is checked before the grammar accepts it: when the
-        grammar allows no token at all, accepting one would abort the process inside llama.cpp."""
+    def _candidates_from(self, ctx: Any, index: int, n_vocab: int):
         if self._candidates is None:
             self._candidates = np.zeros(n_vocab, dtype=_TOKEN_DATA)
             self._candidates["id"] = np.arange(n_vocab, dtype=np.int32)
         cur = self._candidates
+        cur["id"] = np.arange(n_vocab, dtype=np.int32)  # a previous apply may have sorted or truncated them
         cur["logit"] = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, index), shape=(n_vocab,))
         cur["p"] = 0.0
-        array = L.llama_token_data_array(cur.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n_vocab, -1, False)
+        return L.llama_token_data_array(cur.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n_vocab, -1, False)
+
+    def allows(self, token_id: int) -> bool:
+        """Whether the grammar, in its current state, allows this one token."""
+        if self._probe is None:
+            self._probe = (L.llama_token_data * 1)()
+        self._probe[0].id, self._probe[0].logit, self._probe[0].p = token_id, 0.0, 0.0
+        probe = L.llama_token_data_array(self._probe, 1, -1, False)
+        L.llama_sampler_apply(self.grammar, ctypes.byref(probe))
+        return math.isfinite(self._probe[0].logit)
+
+    def _sample_checked(self, ctx: Any, index: int, n_vocab: int) -> int:
+        """Pick with the chain, check the pick against the grammar, and filter everything only when it refuses.
+        The pick is checked before the grammar accepts it: accepting a forbidden token aborts llama.cpp."""
+        array = self._candidates_from(ctx, index, n_vocab)
         L.llama_sampler_apply(self.chain, ctypes.byref(array))
-        if not 0 <= array.selected < array.size or not math.isfinite(array.data[array.selected].logit):
-            raise EngineError(ERR_INVALID_GRAMMAR, "the grammar allows no further token; check that it can end")
-        token_id = int(array.data[array.selected].id)
+        token_id = int(array.data[array.selected].id) if 0 <= array.selected < array.size else -1
+        if token_id < 0 or not self.allows(token_id):
+            array = self._candidates_from(ctx, index, n_vocab)
+            L.llama_sampler_apply(self.grammar, ctypes.byref(array))
+            L.llama_sampler_apply(self.chain, ctypes.byref(array))
+            if not 0 <= array.selected < array.size or not math.isfinite(array.data[array.selected].logit):
+                raise EngineError(ERR_INVALID_GRAMMAR, "the grammar allows no further token; check that it can end")
+            token_id = int(array.data[array.selected].id)
+        L.llama_sampler_accept(self.grammar, token_id)
         L.llama_sampler_accept(self.chain, token_id)
         return token_id
 
+    def accept(self, token_id: int) -> None:
+        if self.grammar is not None:
+            L.llama_sampler_accept(self.grammar, token_id)
+        L.llama_sampler_accept(self.chain, token_id)
+
     def free(self) -> None:
         if self.chain:
-            L.llama_sampler_free(self.chain)  # frees every sampler in the chain, the grammar too
+            L.llama_sampler_free(self.chain)
             self.chain = None
+        if self.grammar:
+            L.llama_sampler_free(self.grammar)
+            self.grammar = None
 
 
 def compile_grammar(spec: GenerateSpec) -> str | None:
@@ -119,7 +153,6 @@ def build_sampler(model: LoadedModel, spec: GenerateSpec) -> LaneSampler:
             )
         if gbnf is not None:
             sampler.grammar = _grammar(model, gbnf)
-            L.llama_sampler_chain_add(chain, sampler.grammar)
         _add_pick(chain, spec, greedy)
     except EngineError:
         sampler.free()
@@ -159,18 +192,12 @@ def _add_pick(chain: Any, spec: GenerateSpec, greedy: bool) -> None:
 
 
 def accept_resume(sampler: LaneSampler, tokens: list[int]) -> None:
-    """Feed already-streamed tokens through the chain (penalties and grammar state), checking each one
+    """Feed already-streamed tokens through the sampler (penalties and grammar state), checking each one
     against the grammar first: llama.cpp aborts the process when a grammar accepts a token it forbids."""
-    probe_data = (L.llama_token_data * 1)()
-    probe = L.llama_token_data_array(probe_data, 1, -1, False)
     for token_id in tokens:
-        if sampler.grammar is not None:
-            probe_data[0].id, probe_data[0].logit, probe_data[0].p = token_id, 0.0, 0.0
-            probe.size, probe.selected = 1, -1
-            L.llama_sampler_apply(sampler.grammar, ctypes.byref(probe))
-            if not math.isfinite(probe_data[0].logit):
-                raise EngineError(ERR_INVALID_REQUEST, "resume_text does not follow the generation's grammar")
-        L.llama_sampler_accept(sampler.chain, token_id)
+        if sampler.grammar is not None and not sampler.allows(token_id):
+            raise EngineError(ERR_INVALID_REQUEST, "resume_text does not follow the generation's grammar")
+        sampler.accept(token_id)
 
 
 def token_logprobs(model: LoadedModel, ctx: Any, index: int, token_id: int, n_top: int) -> dict[str, Any]:
