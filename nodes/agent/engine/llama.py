@@ -249,13 +249,15 @@ class LlamaEngine(LaneEngine):
             texts = args.get("texts")
             if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
                 raise StateOpError(ERR_INVALID_REQUEST, "embed needs `texts`, a list of strings")
-            return {"embeddings": [self._embed(text) for text in texts], "model": self.info()["model_name"]}
+            embedded = [self._embed(text) for text in texts]
+            return {"embeddings": [vector for vector, _ in embedded], "prompt_tokens": sum(n for _, n in embedded),
+                    "model": self.info()["model_name"]}
         if op == "capabilities":
             return self.info()["capabilities"]
         raise StateOpError("unknown_op", f"this engine has no state operation {op!r}")
 
-    def _embed(self, text: str) -> list[float]:
-        """Mean-pooled, L2-normalised embedding from a second context on the same model."""
+    def _embed(self, text: str) -> tuple[list[float], int]:
+        """Mean-pooled, L2-normalised embedding from a second context on the same model, and its token count."""
         if self._embed_ctx is None:
             self._embed_ctx = self.model.new_context(self.window, 1, self.window, self.threads, embeddings=True)
         tokens = self.model.tokenize(text, True, False)
@@ -275,4 +277,4 @@ class LlamaEngine(LaneEngine):
             raise StateOpError(ERR_ENGINE_FAILED, f"llama_decode failed with code {rc} while embedding")
         vector = np.ctypeslib.as_array(L.llama_get_embeddings_seq(self._embed_ctx, 0), shape=(self.model.n_embd,))
         norm = math.sqrt(float(np.dot(vector, vector))) or 1.0
-        return [float(x) / norm for x in vector]
+        return [float(x) / norm for x in vector], len(tokens)
