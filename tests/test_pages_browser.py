@@ -60,15 +60,22 @@ def test_drain_and_uncordon_a_node_from_the_changelist(browser, live_head, live_
 
     login(browser, live_head)
 
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
     def act(action):
         browser.get(f"{live_head.url}/admin/nodes/node/")
+        old = browser.find_element(By.ID, "result_list")
         browser.find_element(By.CSS_SELECTOR, "input.action-select").click()
         Select(browser.find_element(By.NAME, "action")).select_by_value(action)
         browser.find_element(By.NAME, "index").click()
+        WebDriverWait(browser, 15).until(expected_conditions.staleness_of(old))  # the action's page loaded
         return browser.find_element(By.ID, "result_list").text
 
-    assert "draining" in act("drain")
-    assert "online" in act("uncordon")
+    try:
+        assert "draining" in act("drain")
+    finally:
+        assert "online" in act("uncordon")
 
 
 def test_api_docs_page_lists_the_endpoints(browser, live_head):

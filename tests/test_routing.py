@@ -99,6 +99,22 @@ def test_the_token_estimate_learns_each_nodes_chars_per_token():
     assert (choice.prompt_tokens_estimate, choice.matched_tokens, choice.cost) == (128, 128, 0)
 
 
+def test_nodes_that_learned_different_token_ratios_still_cost_the_same_for_a_prompt_nobody_holds():
+    # a has learned 5 chars a token from its generations, b still assumes 4: a prompt neither holds must not
+    # look cheaper on a (fewer estimated tokens), or that estimate, not the tie-break, would pick the node.
+    state = fleet("a", "b", load_tokens=0)
+    seen = prefix_keys(model=MODEL, prompt="k" * 1024)
+    for i in range(40):
+        state.record("a", f"g{i}", seen, prompt_tokens=1024 // 5)
+    for _ in range(3):  # idle nodes take turns: a, b, a
+        state.release(state.choose(MODEL, []).node_id)
+
+    fresh = prefix_keys(model=MODEL, prompt="q" * 1024)
+    choice = state.choose(MODEL, fresh)
+    assert (choice.node_id, choice.cost) == ("b", choice.runner_up["cost"])  # the least routed, at the same cost
+    assert state.choose(MODEL, fresh).node_id == "a"  # then the least loaded
+
+
 # --- tie-breaks ------------------------------------------------------------------------------------
 
 
