@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextvars import ContextVar
 from typing import Any
 
 from django.http import StreamingHttpResponse
@@ -33,8 +34,57 @@ async def first_event(run: Run) -> Any:
     return await run.next_event(timeout=HEADER_WAIT_S)
 
 
+_bodies: ContextVar[list[SSEBody] | None] = ContextVar("fleet_sse_bodies", default=None)
+
+
+class SSEBody:
+    """A stream's body that `sse_guard` can free if Django never starts sending it.
+
+    A client that hangs up between the view's return and the first chunk makes Django cancel the response on
+    its way out (in the middleware, or while sending the headers): the body generator then never starts, so
+    its own cleanup never runs, and the node would keep decoding for nobody.
+    """
+
+    def __init__(self, run: Run, first: Any):
+        self.run = run
+        self.started = False
+        self.body = self._body(first)
+        pending = _bodies.get()
+        if pending is not None:
+            pending.append(self)
+
+    async def _body(self, first: Any):
+        self.started = True
+        async for chunk in sse_body(self.run, first):
+            yield chunk
+
+    def __aiter__(self):
+        return self.body
+
+
+def sse_guard(app):
+    """ASGI wrapper for Django's HTTP app: after each request, abandon the streams Django never started.
+
+    The list lives in a context variable set here, in the request's own task; Django runs the view in a child
+    task, which shares the list object, so what the view registers is seen here whatever Django did.
+    """
+
+    async def guarded(scope, receive, send):
+        token = _bodies.set([])
+        try:
+            await app(scope, receive, send)
+        finally:
+            pending = _bodies.get() or []
+            _bodies.reset(token)
+            for body in pending:
+                if not body.started and not body.run.over:
+                    await body.run.abandon("client went away before the stream started")
+
+    return guarded
+
+
 def sse_response(run: Run, first: Any) -> StreamingHttpResponse:
-    response = StreamingHttpResponse(sse_body(run, first), content_type="text/event-stream; charset=utf-8")
+    response = StreamingHttpResponse(SSEBody(run, first), content_type="text/event-stream; charset=utf-8")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     response["X-Fleet-Generation"] = run.request.gen_id

@@ -9,6 +9,7 @@ django_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
+from api.sse import sse_guard  # noqa: E402
 from fleet.routing import websocket_urlpatterns  # noqa: E402
 
-application = ProtocolTypeRouter({"http": django_app, "websocket": URLRouter(websocket_urlpatterns)})
+application = ProtocolTypeRouter({"http": sse_guard(django_app), "websocket": URLRouter(websocket_urlpatterns)})

@@ -167,9 +167,9 @@ _handler = None
 def _app():
     global _handler
     if _handler is None:
-        from django.core.asgi import get_asgi_application
+        from fleet.asgi import application  # the real app, with the SSE guard around Django
 
-        _handler = get_asgi_application()
+        _handler = application
     return _handler
 
 
