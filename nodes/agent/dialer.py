@@ -125,8 +125,25 @@ class NodeAgent:
             await asyncio.sleep(delay * (0.9 + 0.2 * random.random()))
             delay = min(delay * 2, self.config.backoff_max)
 
+    async def check_token(self) -> None:
+        """Handshake once before the model loads, so a refused token stops the node in seconds, not after a
+        long load. A head that does not answer yet is no error: the agent keeps dialing it later."""
+        head = self.resolve_head()
+        if head is None:
+            return
+        try:
+            async with websockets.connect(_uri(head), open_timeout=10, close_timeout=2) as ws:
+                channel = await self._handshake(ws)
+                await ws.send(channel.seal(Bye(reason="token check before loading the model")))
+        except ConnectionClosed as exc:
+            code = exc.rcvd.code if exc.rcvd else None
+            if code in REFUSAL_CODES:
+                raise Refused(REFUSAL_CODES[code]) from None
+        except (OSError, InvalidHandshake, InvalidURI, LinkError, TimeoutError):
+            return
+
     async def _session(self, head: str) -> bool:
-        uri = head if head.startswith(("ws://", "wss://")) else f"ws://{head}/ws/node/"
+        uri = _uri(head)
         async with websockets.connect(uri, max_size=MAX_FRAME + 1024, open_timeout=10, ping_interval=20,
                                       ping_timeout=20, close_timeout=2) as ws:
             try:
@@ -237,6 +254,10 @@ class NodeAgent:
                 cache_cleared=cleared,
             ))
             await asyncio.sleep(self.heartbeat_s)
+
+
+def _uri(head: str) -> str:
+    return head if head.startswith(("ws://", "wss://")) else f"ws://{head}/ws/node/"
 
 
 def _describe(exc: BaseException) -> str:

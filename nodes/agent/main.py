@@ -108,6 +108,7 @@ async def _run(options: NodeOptions, resolve_head) -> None:
                 agent.on_engine_event(engine.on_event(index, event) if isinstance(engine, ReplicaSet) else event)
         return on_event
 
+    await NodeAgent(agent_config, None, resolve_head=resolve_head).check_token()
     workers = [EngineWorker(cfg, on_event=forward(i)) for i, cfg in enumerate(configs)]
     engine = ReplicaSet(workers, model_name=name) if len(workers) > 1 else workers[0]
     bar = ProgressBar(f"loading {name}")
