@@ -9,10 +9,15 @@ is free, and the policy picks the node:
 - cache_aware:  nodes.link.routing.PlacementState as fleet/dispatch.py drives it (choose with the prompt's
                 prefix keys; at done, record the prompt's and the answer's keys and evict what the node reports);
 - round_robin:  the next node in turn that has a free lane;
-- least_loaded: the node running the fewest generations, ties to the least routed.
+- least_loaded: the node running the fewest generations, ties to the least routed;
+- cache_aware@3000: cache_aware with PlacementState's default load penalty, for comparison.
 
-All three see the same workload (same seeds). Every simulated duration is multiplied by --time-scale to keep the
-run short; reported times are divided by it again, so they read as on the simulated node.
+cache_aware uses a load penalty of 300 tokens, a figure for CPU nodes: on this project's 2-core VM
+(docs/benchmarks.md, Engine) each extra busy lane adds ~8 ms to every decode step, ~1 s over a 120-token answer,
+the time to read a few hundred prompt tokens (190-500 tokens/s). The default, 3000, fits nodes that read prompts
+~10x faster. The mock itself does not slow its decode steps as lanes fill, so it charges nothing for load.
+All policies see the same workload (same seeds). Every simulated duration is multiplied by --time-scale to keep
+the run short; reported times are divided by it again, so they read as on the simulated node.
 Run from the repository root:  .venv/bin/python bench/routing.py        Writes bench/results/routing.json.
 """
 
@@ -43,66 +48,14 @@ from nodes.link.spec import GenerateSpec  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "routing.json"
 MODEL = "mock-1b"
-POLICIES = ["cache_aware", "round_robin", "least_loaded"]
-VOCABULARY = [
-    "fleet",
-    "node",
-    "lane",
-    "head",
-    "model",
-    "token",
-    "prompt",
-    "cache",
-    "answer",
-    "question",
-    "user",
-    "system",
-    "policy",
-    "rule",
-    "always",
-    "never",
-    "careful",
-    "brief",
-    "polite",
-    "support",
-    "billing",
-    "refund",
-    "account",
-    "order",
-    "shipping",
-    "invoice",
-    "customer",
-    "product",
-    "warranty",
-    "return",
-    "exchange",
-    "password",
-    "login",
-    "security",
-    "privacy",
-    "data",
-    "report",
-    "summary",
-    "detail",
-    "example",
-    "step",
-    "first",
-    "then",
-    "finally",
-    "please",
-    "check",
-    "confirm",
-    "explain",
-    "describe",
-    "list",
-    "table",
-    "format",
-    "markdown",
-    "code",
-    "python",
-    "error",
-    "log",
-]
+POLICIES = ["cache_aware", "round_robin", "least_loaded", f"cache_aware@{PlacementState().load_tokens}"]
+_VOCABULARY_TEXT = """
+fleet node lane head model token prompt cache answer question user system policy rule always never careful brief
+polite support billing refund account order shipping invoice customer product warranty return exchange password
+login security privacy data report summary detail example step first then finally please check confirm explain
+describe list table format markdown code python error log
+"""
+VOCABULARY = _VOCABULARY_TEXT.split()
 
 
 @dataclass
@@ -119,11 +72,11 @@ class Params:
     system_prompts: int = 4
     system_words: tuple[int, int] = (400, 800)  # the mock's tokens are whitespace words
     user_words: tuple[int, int] = (8, 30)
-    answer_tokens: tuple[int, int] = (60, 160)
+    answer_tokens: tuple[int, int] = (60, 180)
     think_s: tuple[float, float] = (1.0, 4.0)  # between an answer and the user's next turn
-    arrival_gap_s: float = 0.8  # mean gap between conversation starts (exponential)
-    load_tokens: int = 3000  # PlacementState's default
-    time_scale: float = 0.5
+    arrival_gap_s: float = 3.2  # mean gap between conversation starts (exponential)
+    load_tokens: int = 300  # cache_aware's penalty per running generation (see above)
+    time_scale: float = 0.25
     seed: int = 7
 
 
@@ -186,6 +139,7 @@ class SimNode:
         )
         self.inbox: queue.SimpleQueue[GenerateSpec | None] = queue.SimpleQueue()
         self.busy_s = 0.0
+        self._stopping = False
         self._deliver = deliver
         self._thread = threading.Thread(target=self._run, name=f"node-{index}", daemon=True)
         self._thread.start()
@@ -207,10 +161,8 @@ class SimNode:
                 self.busy_s += time.perf_counter() - started
             if events:
                 self._deliver(self.index, events, time.perf_counter())
-            if spec is None and not engine.busy() and self._stopping:
+            if self._stopping and not engine.busy():
                 return
-
-    _stopping = False
 
     def stop(self) -> None:
         self._stopping = True
@@ -265,9 +217,9 @@ class LeastLoaded(Policy):
 class CacheAware(Policy):
     """PlacementState, driven the way fleet/dispatch.py and the node link consumer drive it."""
 
-    def __init__(self, p: Params) -> None:
+    def __init__(self, p: Params, load_tokens: int | None = None) -> None:
         super().__init__(p)
-        self.state = PlacementState(load_tokens=p.load_tokens)
+        self.state = PlacementState(load_tokens=p.load_tokens if load_tokens is None else load_tokens)
         for i in range(p.nodes):
             self.state.node_up(NodeSlot(f"n{i}", f"node-{i}", [MODEL], p.lanes, p.context_window))
 
@@ -291,7 +243,11 @@ class CacheAware(Policy):
         super().finished(node, gen, done)
 
 
-POLICY_CLASSES = {"cache_aware": CacheAware, "round_robin": RoundRobin, "least_loaded": LeastLoaded}
+def make_policy(name: str, p: Params) -> Policy:
+    """A policy by name; `cache_aware@N` is cache_aware with a load penalty of N tokens."""
+    if name.startswith("cache_aware@"):
+        return CacheAware(p, load_tokens=int(name.split("@", 1)[1]))
+    return {"cache_aware": CacheAware, "round_robin": RoundRobin, "least_loaded": LeastLoaded}[name](p)
 
 
 # --- the head -------------------------------------------------------------------------------------------
@@ -409,7 +365,7 @@ async def converse(head: Head, conv: Conversation, number: int, scale: float) ->
 
 
 async def run_policy(name: str, p: Params, convs: list[Conversation]) -> dict[str, Any]:
-    head = Head(POLICY_CLASSES[name](p), p)
+    head = Head(make_policy(name, p), p)
     started = time.perf_counter()
     try:
         await asyncio.gather(*(converse(head, c, i, p.time_scale) for i, c in enumerate(convs)))
@@ -477,9 +433,9 @@ def print_report(p: Params, policies: dict[str, dict[str, Any]], r: dict[str, fl
         "max_over_mean_busy",
         "cache_hit_ratio",
     ]
-    print(f"{'policy':<14}" + "".join(f"{c:>20}" for c in cols))
+    print(f"{'policy':<18}" + "".join(f"{c:>20}" for c in cols))
     for name, row in policies.items():
-        print(f"{name:<14}" + "".join(f"{row[c]:>20}" for c in cols))
+        print(f"{name:<18}" + "".join(f"{row[c]:>20}" for c in cols))
     print(
         "max_over_mean_load = the busiest node's share of generations over the mean; "
         "max_over_mean_busy = the same for the time its engine spent stepping"
@@ -490,26 +446,28 @@ def print_report(p: Params, policies: dict[str, dict[str, Any]], r: dict[str, fl
         print(f"target {key}: {'met' if ok else 'NOT met'}")
 
 
-def parse_args() -> tuple[Params, Path]:
+def parse_args() -> tuple[Params, list[str], Path]:
     p = Params()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--time-scale", type=float, default=p.time_scale, help="multiply simulated durations")
+    parser.add_argument("--time-scale", type=float, default=p.time_scale, help="multiply every simulated duration")
     parser.add_argument("--conversations", type=int, default=p.conversations)
+    parser.add_argument("--arrival-gap", type=float, default=p.arrival_gap_s, help="mean seconds between conversations")
     parser.add_argument("--load-tokens", type=int, default=p.load_tokens, help="cache_aware's load penalty")
     parser.add_argument("--seed", type=int, default=p.seed)
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; cache_aware@N sets N")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    p.time_scale, p.conversations, p.load_tokens, p.seed = (
-        args.time_scale,
-        args.conversations,
-        args.load_tokens,
-        args.seed,
-    )
-    return p, args.out
+    p.time_scale, p.conversations, p.arrival_gap_s = args.time_scale, args.conversations, args.arrival_gap
+    p.load_tokens, p.seed = args.load_tokens, args.seed
+    names = args.policies.split(",")
+    missing = {"cache_aware", "round_robin"} - set(names)
+    if missing:
+        parser.error(f"--policies must include {' and '.join(sorted(missing))} (the ratios compare them)")
+    return p, names, args.out
 
 
 def main() -> None:
-    p, out = parse_args()
+    p, names, out = parse_args()
     convs = workload(p)
     print(
         f"{p.nodes} nodes x {p.lanes} lanes, prefill {p.prefill_ms_per_token} ms/uncached token, "
@@ -518,7 +476,7 @@ def main() -> None:
         f"load_tokens {p.load_tokens}; time scale {p.time_scale}"
     )
     policies = {}
-    for name in POLICIES:
+    for name in names:
         policies[name] = asyncio.run(run_policy(name, p, convs))
         print(f"  {name}: done in {policies[name]['wall_s'] * p.time_scale:.1f} s of wall time", flush=True)
     r = ratios(policies)

@@ -448,3 +448,11 @@ def test_different_conversations_do_not_share_keys_after_their_first_difference(
     one = prefix_keys(model=MODEL, messages=chat("system one", "hi"))
     two = prefix_keys(model=MODEL, messages=chat("system two", "hi"))
     assert not {k.key for k in one} & {k.key for k in two}
+
+
+def test_an_answer_sent_back_trimmed_still_matches_the_keys_recorded_as_streamed():
+    turn1 = chat("be brief", "hello")
+    recorded = prefix_keys(model=MODEL, messages=[*turn1, {"role": "assistant", "content": " Hi there.\n"}])
+    resent = prefix_keys(model=MODEL, messages=[*turn1, {"role": "assistant", "content": "Hi there."}, {
+        "role": "user", "content": "and then?"}])
+    assert resent[: len(recorded)] == recorded

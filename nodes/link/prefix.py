@@ -41,7 +41,9 @@ def _message_text(message: dict[str, Any]) -> str:
     content = message.get("content") or ""
     if isinstance(content, list):
         content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return f"{message.get('role', '')}\x1e{content}\x1e{message.get('tool_calls') or ''}"
+    # Stripped: the head records an answer as streamed (often with a leading space), and clients commonly send it
+    # back trimmed; both must give the same key, or a conversation's next turn never matches its own answer.
+    return f"{message.get('role', '')}\x1e{content.strip()}\x1e{message.get('tool_calls') or ''}"
 
 
 def prefix_keys(*, model: str, prompt: str | None = None, messages: list[dict] | None = None) -> list[PrefixKey]:
