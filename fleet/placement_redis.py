@@ -8,7 +8,6 @@ loopback (well under a millisecond) and happens a few times per generation, neve
 from __future__ import annotations
 
 import json
-import time
 
 import redis
 
@@ -25,7 +24,7 @@ local n = tonumber(ARGV[4])
 local keys, chars, excluded = {}, {}, {}
 for i = 1, n do keys[i] = ARGV[4 + i]; chars[i] = tonumber(ARGV[4 + n + i]) end
 for i = 5 + 2 * n, #ARGV do excluded[ARGV[i]] = true end
-local scored = {}
+local candidates, cpt_sum = {}, 0
 for _, id in ipairs(redis.call('SMEMBERS', p .. 'nodes')) do
   local h = redis.call('HGETALL', p .. 'node:' .. id)
   if #h == 0 then
@@ -35,21 +34,28 @@ for _, id in ipairs(redis.call('SMEMBERS', p .. 'nodes')) do
     for i = 1, #h, 2 do s[h[i]] = h[i + 1] end
     local serves = false
     for _, m in ipairs(cjson.decode(s.models)) do if m == model then serves = true end end
-    local running, lanes = tonumber(s.running), tonumber(s.lanes)
-    if serves and s.schedulable == '1' and running < lanes and not excluded[id] then
-      local cpt = tonumber(s.cpt)
-      local total = n > 0 and math.floor(chars[n] / cpt) or 0
-      local matched = 0
-      for i = 1, n do
-        if redis.call('HEXISTS', p .. 'k:' .. keys[i], id) == 0 then break end
-        matched = math.floor(chars[i] / cpt)
-      end
-      local cost = math.max(total - matched, 0) + load * running
-      table.insert(scored, {cost, running, tonumber(s.routed), s.identity, id, matched, total})
+    if serves and s.schedulable == '1' and tonumber(s.running) < tonumber(s.lanes) and not excluded[id] then
+      s.id = id
+      table.insert(candidates, s)
+      cpt_sum = cpt_sum + tonumber(s.cpt)
     end
   end
 end
-if #scored == 0 then return nil end
+if #candidates == 0 then return nil end
+-- One text-to-token ratio for every candidate (their mean), as the in-process state does.
+local cpt = cpt_sum / #candidates
+local total = n > 0 and math.floor(chars[n] / cpt) or 0
+local scored = {}
+for _, s in ipairs(candidates) do
+  local matched = 0
+  for i = 1, n do
+    if redis.call('HEXISTS', p .. 'k:' .. keys[i], s.id) == 0 then break end
+    matched = math.floor(chars[i] / cpt)
+  end
+  local running = tonumber(s.running)
+  local cost = math.max(total - matched, 0) + load * running
+  table.insert(scored, {cost, running, tonumber(s.routed), s.identity, s.id, matched})
+end
 table.sort(scored, function(a, b)
   for i = 1, 4 do if a[i] ~= b[i] then return a[i] < b[i] end end
   return false
@@ -57,12 +63,26 @@ end)
 local best = scored[1]
 redis.call('HINCRBY', p .. 'node:' .. best[5], 'running', 1)
 redis.call('HINCRBY', p .. 'node:' .. best[5], 'routed', 1)
-local out = {node_id = best[5], identity = best[4], cost = best[1], matched = best[6], total = best[7],
+local out = {node_id = best[5], identity = best[4], cost = best[1], matched = best[6], total = total,
              candidates = #scored}
 if #scored > 1 then
   out.runner_up = {node = scored[2][4], cost = scored[2][1], matched_tokens = scored[2][6]}
 end
 return cjson.encode(out)
+"""
+
+# A key's hash holds, per node, how many generations there hold it; eviction counts down and drops at zero.
+EVICT = """
+local p, node = ARGV[1], ARGV[2]
+for i = 3, #ARGV do
+  local gen_key = p .. 'gen:' .. node .. ':' .. ARGV[i]
+  for _, key in ipairs(redis.call('LRANGE', gen_key, 0, -1)) do
+    local left = redis.call('HINCRBY', p .. 'k:' .. key, node, -1)
+    if left <= 0 then redis.call('HDEL', p .. 'k:' .. key, node) end
+  end
+  redis.call('DEL', gen_key)
+end
+return 1
 """
 
 RELEASE = """
@@ -84,13 +104,17 @@ class RedisPlacementState:
         self.load_tokens, self.max_keys, self.node_ttl_s = load_tokens, max_keys, node_ttl_s
         self._choose = self.r.register_script(CHOOSE)
         self._release = self.r.register_script(RELEASE)
+        self._evict = self.r.register_script(EVICT)
 
     # --- nodes ---
     def node_up(self, slot: NodeSlot, *, cache_cleared: bool = True, channel: str = "") -> None:
         key = f"{self.p}node:{slot.node_id}"
+        routed = self.r.hget(key, "routed")
+        if routed is not None and not cache_cleared:
+            slot.routed = int(routed)
         pipe = self.r.pipeline()
         pipe.hset(key, mapping={
-            "identity": slot.identity, "models": json.dumps(slot.models), "lanes": slot.lanes, "running": 0,
+            "identity": slot.identity, "models": json.dumps(slot.models), "lanes": slot.lanes, "running": slot.running,
             "routed": slot.routed, "schedulable": int(slot.schedulable), "cpt": slot.chars_per_token,
             "ctx": slot.context_window, "channel": channel,
         })
@@ -144,9 +168,7 @@ class RedisPlacementState:
             return None
         got = json.loads(raw)
         if keys:
-            pipe = self.r.pipeline()
-            pipe.zadd(f"{self.p}lru", {k.key: time.time() for k in keys}, xx=True)
-            pipe.execute()
+            self.r.zadd(f"{self.p}lru", self._ticks(keys), xx=True)
         return Choice(got["node_id"], got["identity"], int(got["cost"]), int(got["matched"]), int(got["total"]),
                       got.get("runner_up"), int(got["candidates"]))
 
@@ -161,19 +183,25 @@ class RedisPlacementState:
         if prompt_tokens > 0:
             cpt = float(self.r.hget(node_key, "cpt") or 4.0)
             self.r.hset(node_key, "cpt", 0.8 * cpt + 0.2 * max(keys[-1].chars / prompt_tokens, 1.0))
-        now = time.time()
+        gen_key = f"{self.p}gen:{node_id}:{gen_id}"
+        if self.r.exists(gen_key):
+            return  # recorded already: counting it twice would outlive its eviction
+        ticks = self._ticks(keys)
         pipe = self.r.pipeline()
         for k in keys:
-            pipe.hset(f"{self.p}k:{k.key}", node_id, gen_id)
+            pipe.hincrby(f"{self.p}k:{k.key}", node_id, 1)
             pipe.expire(f"{self.p}k:{k.key}", KEY_TTL_S)
-        pipe.zadd(f"{self.p}lru", {k.key: now for k in keys})
+        pipe.zadd(f"{self.p}lru", ticks)
         pipe.sadd(f"{self.p}nk:{node_id}", *[k.key for k in keys])
-        gen_key = f"{self.p}gen:{node_id}:{gen_id}"
-        pipe.delete(gen_key)
         pipe.rpush(gen_key, *[k.key for k in keys])
         pipe.expire(gen_key, KEY_TTL_S)
         pipe.execute()
         self._trim()
+
+    def _ticks(self, keys: list[PrefixKey]) -> dict[str, int]:
+        """Recency scores from a shared counter: clock time would tie within a call and break the LRU order."""
+        last = self.r.incrby(f"{self.p}lru:clock", len(keys))
+        return {k.key: last - len(keys) + i + 1 for i, k in enumerate(keys)}
 
     def _trim(self) -> None:
         excess = self.r.zcard(f"{self.p}lru") - self.max_keys
@@ -183,12 +211,8 @@ class RedisPlacementState:
                 self.r.delete(*[f"{self.p}k:{key}" for key, _ in popped])
 
     def evict(self, node_id: str, gen_ids: list[str]) -> None:
-        for gen_id in gen_ids:
-            gen_key = f"{self.p}gen:{node_id}:{gen_id}"
-            for key in self.r.lrange(gen_key, 0, -1):
-                if self.r.hget(f"{self.p}k:{key}", node_id) == gen_id:
-                    self.r.hdel(f"{self.p}k:{key}", node_id)
-            self.r.delete(gen_key)
+        if gen_ids:
+            self._evict(args=[self.p, node_id, *gen_ids])
 
     def forget_node(self, node_id: str) -> None:
         held = self.r.smembers(f"{self.p}nk:{node_id}")

@@ -1,0 +1,29 @@
+"""The routing tests again, on the placement state several head processes share through Redis."""
+
+import os
+import uuid
+
+import pytest
+
+import tests.test_routing as base
+from tests.test_routing import *  # noqa: F403 - the same tests, collected here against Redis
+
+pytestmark = pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")
+
+
+@pytest.fixture(autouse=True)
+def redis_placement(monkeypatch):
+    from fleet.placement_redis import RedisPlacementState
+
+    made = []
+
+    def factory(load_tokens: int = 3000, max_keys: int = 200_000):
+        state = RedisPlacementState(os.environ["REDIS_URL"], prefix=f"fleet-rt-{uuid.uuid4().hex[:8]}:",
+                                    load_tokens=load_tokens, max_keys=max_keys)
+        made.append(state)
+        return state
+
+    monkeypatch.setattr(base, "PlacementState", factory)
+    yield
+    for state in made:
+        state.clear()
