@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.utils import timezone
@@ -30,7 +31,23 @@ def api_key_create(*, owner: AbstractBaseUser, name: str) -> tuple[ApiKey, str]:
 
 
 def api_key_revoke(*, key: ApiKey) -> bool:
-    return bool(ApiKey.objects.filter(pk=key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now()))
+    revoked = bool(ApiKey.objects.filter(pk=key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now()))
+    _verified.clear()  # this process stops accepting it at once; other head processes within VERIFIED_TTL_S
+    return revoked
+
+
+# Keys verified in this process, by hash, for a few seconds: a generation's time to first token should not pay a
+# database round trip (and a thread hop) on every request. Revoking in this process clears it at once.
+VERIFIED_TTL_S = 5.0
+_verified: dict[str, tuple[float, ApiKey]] = {}
+
+
+def api_key_verified_recently(*, key: str) -> ApiKey | None:
+    """The key's row when this process verified it within VERIFIED_TTL_S; no database access (async-safe)."""
+    entry = _verified.get(_hash(key))
+    if entry is None or entry[0] < time.monotonic():
+        return None
+    return entry[1]
 
 
 def api_key_authenticate(*, key: str) -> ApiKey | None:
@@ -44,4 +61,7 @@ def api_key_authenticate(*, key: str) -> ApiKey | None:
     now = timezone.now()
     if row.last_used_at is None or (now - row.last_used_at).total_seconds() > 60:
         ApiKey.objects.filter(pk=row.pk).update(last_used_at=now)
+    if len(_verified) > 10_000:
+        _verified.clear()
+    _verified[_hash(key)] = (time.monotonic() + VERIFIED_TTL_S, row)
     return row

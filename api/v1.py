@@ -19,7 +19,7 @@ from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from api.auth import v1_authenticate
+from api.auth import v1_authenticate_async
 from api.errors import OpenAIError, invalid, openai_error_response
 from api.generation import Run
 from api.responses import shape_for
@@ -46,7 +46,7 @@ def openai_view(*methods: str):
                 if request.method not in methods:
                     raise OpenAIError(405, f"{request.method} is not allowed here; use {' or '.join(methods)}.",
                                       code="method_not_allowed")
-                request.api_key = await sync_to_async(v1_authenticate)(request.headers.get("Authorization"))
+                request.api_key = await v1_authenticate_async(request.headers.get("Authorization"))
                 return await view(request, *args, **kwargs)
             except OpenAIError as exc:
                 return openai_error_response(exc)
