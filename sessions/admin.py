@@ -3,7 +3,7 @@
 from django.contrib import admin, messages
 from django.utils import timezone
 
-from sessions.models import BatchJob, Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message
+from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message
 
 
 class ReadOnlyMixin:
@@ -68,11 +68,3 @@ class LogitBiasHandleAdmin(FreeableAdmin):
     list_filter = ("freed_at",)
     search_fields = ("id", "name")
     list_select_related = ("api_key",)
-
-
-@admin.register(BatchJob)
-class BatchJobAdmin(admin.ModelAdmin):
-    list_display = ("id", "model", "status", "api_key", "created_at", "finished_at")
-    list_filter = ("status", "model")
-    list_select_related = ("api_key",)
-    readonly_fields = ("id", "results", "status", "error", "created_at", "updated_at", "finished_at")

@@ -92,69 +92,43 @@ class Generation(models.Model):
         return f"{self.model} {self.id}"
 
 
-class GrammarHandle(models.Model):
+class Handle(models.Model):
+    """What grammar and logit-bias handles share: an owner, a name, and `freed_at` once freed."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=200, blank=True)
+    api_key = models.ForeignKey("api.ApiKey", null=True, blank=True, on_delete=models.SET_NULL)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    freed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        abstract = True
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.name or str(self.id)
+
+
+class GrammarHandle(Handle):
     """A grammar (GBNF, or a JSON schema the node compiles to one) kept on the head and sent by reference."""
 
     class Kind(models.TextChoices):
         GBNF = "gbnf", "GBNF"
         JSON_SCHEMA = "json_schema", "JSON schema"
 
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    name = models.CharField(max_length=200, blank=True)
     kind = models.CharField(max_length=16, choices=Kind.choices)
     source = models.TextField()
-    api_key = models.ForeignKey("api.ApiKey", null=True, blank=True, on_delete=models.SET_NULL)
-    owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
-    freed_at = models.DateTimeField(null=True, blank=True)
 
-    class Meta:
-        ordering = ["-created_at"]
-
-    def __str__(self) -> str:
-        return self.name or str(self.id)
+    class Meta(Handle.Meta):
+        pass
 
 
-class LogitBiasHandle(models.Model):
+class LogitBiasHandle(Handle):
     """A token-id to bias map kept on the head and sent with the generations that name it."""
 
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    name = models.CharField(max_length=200, blank=True)
     bias = models.JSONField(default=dict)
-    api_key = models.ForeignKey("api.ApiKey", null=True, blank=True, on_delete=models.SET_NULL)
-    owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
-    freed_at = models.DateTimeField(null=True, blank=True)
 
-    class Meta:
-        ordering = ["-created_at"]
+    class Meta(Handle.Meta):
         verbose_name = "logit-bias handle"
-
-    def __str__(self) -> str:
-        return self.name or str(self.id)
-
-
-class BatchJob(models.Model):
-    """A list of generation requests run by a Celery worker, results kept here."""
-
-    class Status(models.TextChoices):
-        QUEUED = "queued", "queued"
-        RUNNING = "running", "running"
-        DONE = "done", "done"
-        FAILED = "failed", "failed"
-
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    api_key = models.ForeignKey("api.ApiKey", null=True, blank=True, on_delete=models.SET_NULL)
-    model = models.CharField(max_length=200)
-    requests = models.JSONField(default=list)
-    results = models.JSONField(default=list, blank=True)
-    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
-    error = models.TextField(blank=True)
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
-    finished_at = models.DateTimeField(null=True, blank=True)
-
-    class Meta:
-        ordering = ["-created_at"]

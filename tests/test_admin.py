@@ -30,7 +30,6 @@ CHANGELISTS = {
     "admin:inference_sessions_generation_changelist": 11,
     "admin:inference_sessions_grammarhandle_changelist": 5,
     "admin:inference_sessions_logitbiashandle_changelist": 5,
-    "admin:inference_sessions_batchjob_changelist": 6,
 }
 
 
