@@ -1,7 +1,8 @@
 """The client websocket at /ws/v1/generate: several generations at once on one socket, each by the client's id.
 
-Auth happens in connect(): `Authorization: Bearer <key>` or `?api_key=<key>` (browsers cannot set headers); a
-refused socket is closed with 4401 and a reason. Frames in: generate, cancel, ping. Frames out: token, done,
+Auth happens in connect(): `Authorization: Bearer <key>` or `?api_key=<key>` (browsers cannot set headers), or,
+with no key, a logged-in staff Django session from the same origin (the admin playground); a refused socket is
+closed with 4401 and a reason. Frames in: generate, cancel, ping. Frames out: token, done,
 error (and pong), each with a `seq` per generation id. Closing the socket cancels all its generations.
 """
 
@@ -12,6 +13,7 @@ import json
 import logging
 from contextlib import suppress
 from typing import Any
+from urllib.parse import urlsplit
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
@@ -34,17 +36,30 @@ class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
 
     async def connect(self) -> None:
         self.api_key = None
+        self.user = None  # set once the socket is authenticated: the key's owner, or the staff session's user
         self.running: dict[Any, tuple[Run, asyncio.Task]] = {}
         await self.accept()
         key = bearer_from_scope(self.scope)
         if key is None:
-            await self._refuse("missing API key: send Authorization: Bearer <key> or ?api_key=<key>")
+            await self._connect_session()
             return
         row = await database_sync_to_async(api_key_authenticate)(key=key)
         if row is None or not row.owner.is_active:
             await self._refuse("the API key is wrong or revoked")
             return
-        self.api_key = row
+        self.api_key, self.user = row, row.owner
+
+    async def _connect_session(self) -> None:
+        """No key: a logged-in, active staff user's session (the admin playground), only from this site's pages."""
+        user = self.scope.get("user")  # AuthMiddlewareStack resolved it before connect()
+        if user is None or not user.is_authenticated:
+            await self._refuse("missing API key: send Authorization: Bearer <key> or ?api_key=<key>")
+        elif not (user.is_active and user.is_staff):
+            await self._refuse("only staff users may use the websocket with a session; send an API key")
+        elif not _same_origin(self.scope):
+            await self._refuse("a session-authenticated socket must come from this site's own pages (Origin)")
+        else:
+            self.user = user
 
     async def _refuse(self, reason: str) -> None:
         # daphne drops close reasons, so the reason also goes out as an error frame first.
@@ -56,7 +71,7 @@ class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
             await self._stop(client_id, "client went away")
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
-        if self.api_key is None:
+        if self.user is None:
             return
         try:
             frame = json.loads(text_data if text_data is not None else bytes_data)
@@ -100,8 +115,9 @@ class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
         self.running[client_id] = (run, task)
 
     def _validate(self, body: dict[str, Any]):
-        key_throttled(self.api_key)
-        return request_for(body, api_key=self.api_key, user=self.api_key.owner)
+        if self.api_key is not None:
+            key_throttled(self.api_key)
+        return request_for(body, api_key=self.api_key, user=self.user)
 
     async def _relay(self, client_id: Any, run: Run) -> None:
         seq = 0
@@ -148,6 +164,20 @@ class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
         with suppress(BaseException):
             await task
         await run.abandon(reason)
+
+
+def _same_origin(scope: dict) -> bool:
+    """The handshake's Origin is this host (or a CSRF-trusted origin), so another site cannot ride the cookie."""
+    from django.conf import settings
+
+    headers = {name.lower(): value.decode("latin1") for name, value in scope.get("headers") or []}
+    origin, host = headers.get(b"origin", "").strip(), headers.get(b"host", "").strip().lower()
+    if not origin or origin == "null":
+        return False
+    if origin.rstrip("/") in [o.rstrip("/") for o in settings.CSRF_TRUSTED_ORIGINS]:
+        return True
+    parts = urlsplit(origin)
+    return parts.scheme in ("http", "https") and bool(host) and parts.netloc.lower() == host
 
 
 def _error(client_id: Any, seq: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:

@@ -1,5 +1,7 @@
-"""Websocket routes. Node links authenticate with their fleet token inside the link; clients with API keys."""
+"""Websocket routes. Node links authenticate with their fleet token inside the link; clients with API keys, or
+(the admin playground) a staff session: only the client route reads the session cookie."""
 
+from channels.auth import AuthMiddlewareStack
 from django.urls import path
 
 from api.consumers import ClientStreamConsumer
@@ -7,5 +9,5 @@ from nodes.consumers import NodeLinkConsumer
 
 websocket_urlpatterns = [
     path("ws/node/", NodeLinkConsumer.as_asgi()),
-    path("ws/v1/generate", ClientStreamConsumer.as_asgi()),
+    path("ws/v1/generate", AuthMiddlewareStack(ClientStreamConsumer.as_asgi())),
 ]

@@ -11,6 +11,7 @@ admin.site.index_title = "Nodes, keys, conversations and generations"
 
 urlpatterns = [
     path("admin/fleet/", admin.site.admin_view(views.fleet_overview), name="fleet-overview"),
+    path("admin/playground/", admin.site.admin_view(views.playground), name="fleet-playground"),
     path("admin/", admin.site.urls),
     path("healthz", views.healthz, name="healthz"),
     path("", include("api.urls")),

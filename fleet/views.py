@@ -1,4 +1,4 @@
-"""The fleet overview page (linked from the admin index) and a health check."""
+"""The fleet overview page and the playground (both linked from the admin index), and a health check."""
 
 from django.contrib import admin
 from django.http import JsonResponse
@@ -10,6 +10,15 @@ from fleet.selectors import fleet_overview as fleet_overview_data
 def fleet_overview(request):
     context = {**admin.site.each_context(request), "title": "Fleet", **fleet_overview_data()}
     return TemplateResponse(request, "fleet/overview.html", context)
+
+
+def playground(request):
+    """Chat with a served model; the page streams over /ws/v1/generate with the staff user's session."""
+    from fleet.links import registry
+
+    models = registry().placement.models()
+    context = {**admin.site.each_context(request), "title": "Playground", "models": models}
+    return TemplateResponse(request, "fleet/playground.html", context)
 
 
 def healthz(request):

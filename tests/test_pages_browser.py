@@ -1,4 +1,5 @@
-"""The operator's pages in a real browser (headless Chromium): log in, the fleet page, a node action, API docs."""
+"""The operator's pages in a real browser (headless Chromium): log in, the fleet page, a node action, API docs,
+the playground."""
 
 import shutil
 
@@ -82,3 +83,25 @@ def test_api_docs_page_lists_the_endpoints(browser, live_head):
     browser.get(f"{live_head.url}/api/docs/")
     page = browser.page_source
     assert "/api/nodes/" in page and "/v1/chat/completions" in page
+
+
+def test_the_playground_streams_an_answer_with_the_node_and_usage(browser, live_head, live_node, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    login(browser, live_head)
+    browser.find_element(By.LINK_TEXT, "Playground").click()
+    assert "smollm2" in browser.find_element(By.ID, "pg-model").text
+    browser.find_element(By.ID, "pg-system").send_keys("You are a friendly assistant.")
+    browser.find_element(By.ID, "pg-message").send_keys("Say hello")
+    max_tokens = browser.find_element(By.ID, "pg-max-tokens")
+    max_tokens.clear()
+    max_tokens.send_keys("32")
+    browser.find_element(By.ID, "pg-send").click()
+    usage = WebDriverWait(browser, 120).until(
+        lambda b: b.find_element(By.ID, "pg-usage").text or b.find_element(By.ID, "pg-error").text)
+    assert "node-a" in usage and "completion" in usage, usage
+    assert browser.find_element(By.ID, "pg-answer").text.strip()
+    assert not browser.find_element(By.ID, "pg-error").text
+    browser.save_screenshot(str(tmp_path / "playground.png"))
+    assert (tmp_path / "playground.png").stat().st_size > 10_000
