@@ -109,7 +109,9 @@ def _request(kind, spec, body, api_key, *, plan=None, session_id=None, new_messa
         raise invalid("stream_options must be an object like {\"include_usage\": true}.", param="stream_options")
     deadline_ms = _int(body, "deadline_ms", 1, MAX_DEADLINE_MS, settings.FLEET_DEFAULT_DEADLINE_MS)
     deadline = time.time() + deadline_ms / 1000
-    spec.deadline = deadline
+    # A deadline the client gave bounds the whole generation; the default only bounds the wait for a lane,
+    # so a client that asked for none gets its whole answer however long the node takes.
+    spec.deadline = deadline if body.get("deadline_ms") is not None else None
     return GenerationRequest(kind, spec, deadline, stream=stream, include_usage=stream and bool(
         options.get("include_usage")), tools=plan, session_id=session_id, new_messages=new_messages or [],
         api_key=api_key)

@@ -7,7 +7,8 @@ conversations send each turn with the whole history, a generation waits in one F
 is free, and the policy picks the node:
 
 - cache_aware:  nodes.link.routing.PlacementState as fleet/dispatch.py drives it (choose with the prompt's
-                prefix keys; at done, record the prompt's and the answer's keys and evict what the node reports);
+                prefix keys; at accepted, evict what the node reports its lane choice discarded; at done, record
+                the prompt's and the answer's keys and evict what the node reports again);
 - round_robin:  the next node in turn that has a free lane;
 - least_loaded: the node running the fewest generations, ties to the least routed;
 - cache_aware@3000: cache_aware with PlacementState's default load penalty, for comparison.
@@ -193,6 +194,9 @@ class Policy:
     def pick(self, free: list[int]) -> int:
         raise NotImplementedError
 
+    def accepted(self, node: int, event: dict[str, Any]) -> None:
+        """The node admitted a generation (the baselines keep no index)."""
+
     def finished(self, node: int, gen: Generation, done: dict[str, Any]) -> None:
         self.running[node] -= 1
 
@@ -231,6 +235,10 @@ class CacheAware(Policy):
         self.running[node] += 1
         self.routed[node] += 1
         return node
+
+    def accepted(self, node: int, event: dict[str, Any]) -> None:
+        if event.get("evicted"):
+            self.state.evict(f"n{node}", list(event["evicted"]))
 
     def finished(self, node: int, gen: Generation, done: dict[str, Any]) -> None:
         node_id = f"n{node}"
@@ -319,6 +327,7 @@ class Head:
                 gen.completion_tokens += len(event["ids"])
             elif kind == "accepted":
                 gen.prompt_tokens, gen.cached_tokens = event["prompt_tokens"], event["cached_tokens"]
+                self.policy.accepted(gen.node, event)
             elif kind == "done":
                 self._on_done(gen, event)
             elif not gen.done.done():

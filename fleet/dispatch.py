@@ -21,6 +21,7 @@ from nodes.link.spec import GenerateSpec
 log = logging.getLogger("fleet")
 
 MAX_ATTEMPTS = 3
+STUCK_AFTER_S = 300.0  # no frame at all from a node for this long, on a generation without a deadline
 # Only a lost node is retried elsewhere. An engine that crashed on a generation is not: the same request could
 # crash every node it is sent to (llama.cpp aborts on some inputs), so it ends with a clear error instead.
 RETRYABLE_CODES = {"node_lost"}
@@ -176,7 +177,6 @@ class GenerationStream:
         relay = reg.relays[relay_gen] = Relay(relay_gen)
         self._current = (link.node_id, link)
         spec = GenerateSpec(**{**self.spec.__dict__, "resume_text": self.spec.resume_text + self.outcome.text})
-        spec.deadline = self.deadline
         spec.max_tokens = max(self.spec.max_tokens - self.outcome.completion_tokens, 1)
         expected_seq = 1
         finished = False
@@ -186,8 +186,12 @@ class GenerationStream:
                 if relay.overflowed:
                     raise GenerationError("client_too_slow", "the client read tokens too slowly", status=500)
                 try:
-                    event = await relay.get(timeout=max(self.deadline - time.time(), 0) + 5)
+                    event = await relay.get(timeout=self._frame_timeout())
                 except TimeoutError:
+                    if self.spec.deadline is None:
+                        raise GenerationError("node_stuck", f"node {link.identity!r} sent nothing for "
+                                              f"{STUCK_AFTER_S:.0f} s; the generation was stopped", status=504,
+                                              kind="server_error") from None
                     raise GenerationError("deadline_exceeded", "the generation passed its deadline",
                                           status=504, kind="server_error") from None
                 if isinstance(event, Error | NodeLost):
@@ -220,7 +224,18 @@ class GenerationStream:
                 # generator closed by the garbage collector may not await in its finally.
                 asyncio.ensure_future(_cancel_quietly(link, relay_gen))
 
+    def _frame_timeout(self) -> float:
+        """How long to wait for the node's next frame: until the client's deadline (the node ends the generation
+        itself then), or, without one, a generous silence after which the node is taken for stuck."""
+        if self.spec.deadline is not None:
+            return max(self.spec.deadline - time.time(), 0) + 5
+        return STUCK_AFTER_S
+
     def _on_accepted(self, event: Accepted, link) -> Started | None:
+        if event.evicted:
+            # The node threw these caches away to admit this generation: forget them now, not a generation later
+            # at done (which evicts them again, harmlessly, in case a done recorded them after this).
+            registry().placement.evict(link.node_id, list(event.evicted))
         resumed = bool(self.outcome.completion_tokens)
         if not resumed:
             self.outcome.prompt_tokens, self.outcome.cached_tokens = event.prompt_tokens, event.cached_tokens

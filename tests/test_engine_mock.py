@@ -39,7 +39,9 @@ def test_events_come_in_order_with_sequence_numbers_and_flush_batches():
     engine = create_engine(EngineConfig(lanes=1, flush_tokens=4, flush_ms=10_000, mock={"decode_tps": 2000}))
     outcome = run_local(engine, [GenerateSpec(gen_id="a", prompt="hello there", max_tokens=10)])["a"]
 
-    assert outcome.accepted == {"type": "accepted", "gen_id": "a", "prompt_tokens": 2, "cached_tokens": 0, "lane": 0}
+    assert outcome.accepted == {
+        "type": "accepted", "gen_id": "a", "prompt_tokens": 2, "cached_tokens": 0, "lane": 0, "evicted": [],
+    }
     assert outcome.seqs == [1, 2, 3, 4]  # 4 + 4 + 2 tokens, then done
     assert len(outcome.ids) == 10
 
@@ -60,7 +62,107 @@ def test_a_replaced_prefix_is_reported_as_evicted():
     new = run_local(engine, [GenerateSpec(gen_id="new", prompt="alpha delta", max_tokens=2)])["new"]
 
     assert new.accepted["cached_tokens"] == 1
+    # Reported at admission, so the head forgets the old prefix a whole generation earlier; done repeats it.
+    assert new.accepted["evicted"] == ["old"]
     assert new.done["evicted"] == ["old"]
+
+
+def test_the_accepted_message_forwards_the_evicted_generations_to_the_head():
+    from nodes.agent.dialer import _event_to_message
+    from nodes.link.messages import Accepted
+
+    engine = mock(lanes=1)
+    run_local(engine, [GenerateSpec(gen_id="old", prompt="alpha beta gamma", max_tokens=2)])
+    new = run_local(engine, [GenerateSpec(gen_id="new", prompt="delta", max_tokens=2)])["new"]
+
+    msg = _event_to_message(new.accepted)
+    assert isinstance(msg, Accepted) and msg.evicted == ["old"] and msg.cached_tokens == 0
+    assert _event_to_message({"type": "accepted", "gen_id": "g", "prompt_tokens": 3}).evicted == []  # older engine
+
+
+def test_reading_the_same_prompt_again_evicts_nobody():
+    engine = mock(lanes=1)
+    run_local(engine, [GenerateSpec(gen_id="first", prompt=LONG, max_tokens=2)])
+    again = run_local(engine, [GenerateSpec(gen_id="again", prompt=LONG, max_tokens=2)])["again"]
+
+    assert again.accepted["cached_tokens"] == 299  # the last prompt token is read again for its logits
+    assert again.accepted["evicted"] == [] == again.done["evicted"]
+
+
+def chat_turn(engine: MockEngine, gen_id: str, messages: list[dict[str, str]], max_tokens: int = 20):
+    """One chat turn; the answer is appended to `messages` as a client would send it back."""
+    outcome = run_local(engine, [GenerateSpec(gen_id=gen_id, messages=list(messages), max_tokens=max_tokens)])[gen_id]
+    messages.append({"role": "assistant", "content": outcome.text.lstrip()})
+    return outcome
+
+
+def chat(topic: str, words: int = 60) -> list[dict[str, str]]:
+    # Every chat starts with the same "<|system|>" token: a one-token match that must not steal a warm lane.
+    return [
+        {"role": "system", "content": " ".join(f"{topic}{i}" for i in range(words))},
+        {"role": "user", "content": f"tell me about {topic}"},
+    ]
+
+
+def test_two_conversations_alternating_on_two_lanes_each_keep_their_own_lane():
+    engine = mock(lanes=2)
+    convs = {"a": chat("apples"), "b": chat("boats")}
+    lanes: dict[str, set[int]] = {"a": set(), "b": set()}
+    for turn in range(4):
+        for name, messages in convs.items():
+            if turn:
+                messages.append({"role": "user", "content": f"and more on {name} please, turn {turn}"})
+            out = chat_turn(engine, f"{name}{turn}", messages)
+            lanes[name].add(out.accepted["lane"])
+            assert out.accepted["evicted"] == []
+            if turn:
+                # All but the new question (and the "<|assistant|>" marker) comes from the lane's cache.
+                assert out.accepted["cached_tokens"] >= out.accepted["prompt_tokens"] - 12
+    assert lanes["a"] == {0} and lanes["b"] == {1}
+
+
+def test_a_new_unrelated_prompt_takes_an_empty_lane_rather_than_a_warm_one():
+    engine = mock(lanes=3)
+    warm = chat("apples")
+    first = chat_turn(engine, "warm1", warm)
+    other = chat_turn(engine, "other", chat("boats"))
+
+    assert other.accepted["lane"] != first.accepted["lane"]
+    assert other.accepted["cached_tokens"] == 0 and other.accepted["evicted"] == []
+    warm.append({"role": "user", "content": "go on"})
+    again = chat_turn(engine, "warm2", warm)
+    assert again.accepted["lane"] == first.accepted["lane"]
+    assert again.accepted["cached_tokens"] > 60
+
+
+def test_with_no_empty_lane_the_least_valuable_then_least_recently_used_lane_is_evicted():
+    engine = mock(lanes=2)
+    chat_turn(engine, "older", chat("apples"))
+    chat_turn(engine, "newer", chat("boats"))
+    # Both lanes hold caches of the same size: the least recently used one goes.
+    out = chat_turn(engine, "third", chat("cars"))
+    assert out.accepted["evicted"] == ["older"]
+    assert out.accepted["cached_tokens"] == 1  # only "<|system|>" was shared
+
+    # A smaller cache is worth less than a bigger one, even when it was used more recently.
+    engine = mock(lanes=2)
+    chat_turn(engine, "big", chat("apples", words=200))
+    chat_turn(engine, "small", chat("boats", words=20))
+    out = chat_turn(engine, "third", chat("cars"))
+    assert out.accepted["evicted"] == ["small"]
+
+
+def test_the_longest_real_prefix_still_wins_over_an_empty_lane():
+    engine = mock(lanes=3)
+    system = " ".join(f"rule{i}" for i in range(100))
+    base = [{"role": "system", "content": system}, {"role": "user", "content": "first question"}]
+    first = chat_turn(engine, "first", base)
+    # Another conversation on the same long system prompt: 100+ tokens reused against ~20 discarded.
+    other = chat_turn(engine, "other", [{"role": "system", "content": system}, {"role": "user", "content": "hi"}])
+
+    assert other.accepted["lane"] == first.accepted["lane"]
+    assert other.accepted["cached_tokens"] > 100
+    assert other.accepted["evicted"] == ["first"]
 
 
 def test_prefill_cost_is_spent_only_on_uncached_tokens():

@@ -73,7 +73,7 @@ def _event_to_message(event: dict[str, Any]):
     if kind == "accepted":
         return Accepted(gen_id=event["gen_id"], prompt_tokens=event["prompt_tokens"],
                         cached_tokens=event.get("cached_tokens", 0), lane=event.get("lane", 0),
-                        replica=event.get("replica", 0))
+                        replica=event.get("replica", 0), evicted=list(event.get("evicted", [])))
     if kind == "tokens":
         return TokenBatch(gen_id=event["gen_id"], seq=event["seq"], text=event["text"], ids=event["ids"],
                           logprobs=event.get("logprobs"))

@@ -133,7 +133,10 @@ class StateResult(Message):
 
 @dataclass(slots=True)
 class Accepted(Message):
-    """node -> head: the prompt is tokenized and admitted to a lane; prefill starts next."""
+    """node -> head: the prompt is tokenized and admitted to a lane; prefill starts next.
+
+    `evicted` names the generations whose cached prompts that lane choice discarded (Done repeats them).
+    """
 
     TYPE: ClassVar[MessageType] = MessageType.ACCEPTED
     gen_id: str
@@ -141,6 +144,7 @@ class Accepted(Message):
     cached_tokens: int = 0
     lane: int = 0
     replica: int = 0
+    evicted: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ An engine owns `lanes` decode slots over one model. The worker drives it: `submi
 `step` runs one decode step over every busy lane, and both return event dicts that map 1:1 onto the
 node-link messages the agent forwards to the head:
 
-- ``{"type": "accepted", "gen_id", "prompt_tokens", "cached_tokens", "lane"}``
+- ``{"type": "accepted", "gen_id", "prompt_tokens", "cached_tokens", "lane", "evicted"}``
 - ``{"type": "tokens", "gen_id", "seq", "text": [str], "ids": [int], "logprobs": [dict] | None}``
 - ``{"type": "done", "gen_id", "seq", "finish_reason", "usage", "timings", "lane", "evicted"}``
 - ``{"type": "error", "gen_id", "code", "message", "retryable"}``
@@ -102,13 +102,17 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def accepted_event(gen_id: str, prompt_tokens: int, cached_tokens: int, lane: int) -> Event:
+def accepted_event(
+    gen_id: str, prompt_tokens: int, cached_tokens: int, lane: int, evicted: list[str] | None = None
+) -> Event:
+    """`evicted`: the generations whose cached prompts this one's lane choice discarded (`done` repeats them)."""
     return {
         "type": "accepted",
         "gen_id": gen_id,
         "prompt_tokens": prompt_tokens,
         "cached_tokens": cached_tokens,
         "lane": lane,
+        "evicted": list(evicted or []),
     }
 
 

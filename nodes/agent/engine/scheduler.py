@@ -184,19 +184,26 @@ class LaneEngine(ABC):
                 return lane.run
         return None
 
-    def _pick_lane(self, tokens: list[int]) -> tuple[Lane, int] | None:
-        """The free lane sharing the longest prefix with `tokens`; ties go to the lane whose cache
-        loses least, then to the least recently used."""
-        best: tuple[tuple[int, int, float], Lane, int] | None = None
+    def _pick_lane(self, tokens: list[int]) -> tuple[Lane, int, int] | None:
+        """The free lane where `tokens` cost least: most tokens reused less tokens of the lane's cache thrown away.
+
+        So the lane holding the longest real prefix still wins, but a token or two in common never throws away
+        another conversation's cache while an empty lane (score 0) is free. Equal scores go to the lane that
+        discards least (an empty lane before a warm one), then to the least recently used. Returns the lane,
+        the tokens to keep and how many of them match the lane (which can be one more than kept: the last
+        prompt token is always read again)."""
+        best: tuple[tuple[int, int, float], Lane, int, int] | None = None
         for lane in self.lanes:
             if lane.run is not None:
                 continue
+            common = common_prefix(lane.tokens, tokens)
             # At least the last prompt token is read again: its logits give the first sample.
-            shared = min(common_prefix(lane.tokens, tokens), len(tokens) - 1)
-            key = (shared, -(len(lane.tokens) - shared), -lane.last_used)
+            keep = min(common, len(tokens) - 1)
+            discarded = len(lane.tokens) - common  # tokens of the lane's cache the new prompt does not hold
+            key = (keep - discarded, -discarded, -lane.last_used)
             if best is None or key > best[0]:
-                best = (key, lane, shared)
-        return None if best is None else (best[1], best[2])
+                best = (key, lane, keep, common)
+        return None if best is None else (best[1], best[2], best[3])
 
     def _admit(self) -> list[Event]:
         events: list[Event] = []
@@ -204,16 +211,18 @@ class LaneEngine(ABC):
             picked = self._pick_lane(self.queue[0].tokens)
             if picked is None:
                 break
-            lane, keep = picked
+            lane, keep, common = picked
             run = self.queue.popleft()
             if keep < len(lane.tokens):
                 self._trim_lane(lane, keep)
                 del lane.tokens[keep:]
-            run.evicted = [gen_id for gen_id, n in lane.holders if n > keep]
-            lane.holders = [(gen_id, n) for gen_id, n in lane.holders if n <= keep] + [(run.gen_id, len(run.tokens))]
+            # A holder whose prompt lies within `common` keeps it: this generation reads those tokens back.
+            run.evicted = [gen_id for gen_id, n in lane.holders if n > common]
+            lane.holders = [(gen_id, n) for gen_id, n in lane.holders if n <= common and gen_id != run.gen_id]
+            lane.holders.append((run.gen_id, len(run.tokens)))
             run.lane, run.cached_tokens = lane.index, keep
             lane.run = run
-            events.append(accepted_event(run.gen_id, run.prompt_tokens, keep, lane.index))
+            events.append(accepted_event(run.gen_id, run.prompt_tokens, keep, lane.index, run.evicted))
         return events
 
     def _expire(self) -> list[Event]:
