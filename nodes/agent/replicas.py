@@ -87,6 +87,8 @@ class ReplicaSet:
         """Called by each worker's event hook: tags the replica and keeps the routing state right."""
         event = {**event, "replica": index}
         gen_id = event.get("gen_id")
+        if event["type"] == "accepted" and event.get("evicted"):
+            self.placement.evict(f"r{index}", list(event["evicted"]))
         if event["type"] in {"done", "error"} and self.where.pop(gen_id, None) is not None:
             self.placement.release(f"r{index}")
             keys = self.keys.pop(gen_id, [])
@@ -101,8 +103,12 @@ class ReplicaSet:
         keys = prefix_keys(model=spec.model, prompt=spec.prompt, messages=spec.messages)
         for index, worker in enumerate(self.workers):
             self.placement.set_schedulable(f"r{index}", worker.alive)
-        choice = self.placement.choose(self.model_name, keys) or self.placement.choose(self.model_name, [])
-        index = int(choice.node_id[1:]) if choice else min(range(len(self.workers)), key=lambda i: self.routed[i])
+        choice = self.placement.choose(self.model_name, keys)
+        if choice is not None:
+            index = int(choice.node_id[1:])
+        else:  # every live lane is busy: queue in the engine of the least-routed live replica, never a dead one
+            alive = [i for i, w in enumerate(self.workers) if w.alive] or list(range(len(self.workers)))
+            index = min(alive, key=lambda i: self.routed[i])
         self.routed[index] += 1
         self.where[spec.gen_id], self.keys[spec.gen_id] = index, keys
         await self.workers[index].submit(spec)
