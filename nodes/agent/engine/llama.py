@@ -165,14 +165,7 @@ class LlamaEngine(LaneEngine):
         except EngineError:
             sampler.free()
             raise
-        return Run(
-            spec=spec,
-            tokens=tokens,
-            submitted_at=submitted_at,
-            flush_tokens=self.config.flush_tokens,
-            flush_s=self.config.flush_ms / 1000,
-            sampler=sampler,
-        )
+        return self._new_run(spec, tokens, submitted_at, sampler)
 
     def _release_run(self, run: Run) -> None:
         if isinstance(run.sampler, LaneSampler):

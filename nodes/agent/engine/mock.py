@@ -146,14 +146,7 @@ class MockEngine(LaneEngine):
                 "shorten the prompt",
             )
         start = zlib.crc32(f"{spec.seed}|{text}".encode()) % len(self.params.words)
-        return Run(
-            spec=spec,
-            tokens=tokens,
-            submitted_at=submitted_at,
-            flush_tokens=self.config.flush_tokens,
-            flush_s=self.config.flush_ms / 1000,
-            sampler=start,
-        )
+        return self._new_run(spec, tokens, submitted_at, start)
 
     def _trim_lane(self, lane: Lane, keep: int) -> None:
         """The mock's cache is just `lane.tokens`."""

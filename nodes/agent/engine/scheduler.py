@@ -101,6 +101,11 @@ class LaneEngine(ABC):
     @abstractmethod
     def _is_eog(self, token_id: int) -> bool: ...
 
+    def _new_run(self, spec: GenerateSpec, tokens: list[int], submitted_at: float, sampler: Any) -> Run:
+        """A run with this engine's flush policy; `_prepare` implementations end with it."""
+        return Run(spec=spec, tokens=tokens, submitted_at=submitted_at, flush_tokens=self.config.flush_tokens,
+                   flush_s=self.config.flush_ms / 1000, sampler=sampler)
+
     def _release_run(self, run: Run) -> None:  # noqa: B027 - optional hook
         """Free per-generation resources (the sampler)."""
 
