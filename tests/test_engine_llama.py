@@ -158,6 +158,46 @@ def test_same_long_prompt_twice_reuses_the_prefix(engine):
     assert second.ids == first.ids
 
 
+def test_a_shared_system_prompt_is_copied_from_a_busy_lane_and_both_answers_are_unchanged(engine):
+    from nodes.agent.engine.llama import LlamaEngine
+
+    system = "You answer for the fleet desk. " + " ".join(f"Policy {i}: answer briefly." for i in range(30))
+
+    def ask(gen_id: str, question: str) -> GenerateSpec:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return GenerateSpec(gen_id=gen_id, messages=messages, max_tokens=24, temperature=0, ignore_eos=True)
+
+    # References on a one-lane engine: the donor read fresh, then the copier reusing the system prompt in place,
+    # so each reads exactly the token chunks it reads below (llama.cpp's numerics depend on the chunk shapes).
+    config = EngineConfig(model_path=bundled_model_path(), model_name="smollm2", lanes=1, max_context=WINDOW)
+    single = LlamaEngine(config)
+    try:
+        donor_alone = one(single, ask("donor-alone", "What is a lane?"))
+        copier_alone = one(single, ask("copier-alone", "What is a node?"))
+    finally:
+        single.close()
+    assert donor_alone.accepted["cached_tokens"] == 0 and copier_alone.accepted["cached_tokens"] > 150
+
+    seen: dict[str, int] = {}
+
+    def submit_once_the_donor_generates(step, events):
+        lane = next((la for la in engine.lanes if la.run is not None and la.run.gen_id == "donor"), None)
+        if not seen and lane is not None and len(lane.tokens) > len(lane.run.tokens):
+            seen.update(lane=lane.index, copies=engine.stats()["prefix_copies"])
+            return engine.submit(ask("copier", "What is a node?"))
+        return []
+
+    both = run_local(engine, [ask("donor", "What is a lane?")], on_step=submit_once_the_donor_generates)
+
+    copier = both["copier"]
+    assert copier.accepted["lane"] != seen["lane"]
+    assert copier.accepted["cached_tokens"] == copier_alone.accepted["cached_tokens"]  # from the donor's lane
+    assert "donor" not in copier.accepted["evicted"]
+    assert engine.stats()["prefix_copies"] == seen["copies"] + 1
+    assert both["donor"].ids == donor_alone.ids  # the donor went on undisturbed
+    assert copier.ids == copier_alone.ids  # and the copied cache reads exactly like the lane's own
+
+
 def test_prompt_longer_than_the_window_is_refused(engine):
     out = one(engine, GenerateSpec(gen_id="huge", prompt="hello " * 2 * WINDOW, max_tokens=4))
 

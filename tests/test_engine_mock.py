@@ -152,17 +152,52 @@ def test_with_no_empty_lane_the_least_valuable_then_least_recently_used_lane_is_
     assert out.accepted["evicted"] == ["small"]
 
 
-def test_the_longest_real_prefix_still_wins_over_an_empty_lane():
+def test_a_shared_prefix_is_copied_into_an_empty_lane_and_nobody_is_evicted():
     engine = mock(lanes=3)
     system = " ".join(f"rule{i}" for i in range(100))
     base = [{"role": "system", "content": system}, {"role": "user", "content": "first question"}]
     first = chat_turn(engine, "first", base)
-    # Another conversation on the same long system prompt: 100+ tokens reused against ~20 discarded.
+    # Another conversation on the same long system prompt: its 100+ tokens are copied into an empty lane, so the
+    # first conversation keeps its whole cache.
     other = chat_turn(engine, "other", [{"role": "system", "content": system}, {"role": "user", "content": "hi"}])
 
-    assert other.accepted["lane"] == first.accepted["lane"]
+    assert other.accepted["lane"] != first.accepted["lane"]
     assert other.accepted["cached_tokens"] > 100
-    assert other.accepted["evicted"] == ["first"]
+    assert other.accepted["evicted"] == []
+    assert engine.stats()["prefix_copies"] == 1
+    base.append({"role": "user", "content": "and then?"})
+    again = chat_turn(engine, "first2", base)
+    assert again.accepted["lane"] == first.accepted["lane"]
+    assert again.accepted["cached_tokens"] >= again.accepted["prompt_tokens"] - 6
+
+
+def test_a_prefix_is_copied_from_a_lane_that_is_still_generating():
+    engine = mock(lanes=2, decode_tps=200)
+    system = " ".join(f"rule{i}" for i in range(100))
+    long_answer = GenerateSpec(gen_id="busy", messages=[{"role": "system", "content": system},
+                                                      {"role": "user", "content": "a long answer"}], max_tokens=50)
+    engine.submit(long_answer)
+    busy = engine.lanes[0]
+    while len(busy.tokens) <= len(busy.run.tokens):  # until it has read its prompt and is generating
+        engine.step()
+    short = GenerateSpec(gen_id="copy", messages=[{"role": "system", "content": system},
+                                                  {"role": "user", "content": "hi"}], max_tokens=3)
+    accepted = next(e for e in engine.submit(short) if e["type"] == "accepted")
+
+    assert accepted["lane"] == 1
+    assert accepted["cached_tokens"] > 100 and accepted["evicted"] == []
+    while engine.busy():
+        engine.step()
+
+
+def test_a_short_shared_prefix_is_read_again_rather_than_copied():
+    engine = mock(lanes=2)
+    chat_turn(engine, "first", chat("apples", words=10))
+    other = chat_turn(engine, "other", [{"role": "system", "content": " ".join(f"apples{i}" for i in range(10))},
+                                        {"role": "user", "content": "something else"}])
+
+    assert other.accepted["cached_tokens"] == 0  # ~12 shared tokens: below COPY_MIN_TOKENS
+    assert engine.stats()["prefix_copies"] == 0
 
 
 def test_prefill_cost_is_spent_only_on_uncached_tokens():

@@ -177,6 +177,14 @@ class LlamaEngine(LaneEngine):
             L.llama_memory_seq_rm(self.mem, lane.index, -1, -1)
             raise EngineError(ERR_ENGINE_FAILED, f"could not trim lane {lane.index} to {keep} tokens")
 
+    def _copy_lane(self, source: Lane, lane: Lane, keep: int) -> None:
+        # Lanes are separate KV streams, and llama.cpp copies across streams whole: the copy is queued and done
+        # at the start of the next llama_decode, before that batch is read, so `source` may be mid-generation
+        # (its first `keep` positions are fixed). What the copy brings past `keep` is dropped at once.
+        L.llama_memory_seq_rm(self.mem, lane.index, -1, -1)
+        L.llama_memory_seq_cp(self.mem, source.index, lane.index, -1, -1)
+        self._trim_lane(lane, keep)
+
     def _lane_idle(self, lane: Lane) -> None:
         if self.parking is not None:
             self._unparked.add(lane.index)

@@ -1,9 +1,16 @@
 """Lanes, prefix reuse and the step loop shared by the llama.cpp engine and the mock.
 
 A subclass supplies the model: `_prepare` (tokenize, validate, build the sampler), `_trim_lane` (drop a
-lane's KV from a position on), `_decode` (read one batch of work, sample where asked), `_piece` and
-`_is_eog`. Everything else — admission, lane choice, cached-token accounting, evictions, stop strings,
-deadlines, cancel, flushing and stats — lives here, so both engines behave the same.
+lane's KV from a position on), `_copy_lane` (give a lane another lane's KV), `_decode` (read one batch of work,
+sample where asked), `_piece` and `_is_eog`. Everything else — admission, lane choice, prefix copies,
+cached-token accounting, evictions, stop strings, deadlines, cancel, flushing and stats — lives here, so both
+engines behave the same.
+
+Prefix copies: a prompt's longest cached prefix may sit in a lane that is busy, or that holds another
+conversation worth keeping (a shared system prompt followed by someone's history). Rather than read that
+prefix again, or throw the other conversation away, admission copies the prefix into the lane it picks
+(llama.cpp's `seq_cp`), so a node that holds a prefix in any lane can serve it from every lane, which is
+what the head's placement index assumes.
 """
 
 from __future__ import annotations
@@ -56,6 +63,21 @@ class Work:
     sample: bool
 
 
+# A prefix copy costs a KV buffer copy; below this many tokens it is cheaper to read them again.
+COPY_MIN_TOKENS = 32
+
+
+@dataclass
+class LanePick:
+    """Where a queued generation goes: its lane, the tokens it keeps cached, how many of them match the lane's
+    own cache, and the lane they are copied from (None: the lane's own cache)."""
+
+    lane: Lane
+    keep: int
+    common: int
+    source: Lane | None = None
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:  # the common case on a warm lane: one C-level comparison
@@ -70,6 +92,7 @@ class LaneEngine(ABC):
     """The engine skeleton: FIFO admission into lanes, one batched `_decode` per `step`."""
 
     engine_name = "base"
+    copies_prefixes = True  # admission may copy a cached prefix from one lane into another (see the module doc)
 
     def __init__(self, config: EngineConfig, window: int, n_batch: int) -> None:
         if n_batch < config.lanes:
@@ -80,6 +103,7 @@ class LaneEngine(ABC):
         self.lanes = [Lane(i) for i in range(config.lanes)]
         self.queue: deque[Run] = deque()
         self._rate: deque[tuple[float, int]] = deque()
+        self.prefix_copies = 0
 
     # -- what a model supplies ------------------------------------------------------------------------
 
@@ -90,6 +114,11 @@ class LaneEngine(ABC):
     @abstractmethod
     def _trim_lane(self, lane: Lane, keep: int) -> None:
         """Drop the lane's KV from position `keep` on (`lane.tokens` is cut by the caller)."""
+
+    @abstractmethod
+    def _copy_lane(self, source: Lane, lane: Lane, keep: int) -> None:
+        """Make `lane`'s KV hold `source`'s first `keep` tokens (`lane.tokens` is set by the caller). Only called
+        when `copies_prefixes` is true."""
 
     @abstractmethod
     def _decode(self, works: list[Work]) -> dict[int, Sample]:
@@ -156,6 +185,7 @@ class LaneEngine(ABC):
             "queued": len(self.queue),
             "kv_used": sum(len(lane.tokens) for lane in self.lanes),
             "kv_total": self.window * len(self.lanes),
+            "prefix_copies": self.prefix_copies,
             "tokens_per_s": round(produced / span, 2) if span > 0 else 0.0,
         }
 
@@ -189,36 +219,49 @@ class LaneEngine(ABC):
                 return lane.run
         return None
 
-    def _pick_lane(self, tokens: list[int]) -> tuple[Lane, int, int] | None:
+    def _pick_lane(self, tokens: list[int]) -> LanePick | None:
         """The free lane where `tokens` cost least: most tokens reused less tokens of the lane's cache thrown away.
 
-        So the lane holding the longest real prefix still wins, but a token or two in common never throws away
-        another conversation's cache while an empty lane (score 0) is free. Equal scores go to the lane that
-        discards least (an empty lane before a warm one), then to the least recently used. Returns the lane,
-        the tokens to keep and how many of them match the lane (which can be one more than kept: the last
-        prompt token is always read again)."""
-        best: tuple[tuple[int, int, float], Lane, int, int] | None = None
+        Tokens reused are the lane's own common prefix with the prompt or, when some other lane (busy or not)
+        holds at least COPY_MIN_TOKENS more of it, that lane's, copied over. So a prefix held anywhere on the
+        node is reused from every lane, the choice among free lanes comes down to what each would discard, and
+        a token or two in common never throws away another conversation's cache while an empty lane is free.
+        Equal scores go to the lane that discards least, then to one that needs no copy, then to the least
+        recently used. At least the last
+        prompt token is always read again: its logits give the first sample."""
+        source, shared = None, 0
+        if self.copies_prefixes:
+            for lane in self.lanes:
+                common = common_prefix(lane.tokens, tokens)
+                if common > shared:
+                    source, shared = lane, common
+        best: tuple[tuple[int, int, bool, float], LanePick] | None = None
         for lane in self.lanes:
             if lane.run is not None:
                 continue
             common = common_prefix(lane.tokens, tokens)
-            # At least the last prompt token is read again: its logits give the first sample.
-            keep = min(common, len(tokens) - 1)
+            pick = LanePick(lane, min(common, len(tokens) - 1), common)
+            if source is not None and source is not lane and shared >= common + COPY_MIN_TOKENS:
+                pick = LanePick(lane, min(shared, len(tokens) - 1), common, source)
             discarded = len(lane.tokens) - common  # tokens of the lane's cache the new prompt does not hold
-            key = (keep - discarded, -discarded, -lane.last_used)
+            key = (pick.keep - discarded, -discarded, pick.source is None, -lane.last_used)
             if best is None or key > best[0]:
-                best = (key, lane, keep, common)
-        return None if best is None else (best[1], best[2], best[3])
+                best = (key, pick)
+        return None if best is None else best[1]
 
     def _admit(self) -> list[Event]:
         events: list[Event] = []
         while self.queue:
-            picked = self._pick_lane(self.queue[0].tokens)
-            if picked is None:
+            pick = self._pick_lane(self.queue[0].tokens)
+            if pick is None:
                 break
-            lane, keep, common = picked
+            lane, keep, common = pick.lane, pick.keep, pick.common
             run = self.queue.popleft()
-            if keep < len(lane.tokens):
+            if pick.source is not None:
+                self._copy_lane(pick.source, lane, keep)
+                lane.tokens = pick.source.tokens[:keep]
+                self.prefix_copies += 1
+            elif keep < len(lane.tokens):
                 self._trim_lane(lane, keep)
                 del lane.tokens[keep:]
             # A holder whose prompt lies within `common` keeps it: this generation reads those tokens back.
