@@ -4,6 +4,9 @@ Each turn resends the whole conversation (a ~400-token system prompt, the earlie
 as an OpenAI-style client does. With reuse the engine finds the lane holding the conversation so far and
 reads only what is new; without reuse every turn starts from a cleared cache. Both read the same prompts:
 the answers come from the reuse run and are replayed into the conversation for both.
+Then a second conversation starts on the same system prompt: with reuse the engine copies the prefix from the
+first conversation's lane into its free lane (a KV copy, no prompt read), and the first conversation's next
+turn still finds its whole history cached.
 Run from the repository root:  .venv/bin/python bench/prefix.py     Writes bench/results/prefix.json.
 """
 
@@ -90,10 +93,35 @@ def main() -> int:
         )
         messages.append({"role": "assistant", "content": reused["text"]})
     last = rows[-1]
+    copies = warm.stats()["prefix_copies"]
+    other = [{"role": "system", "content": system_prompt()}, {"role": "user", "content": "Is a bike trip easier?"}]
+    copied = turn(warm, "other1", other)
+    forget(cold)
+    fresh = turn(cold, "other-cold", other)
+    messages.append({"role": "user", "content": "Thanks, anything else?"})
+    back = turn(warm, "turn6", list(messages))
+    shared = {
+        "prompt_tokens": copied["usage"]["prompt_tokens"],
+        "read_tokens": copied["usage"]["prompt_tokens"] - copied["usage"]["cached_tokens"],
+        "prefix_copied": warm.stats()["prefix_copies"] == copies + 1,
+        "ttft_ms": copied["timings"]["ttft_ms"],
+        "ttft_ms_no_reuse": fresh["timings"]["ttft_ms"],
+        "first_conversation_next_turn_read_tokens": back["usage"]["prompt_tokens"] - back["usage"]["cached_tokens"],
+        "first_conversation_next_turn_prompt_tokens": back["usage"]["prompt_tokens"],
+    }
+    print(
+        f"second conversation on the same system prompt: prompt {shared['prompt_tokens']} tokens, read "
+        f"{shared['read_tokens']} (prefix copied: {shared['prefix_copied']}), ttft {shared['ttft_ms']:.1f} ms vs "
+        f"{shared['ttft_ms_no_reuse']:.1f} ms without reuse; the first conversation's next turn read "
+        f"{shared['first_conversation_next_turn_read_tokens']} of "
+        f"{shared['first_conversation_next_turn_prompt_tokens']}",
+        flush=True,
+    )
     out = {
         "turns": rows,
         "turn5_read_fraction": round(last["read_tokens"] / last["prompt_tokens"], 4),
         "target_met": last["read_tokens"] < 0.2 * last["prompt_tokens"],
+        "shared_system_prompt": shared,
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")

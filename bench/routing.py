@@ -2,9 +2,10 @@
 
 Each node is a real MockEngine (nodes/agent/engine/mock.py) stepped by a thread of its own, so its costs are
 really spent: every step sleeps one decode step plus `prefill_ms_per_token` for each prompt token it reads,
-and a lane's prefix cache saves exactly the tokens it already holds. The head side is one asyncio loop:
-conversations send each turn with the whole history, a generation waits in one FIFO queue until some lane
-is free, and the policy picks the node:
+and a lane's prefix cache saves exactly the tokens it already holds (or another lane holds: the engine copies
+a cached prefix between lanes, free in the mock, as the llama engine does with seq_cp). The head side is one
+asyncio loop: conversations send each turn with the whole history, a generation waits in one FIFO queue until
+some lane is free, and the policy picks the node:
 
 - cache_aware:  nodes.link.routing.PlacementState as fleet/dispatch.py drives it (choose with the prompt's
                 prefix keys; at accepted, evict what the node reports its lane choice discarded; at done, record
