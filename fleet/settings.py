@@ -151,6 +151,8 @@ else:
         "data_folder_in": str(_broker_dir),
         "data_folder_out": str(_broker_dir),
         "processed_folder": str(FLEET_HOME / "celery" / "processed"),
+        # Exchange tables (broadcast/pidbox); kombu's default is ./control in the working directory.
+        "control_folder": str(FLEET_HOME / "celery" / "control"),
         "store_processed": False,
     }
     CELERY_RESULT_BACKEND = "file://" + str(FLEET_HOME / "celery" / "results")
