@@ -229,17 +229,15 @@ class LaneEngine(ABC):
         Equal scores go to the lane that discards least, then to one that needs no copy, then to the least
         recently used. At least the last
         prompt token is always read again: its logits give the first sample."""
+        commons = [common_prefix(lane.tokens, tokens) for lane in self.lanes]
         source, shared = None, 0
         if self.copies_prefixes:
-            for lane in self.lanes:
-                common = common_prefix(lane.tokens, tokens)
-                if common > shared:
-                    source, shared = lane, common
+            shared = max(commons)
+            source = self.lanes[commons.index(shared)] if shared else None
         best: tuple[tuple[int, int, bool, float], LanePick] | None = None
-        for lane in self.lanes:
+        for lane, common in zip(self.lanes, commons, strict=True):
             if lane.run is not None:
                 continue
-            common = common_prefix(lane.tokens, tokens)
             pick = LanePick(lane, min(common, len(tokens) - 1), common)
             if source is not None and source is not lane and shared >= common + COPY_MIN_TOKENS:
                 pick = LanePick(lane, min(shared, len(tokens) - 1), common, source)
