@@ -152,7 +152,8 @@ class MockEngine(LaneEngine):
         """The mock's cache is just `lane.tokens`."""
 
     def _copy_lane(self, source: Lane, lane: Lane, keep: int) -> None:
-        """Free, like the llama engine's copy next to a prompt read (a buffer copy, ~1 ms per 1000 tokens)."""
+        """Free: the mock's cache is `lane.tokens` (the llama engine's copy is a KV buffer copy, far cheaper than
+        reading the tokens; see docs/architecture.md)."""
 
     def _decode(self, works: list[Work]) -> dict[int, Sample]:
         prefill = [w for w in works if w.lane.run is not None and len(w.lane.tokens) < len(w.lane.run.tokens)]

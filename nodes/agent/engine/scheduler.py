@@ -92,7 +92,6 @@ class LaneEngine(ABC):
     """The engine skeleton: FIFO admission into lanes, one batched `_decode` per `step`."""
 
     engine_name = "base"
-    copies_prefixes = True  # admission may copy a cached prefix from one lane into another (see the module doc)
 
     def __init__(self, config: EngineConfig, window: int, n_batch: int) -> None:
         if n_batch < config.lanes:
@@ -117,8 +116,7 @@ class LaneEngine(ABC):
 
     @abstractmethod
     def _copy_lane(self, source: Lane, lane: Lane, keep: int) -> None:
-        """Make `lane`'s KV hold `source`'s first `keep` tokens (`lane.tokens` is set by the caller). Only called
-        when `copies_prefixes` is true."""
+        """Make `lane`'s KV hold `source`'s first `keep` tokens (`lane.tokens` is set by the caller)."""
 
     @abstractmethod
     def _decode(self, works: list[Work]) -> dict[int, Sample]:
@@ -227,13 +225,10 @@ class LaneEngine(ABC):
         node is reused from every lane, the choice among free lanes comes down to what each would discard, and
         a token or two in common never throws away another conversation's cache while an empty lane is free.
         Equal scores go to the lane that discards least, then to one that needs no copy, then to the least
-        recently used. At least the last
-        prompt token is always read again: its logits give the first sample."""
+        recently used. At least the last prompt token is always read again: its logits give the first sample."""
         commons = [common_prefix(lane.tokens, tokens) for lane in self.lanes]
-        source, shared = None, 0
-        if self.copies_prefixes:
-            shared = max(commons)
-            source = self.lanes[commons.index(shared)] if shared else None
+        shared = max(commons)
+        source = self.lanes[commons.index(shared)] if shared else None
         best: tuple[tuple[int, int, bool, float], LanePick] | None = None
         for lane, common in zip(self.lanes, commons, strict=True):
             if lane.run is not None:
