@@ -49,6 +49,9 @@ def _secret_key() -> str:
 
 
 SECRET_KEY = _secret_key()
+# Old keys, newest first, still accepted for reading: sessions, signed values and the fleet's sealed secrets
+# (token secrets, the head's link key) stay readable after SECRET_KEY is rotated.
+SECRET_KEY_FALLBACKS = [k.strip() for k in os.environ.get("FLEET_SECRET_KEY_FALLBACKS", "").split(",") if k.strip()]
 DEBUG = env_bool("FLEET_DEBUG")
 ALLOWED_HOSTS = [h.strip() for h in os.environ.get("FLEET_ALLOWED_HOSTS", "*").split(",") if h.strip()]
 CSRF_TRUSTED_ORIGINS = [o.strip() for o in os.environ.get("FLEET_CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
@@ -190,8 +193,7 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_THROTTLE_CLASSES": ["api.throttles.ApiKeyRateThrottle"],
-    "DEFAULT_THROTTLE_RATES": {"api_key": os.environ.get("FLEET_THROTTLE_RATE", "600/min")},
+    "DEFAULT_THROTTLE_CLASSES": ["api.quotas.RequestQuota"],
     "EXCEPTION_HANDLER": "api.errors.management_exception_handler",
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,
@@ -210,7 +212,26 @@ FLEET_HEARTBEAT_S = env_int("FLEET_HEARTBEAT_S", 5)
 FLEET_NODE_TIMEOUT_S = env_int("FLEET_NODE_TIMEOUT_S", 20)
 FLEET_MAX_HANDSHAKES = env_int("FLEET_MAX_HANDSHAKES", 8)
 FLEET_MDNS = env_bool("FLEET_MDNS", True)
-FLEET_ALLOW_LOOPBACK_WITHOUT_TOKEN = env_bool("FLEET_ALLOW_LOOPBACK_WITHOUT_TOKEN", True)
+# Per-API-key quotas (0: unlimited), counted in Redis when REDIS_URL is set so every head process counts together;
+# a key's own figures in the admin replace these. Tokens are uncached prompt tokens plus completion tokens.
+FLEET_QUOTA_REQUESTS_PER_MINUTE = env_int("FLEET_QUOTA_REQUESTS_PER_MINUTE", 600)
+FLEET_QUOTA_TOKENS_PER_MINUTE = env_int("FLEET_QUOTA_TOKENS_PER_MINUTE", 200_000)
+FLEET_QUOTA_TOKENS_PER_DAY = env_int("FLEET_QUOTA_TOKENS_PER_DAY", 0)
+FLEET_QUOTA_CONCURRENT_STREAMS = env_int("FLEET_QUOTA_CONCURRENT_STREAMS", 32)
+# Only `manage.py up` sets this, for its own head and node processes: a token made for that run under the reserved
+# id "local", accepted only from loopback and never through a proxy. Unset everywhere else: every node needs a token.
+FLEET_LOCAL_NODE_TOKEN = os.environ.get("FLEET_LOCAL_NODE_TOKEN", "").strip()
+# Proxies in front of the head (addresses or CIDR networks, comma-separated): a peer at one of these addresses is a
+# proxy relaying someone else, never a node on this host.
+FLEET_TRUSTED_PROXIES = [p.strip() for p in os.environ.get("FLEET_TRUSTED_PROXIES", "").split(",") if p.strip()]
+# What the head takes from one node: frames a second (sustained, with bursts of twice that) and bytes a frame.
+FLEET_LINK_MAX_FRAMES_PER_S = env_int("FLEET_LINK_MAX_FRAMES_PER_S", 2000)
+FLEET_LINK_MAX_FRAME_BYTES = env_int("FLEET_LINK_MAX_FRAME_BYTES", 4 * 1024 * 1024)
+# Input limits: a request body (and a client websocket message) over FLEET_MAX_BODY_BYTES is a 413 before Django
+# reads it; a chat with more than FLEET_MAX_MESSAGES messages is a 400.
+FLEET_MAX_BODY_BYTES = env_int("FLEET_MAX_BODY_BYTES", 4 * 1024 * 1024)
+FLEET_MAX_MESSAGES = env_int("FLEET_MAX_MESSAGES", 1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = FLEET_MAX_BODY_BYTES
 
 LOGGING = {
     "version": 1,

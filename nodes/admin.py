@@ -3,24 +3,24 @@
 from django.contrib import admin, messages
 from django.utils.html import format_html
 
-from nodes.models import FleetToken, Node
-from nodes.services import fleet_token_create, fleet_token_revoke, node_set_hold
+from nodes.models import FleetToken, Node, RevokedNodeKey
+from nodes.services import fleet_token_create, fleet_token_revoke, node_release_key, node_revoke, node_set_hold
 
 
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
-    list_display = ("identity", "state_badge", "models_list", "lanes", "context_window", "address", "engine",
+    list_display = ("identity", "state_badge", "models_list", "lanes", "context_window", "address", "key_fingerprint",
                     "last_seen_at")
     list_filter = ("state", "hold", "engine")
     search_fields = ("identity", "address")
     readonly_fields = ("id", "identity", "models_served", "lanes", "context_window", "state", "address", "version",
-                       "engine", "capabilities", "replicas", "live", "token", "joined_at", "last_seen_at",
-                       "created_at", "updated_at")
+                       "engine", "capabilities", "replicas", "live", "token", "key_fingerprint", "key_bound_at",
+                       "joined_at", "last_seen_at", "created_at", "updated_at")
     fields = ("id", "identity", "state", "hold", "labels", "models_served", "lanes", "context_window", "live",
-              "address", "version", "engine", "capabilities", "replicas", "token", "joined_at", "last_seen_at",
-              "created_at", "updated_at")
+              "address", "version", "engine", "capabilities", "replicas", "token", "key_fingerprint", "key_bound_at",
+              "joined_at", "last_seen_at", "created_at", "updated_at")
     list_select_related = ("token",)
-    actions = ("drain", "cordon", "uncordon")
+    actions = ("drain", "cordon", "uncordon", "release_key", "revoke")
 
     def has_add_permission(self, request):
         return False  # nodes join with `manage.py node_join`
@@ -47,6 +47,10 @@ class NodeAdmin(admin.ModelAdmin):
                            beat["kv_used"], beat["kv_total"], round(beat["tokens_per_s"], 1),
                            f" — {replicas}" if replicas else "")
 
+    @admin.display(description="key fingerprint")
+    def key_fingerprint(self, node):
+        return node.key_fingerprint or "(unbound: the next join binds its key)"
+
     @admin.display(description="models")
     def models_list(self, node):
         return ", ".join(node.models_served)
@@ -68,6 +72,16 @@ class NodeAdmin(admin.ModelAdmin):
     def uncordon(self, request, queryset):
         self._hold(request, queryset, Node.Hold.NONE, "back in service")
 
+    @admin.action(description="Release key binding: the next node to join under this identity binds its own key")
+    def release_key(self, request, queryset):
+        count = sum(node_release_key(node=node) for node in queryset)
+        self.message_user(request, f"{count} identity binding(s) released.", messages.SUCCESS)
+
+    @admin.action(description="Revoke: close the node's link now; its key can never rejoin")
+    def revoke(self, request, queryset):
+        count = sum(node_revoke(node=node) for node in queryset)
+        self.message_user(request, f"{count} node key(s) revoked; their links are closing.", messages.SUCCESS)
+
     def save_model(self, request, obj, form, change):
         # The hold goes through its service so the node's live link hears about it.
         if change and "hold" in form.changed_data:
@@ -78,11 +92,11 @@ class NodeAdmin(admin.ModelAdmin):
 
 @admin.register(FleetToken)
 class FleetTokenAdmin(admin.ModelAdmin):
-    list_display = ("name", "public_id", "active", "created_at", "last_used_at", "revoked_at")
+    list_display = ("name", "public_id", "active", "created_at", "expires_at", "last_used_at", "revoked_at")
     list_filter = ("revoked_at",)
     search_fields = ("name", "public_id")
     readonly_fields = ("public_id", "created_at", "last_used_at", "revoked_at")
-    fields = ("name", "public_id", "created_at", "last_used_at", "revoked_at")
+    fields = ("name", "public_id", "expires_at", "created_at", "last_used_at", "revoked_at")
     actions = ("revoke",)
 
     @admin.display(boolean=True)
@@ -93,7 +107,7 @@ class FleetTokenAdmin(admin.ModelAdmin):
         if change:
             super().save_model(request, obj, form, change)
             return
-        token, secret = fleet_token_create(name=obj.name)
+        token, secret = fleet_token_create(name=obj.name, expires_at=obj.expires_at)
         obj.pk, obj.public_id, obj.secret_encrypted = token.pk, token.public_id, token.secret_encrypted
         obj._state.adding = False
         self.message_user(
@@ -104,7 +118,26 @@ class FleetTokenAdmin(admin.ModelAdmin):
             messages.WARNING,
         )
 
-    @admin.action(description="Revoke: nodes using it are refused at their next handshake")
+    @admin.action(description="Revoke: close the links of nodes that joined with it; no new joins")
     def revoke(self, request, queryset):
         count = sum(fleet_token_revoke(token=t) for t in queryset)
         self.message_user(request, f"{count} token(s) revoked.", messages.SUCCESS)
+
+
+@admin.register(RevokedNodeKey)
+class RevokedNodeKeyAdmin(admin.ModelAdmin):
+    """Keys revoked with the node action; deleting a row lets that key join again."""
+
+    list_display = ("identity", "fingerprint", "created_at")
+    search_fields = ("identity", "public_key")
+    readonly_fields = ("identity", "public_key", "fingerprint", "created_at")
+    fields = readonly_fields
+
+    def has_add_permission(self, request):
+        return False  # revoke from the node list
+
+    @admin.display(description="key fingerprint")
+    def fingerprint(self, row):
+        from nodes.link.handshake import fingerprint
+
+        return fingerprint(bytes.fromhex(row.public_key))

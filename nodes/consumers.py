@@ -1,7 +1,9 @@
 """The head's end of the node link: a Channels consumer at /ws/node/.
 
-Handshake (Noise, keyed by the fleet token), registration, heartbeats, and the generation frames that it
-hands to this process's relays. The database is written only on transitions: join, rejoin, lost.
+Handshake (Noise XXpsk3: the fleet token's secret and both sides' static keys), registration (the identity must be
+bound to the node's key), heartbeats, and the generation frames that it hands to this process's relays. The
+database is written only on transitions: join, rejoin, lost. Every refusal closes the link with a CloseCode and
+logs one line.
 """
 
 from __future__ import annotations
@@ -12,19 +14,23 @@ import logging
 import time
 from typing import Any
 
+from cachetools import TTLCache
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.core.cache import cache
+from django.db import IntegrityError
 
 from fleet.links import NodeLost, registry
 from nodes import services
 from nodes.link.channel import SecureChannel
-from nodes.link.handshake import Responder
+from nodes.link.codes import CloseCode
+from nodes.link.handshake import LOCAL_TOKEN_ID, Responder, TokenRefused
 from nodes.link.messages import (
     Accepted,
     Bye,
     Cancel,
+    Check,
     Done,
     Error,
     Generate,
@@ -39,22 +45,15 @@ from nodes.link.messages import (
 )
 from nodes.link.routing import NodeSlot
 from nodes.models import FleetToken
+from nodes.services import JoinRefused, node_group, token_group
 
 log = logging.getLogger("fleet")
 
-CLOSE_TOKEN_REFUSED = 4001
-CLOSE_TOKEN_REQUIRED = 4002
-CLOSE_PROTOCOL = 4003
-CLOSE_BUSY = 4008
 HANDSHAKE_TIMEOUT_S = 10
 TOUCH_EVERY_S = 30
+PROXY_HEADERS = {b"x-forwarded-for", b"forwarded", b"x-real-ip", b"x-forwarded-host"}
 
 _handshakes_in_progress = 0
-
-
-def node_group(node_id: str) -> str:
-    """The channel-layer group a node's link listens on (holds, drains), whichever process holds it."""
-    return f"fleet.node.{node_id}"
 
 
 def liveness_key(node_id: str) -> str:
@@ -68,6 +67,35 @@ def _is_loopback(host: str | None) -> bool:
         return False
 
 
+def _via_proxy(scope: dict) -> bool:
+    """True when the peer relays someone else: it sent a forwarding header, or it is a configured proxy."""
+    if any(name.lower() in PROXY_HEADERS for name, _ in scope.get("headers") or []):
+        return True
+    peer = (scope.get("client") or [None])[0]
+    try:
+        address = ipaddress.ip_address(peer)
+    except (TypeError, ValueError):
+        return False
+    return any(address in ipaddress.ip_network(proxy, strict=False) for proxy in settings.FLEET_TRUSTED_PROXIES)
+
+
+class FrameBudget:
+    """A token bucket over a node's frames: `rate` a second sustained, bursts up to twice that."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate, self.capacity = rate, rate * 2
+        self.tokens, self.at = self.capacity, time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
 class NodeLinkConsumer(AsyncWebsocketConsumer):
     """One connected node. Implements fleet.links.LinkHandle for the dispatcher."""
 
@@ -77,8 +105,12 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         self.node_id = ""
         self.identity = ""
         self.channel_: SecureChannel | None = None
+        self.responder: Responder | None = None
         self.token: FleetToken | None = None
+        self.node_key = ""
         self.running: set[str] = set()
+        self.ended: TTLCache = TTLCache(maxsize=4096, ttl=60)  # generations that ended: stragglers are dropped
+        self.budget = FrameBudget(settings.FLEET_LINK_MAX_FRAMES_PER_S)
         self.remote: dict[str, str] = {}  # gen_id -> the head process channel its client waits on
         self.pending_ops: dict[str, asyncio.Future] = {}
         self.send_lock = asyncio.Lock()
@@ -89,7 +121,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         if _handshakes_in_progress >= settings.FLEET_MAX_HANDSHAKES:
             log.warning("fleet refused a node from %s: %d handshakes already in progress", self.peer,
                         _handshakes_in_progress)
-            await self.close(code=CLOSE_BUSY, reason="too many handshakes in progress, retry")
+            await self.close(code=CloseCode.BUSY, reason="too many handshakes in progress, retry")
             return
         _handshakes_in_progress += 1
         self.in_handshake = True
@@ -105,58 +137,73 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         self.last_frame = time.monotonic()
         if bytes_data is None:
-            await self._refuse(CLOSE_PROTOCOL, "the node link carries binary frames only")
+            await self._refuse(CloseCode.PROTOCOL, "the node link carries binary frames only")
+            return
+        if not self.budget.take():
+            await self._refuse(CloseCode.FLOOD, f"more than {settings.FLEET_LINK_MAX_FRAMES_PER_S} frames a second")
             return
         try:
-            if self.channel_ is None:
-                await self._handshake(bytes_data)
-            else:
+            if self.channel_ is not None:
                 await self._on_message(self.channel_.open(bytes_data))
+            elif self.responder is None:
+                await self._hello(bytes_data)
+            else:
+                await self._finish_handshake(bytes_data)
+        except JoinRefused as exc:
+            await self._refuse(exc.code, exc.reason)
+        except TokenRefused as exc:
+            await self._refuse(CloseCode.TOKEN_REFUSED, str(exc))
         except LinkError as exc:
-            await self._refuse(CLOSE_PROTOCOL, f"protocol error: {exc}")
+            await self._refuse(CloseCode.PROTOCOL, f"protocol error: {exc}")
 
     async def _refuse(self, code: int, reason: str) -> None:
         log.warning("fleet refused node %s from %s: %s", self.identity or "(unregistered)", self.peer, reason)
         self._handshake_over()
         await self.close(code=code, reason=reason[:120])
 
-    async def _handshake(self, frame: bytes) -> None:
+    async def _hello(self, frame: bytes) -> None:
+        """Frame 1: find the named token's secret, answer with frame 2 (the head's static key)."""
         if not self.in_handshake:
             raise LinkError("unexpected frame")
-        responder = Responder()
-        hello = responder.read_hello(frame)
-        psk = None
-        if hello.token_id is None:
-            if not (settings.FLEET_ALLOW_LOOPBACK_WITHOUT_TOKEN and _is_loopback(self.peer)):
-                await self._refuse(CLOSE_TOKEN_REQUIRED, "a fleet token is required for nodes not on this host")
-                return
-        else:
-            self.token, psk = await _token_and_secret(hello.token_id)
-            if psk is None:
-                await self._refuse(CLOSE_TOKEN_REFUSED, f"fleet token {hello.token_id!r} is unknown or revoked")
-                return
-        try:
-            reply, self.channel_ = responder.respond(psk)
-        except LinkError:
-            await self._refuse(CLOSE_TOKEN_REFUSED, f"fleet token {hello.token_id!r}: wrong secret")
-            return
+        static = await database_sync_to_async(services.head_static_key)()
+        self.responder = Responder(static, max_frame=settings.FLEET_LINK_MAX_FRAME_BYTES)
+        hello = self.responder.read_hello(frame)
+        if hello.token_id == LOCAL_TOKEN_ID and (not _is_loopback(self.peer) or _via_proxy(self.scope)):
+            raise JoinRefused(CloseCode.TOKEN_REQUIRED, "the local node's token is taken only from this host, "
+                                                        "never through a proxy")
+        self.token, psk = await database_sync_to_async(services.fleet_token_for_join)(public_id=hello.token_id)
+        await self.send(bytes_data=self.responder.respond(psk))
+
+    async def _finish_handshake(self, frame: bytes) -> None:
+        """Frame 3: the node's static key and its proof of the token's secret; then the channel is open."""
+        self.channel_ = self.responder.finish(frame)
+        self.node_key = self.responder.node_key.hex()
         self._handshake_over()
-        await self.send(bytes_data=reply)
+        if self.token is not None:
+            await self.channel_layer.group_add(token_group(self.token.public_id), self.channel_name)
 
     async def _on_message(self, msg: Any) -> None:
-        if isinstance(msg, TokenBatch | Accepted):
-            await self._relay(msg)
-        elif isinstance(msg, Done | Error):
-            self._generation_ended(msg.gen_id)
-            await self._relay(msg, last=True)
+        if isinstance(msg, TokenBatch | Accepted | Done | Error):
+            if msg.gen_id not in self.running:
+                if msg.gen_id in self.ended:
+                    return  # a straggler after a cancel raced the node's own end of the generation
+                raise LinkError(f"{type(msg).__name__} for generation {msg.gen_id[:40]!r}, which this node lacks")
+            if isinstance(msg, Done | Error):
+                self._generation_ended(msg.gen_id)
+                await self._relay(msg, last=True)
+            else:
+                await self._relay(msg)
         elif isinstance(msg, Heartbeat):
             await self._on_heartbeat(msg)
         elif isinstance(msg, StateResult):
             fut = self.pending_ops.pop(msg.op_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
-        elif isinstance(msg, Register):
+        elif isinstance(msg, Register) and not self.node_id:
             await self._on_register(msg)
+        elif isinstance(msg, Check) and not self.node_id:
+            await database_sync_to_async(services.node_key_check)(identity=msg.identity, public_key=self.node_key)
+            await self.close(code=CloseCode.NORMAL)
         elif isinstance(msg, Bye):
             await self.close(code=1000)
         else:
@@ -173,17 +220,23 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
     def _generation_ended(self, gen_id: str) -> None:
         if gen_id in self.running:
             self.running.discard(gen_id)
+            self.ended[gen_id] = True
             reg = registry()
             reg.placement.release(self.node_id)
             reg.lanes.notify()
 
     async def _on_register(self, msg: Register) -> None:
-        reg = await database_sync_to_async(services.node_register)(
-            identity=msg.identity, address=self.peer or "", token=self.token,
+        register = database_sync_to_async(services.node_register)
+        fields = dict(
+            identity=msg.identity, public_key=self.node_key, address=self.peer or "", token=self.token,
             models=[m["name"] for m in msg.models], lanes=msg.lanes, context_window=msg.context_window,
             capabilities=msg.capabilities, engine=f"{msg.engine} {msg.engine_version}".strip(), version=msg.version,
             labels=msg.labels, replicas=msg.replicas,
         )
+        try:
+            reg = await register(**fields)
+        except IntegrityError:  # two first joins under one new identity raced; the second now sees the first's row
+            reg = await register(**fields)
         node = reg.node
         self.node_id, self.identity = str(node.id), node.identity
         registry_ = registry()
@@ -227,7 +280,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             await asyncio.sleep(1.0)
             quiet = time.monotonic() - self.last_frame
             if self.channel_ is None and quiet > HANDSHAKE_TIMEOUT_S:
-                await self._refuse(CLOSE_PROTOCOL, "no handshake in time")
+                await self._refuse(CloseCode.PROTOCOL, "no handshake in time")
                 return
             if self.channel_ is not None and quiet > settings.FLEET_NODE_TIMEOUT_S:
                 log.warning("fleet node %r missed its heartbeats for %.0f s", self.identity, quiet)
@@ -238,6 +291,8 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         self._handshake_over()
         if self.watchdog is not None:
             self.watchdog.cancel()
+        if self.token is not None and self.channel_ is not None:
+            await self.channel_layer.group_discard(token_group(self.token.public_id), self.channel_name)
         if not self.node_id:
             return
         reg = registry()
@@ -307,14 +362,11 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
     async def link_cancel(self, event: dict) -> None:
         await self.send_cancel(event["gen_id"], event.get("reason", "cancelled"))
 
+    async def link_close(self, event: dict) -> None:
+        """The operator revoked this link's token or node key (in any head process): close it now."""
+        await self._refuse(event["code"], event["reason"])
+
     async def node_hold(self, event: dict) -> None:
         registry().placement.set_schedulable(self.node_id, event["schedulable"])
         registry().lanes.notify()
 
-
-@database_sync_to_async
-def _token_and_secret(public_id: str) -> tuple[FleetToken | None, bytes | None]:
-    token = FleetToken.objects.filter(public_id=public_id, revoked_at__isnull=True).first()
-    if token is None:
-        return None, None
-    return token, services.fleet_token_secret(public_id=public_id)

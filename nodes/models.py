@@ -3,6 +3,9 @@
 import uuid
 
 from django.db import models
+from django.utils import timezone
+
+from nodes.link.handshake import fingerprint
 
 
 class Node(models.Model):
@@ -37,6 +40,11 @@ class Node(models.Model):
     capabilities = models.JSONField(default=dict, blank=True)
     replicas = models.JSONField(default=list, blank=True)
     token = models.ForeignKey("nodes.FleetToken", null=True, blank=True, on_delete=models.SET_NULL)
+    public_key = models.CharField(
+        max_length=64, blank=True, db_index=True,
+        help_text="The node's static link key (hex) this identity is bound to; blank until the next join binds one.",
+    )
+    key_bound_at = models.DateTimeField(null=True, blank=True)
     joined_at = models.DateTimeField(null=True, blank=True)
     last_seen_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -51,6 +59,43 @@ class Node(models.Model):
     @property
     def schedulable(self) -> bool:
         return self.state == self.State.ONLINE
+
+    @property
+    def key_fingerprint(self) -> str:
+        return fingerprint(bytes.fromhex(self.public_key)) if self.public_key else ""
+
+
+class RevokedNodeKey(models.Model):
+    """A node key the operator revoked: it can never rejoin, under any identity or token."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    public_key = models.CharField(max_length=64, unique=True)
+    identity = models.CharField(max_length=200, blank=True, help_text="The identity it held when it was revoked.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.identity or 'node'} key {self.public_key[:12]}…"
+
+
+class HeadKey(models.Model):
+    """The head's static link key, one for every head process (they share the database). Nodes pin its public half.
+
+    The private half is sealed like token secrets (MultiFernet over SECRET_KEY and SECRET_KEY_FALLBACKS).
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=32, unique=True, default="head")
+    public_key = models.CharField(max_length=64)
+    private_key_encrypted = models.TextField(editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"head key {self.public_key[:12]}…"
 
 
 class FleetToken(models.Model):
@@ -67,6 +112,7 @@ class FleetToken(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True, help_text="No new joins after this; blank: never.")
     last_used_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -77,4 +123,4 @@ class FleetToken(models.Model):
 
     @property
     def is_active(self) -> bool:
-        return self.revoked_at is None
+        return self.revoked_at is None and (self.expires_at is None or self.expires_at > timezone.now())

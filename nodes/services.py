@@ -8,55 +8,168 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from fleet import secretbox
-from nodes.link.handshake import format_token, make_secret
-from nodes.models import FleetToken, Node
+from nodes.link.codes import CloseCode
+from nodes.link.handshake import LOCAL_TOKEN_ID, fingerprint, format_token, make_secret, parse_token
+from nodes.link.noise import generate_static, public_key
+from nodes.models import FleetToken, HeadKey, Node, RevokedNodeKey
 
 log = logging.getLogger("nodes")
+
+
+class JoinRefused(Exception):
+    """A node may not join: the close code both ends know, and a one-line reason for the head's log."""
+
+    def __init__(self, code: CloseCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+# --- the head's link key ------------------------------------------------------------------------------------
+
+_head_key: bytes | None = None
+
+
+def head_static_key() -> bytes:
+    """The head's static private key: made once, shared by every head process through the database."""
+    global _head_key
+    if _head_key is None:
+        row = HeadKey.objects.filter(name="head").first()
+        if row is None:
+            private = generate_static()
+            try:
+                with transaction.atomic():
+                    row = HeadKey.objects.create(name="head", public_key=public_key(private).hex(),
+                                                 private_key_encrypted=secretbox.seal(private))
+            except IntegrityError:  # another head process made it first
+                row = HeadKey.objects.get(name="head")
+        try:
+            _head_key = secretbox.unseal(row.private_key_encrypted)
+        except secretbox.SecretUnreadable as exc:
+            raise JoinRefused(CloseCode.HEAD_KEY_UNREADABLE, f"the head's own link key is unreadable: {exc}") from exc
+    return _head_key
 
 
 # --- fleet tokens -------------------------------------------------------------------------------------------
 
 
-def fleet_token_create(*, name: str) -> tuple[FleetToken, str]:
+def fleet_token_create(*, name: str, expires_at=None) -> tuple[FleetToken, str]:
     """Make a token; returns it with the full `<public id>.<secret>` string, which is shown once and never stored."""
     name = name.strip()
     if not name:
         raise ValueError("a fleet token needs a name")
     secret = make_secret()
     token = FleetToken.objects.create(
-        name=name, public_id=secrets.token_hex(6), secret_encrypted=secretbox.seal(secret)
+        name=name, public_id=secrets.token_hex(6), secret_encrypted=secretbox.seal(secret), expires_at=expires_at,
     )
     return token, format_token(token.public_id, secret)
 
 
 def fleet_token_revoke(*, token: FleetToken) -> bool:
-    """Revoke a token; nodes that hold it are refused at their next handshake. False if it already was."""
+    """Revoke a token: no new joins with it, and the links of the nodes that joined with it close, on whichever head
+    process holds them. False if it already was revoked."""
     updated = FleetToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+    if updated:
+        transaction.on_commit(lambda: _close_links(token_group(token.public_id), CloseCode.TOKEN_REVOKED,
+                                                   f"fleet token {token.public_id!r} was revoked"))
     return bool(updated)
 
 
-def fleet_token_secret(*, public_id: str) -> bytes | None:
-    """The secret (the link's PSK) of an active token, or None when unknown or revoked."""
-    token = FleetToken.objects.filter(public_id=public_id, revoked_at__isnull=True).first()
+def fleet_token_for_join(*, public_id: str) -> tuple[FleetToken | None, bytes]:
+    """(token, its secret) for a joining node's hello; raises JoinRefused saying why not.
+
+    The reserved id LOCAL_TOKEN_ID is `manage.py up`'s own node: (None, the run's local secret) when the head runs
+    under `up`, else refused. Where it may come from (loopback, no proxy) is the caller's to check.
+    """
+    if public_id == LOCAL_TOKEN_ID:
+        if not settings.FLEET_LOCAL_NODE_TOKEN:
+            raise JoinRefused(CloseCode.TOKEN_REQUIRED, "the local token id is taken only under `manage.py up`")
+        return None, parse_token(settings.FLEET_LOCAL_NODE_TOKEN)[1]
+    token = FleetToken.objects.filter(public_id=public_id).first()
     if token is None:
-        return None
-    return secretbox.unseal(token.secret_encrypted)
+        raise JoinRefused(CloseCode.TOKEN_REFUSED, f"fleet token {public_id!r} is unknown")
+    if token.revoked_at is not None:
+        raise JoinRefused(CloseCode.TOKEN_REVOKED, f"fleet token {public_id!r} was revoked")
+    if token.expires_at is not None and token.expires_at <= timezone.now():
+        raise JoinRefused(CloseCode.TOKEN_EXPIRED,
+                          f"fleet token {public_id!r} expired at {token.expires_at:%Y-%m-%d %H:%M} UTC")
+    try:
+        return token, secretbox.unseal(token.secret_encrypted)
+    except secretbox.SecretUnreadable as exc:
+        raise JoinRefused(CloseCode.TOKEN_UNREADABLE, f"fleet token {public_id!r}: {exc}") from exc
 
 
 def fleet_token_verify(*, token_string: str) -> bool:
-    """True when `<public id>.<secret>` names an active token with that very secret."""
-    from nodes.link.handshake import BadToken, parse_token
+    """True when `<public id>.<secret>` names a token a node may join with now, with that very secret."""
+    from nodes.link.handshake import BadToken
 
     try:
         public_id, secret = parse_token(token_string)
-    except BadToken:
+        _, stored = fleet_token_for_join(public_id=public_id)
+    except (BadToken, JoinRefused):
         return False
-    stored = fleet_token_secret(public_id=public_id)
-    return stored is not None and secrets.compare_digest(stored, secret)
+    return secrets.compare_digest(stored, secret)
+
+
+def token_group(public_id: str) -> str:
+    """The channel-layer group of the links that joined with a token, whichever head process holds them."""
+    return f"fleet.token.{public_id}"
+
+
+def _close_links(group: str, code: CloseCode, reason: str) -> None:
+    """Close every link in a channel-layer group, in whichever head process holds it."""
+    from asgiref.sync import async_to_sync
+    from channels.layers import get_channel_layer
+
+    layer = get_channel_layer()
+    if layer is not None:
+        async_to_sync(layer.group_send)(group, {"type": "link.close", "code": int(code), "reason": reason})
+
+
+# --- node keys: identity binding, release, revocation --------------------------------------------------------
+
+
+def node_key_check(*, identity: str, public_key: str) -> None:
+    """Raise JoinRefused when this key may not join under `identity`: the key was revoked, or the identity is bound
+    to another key. Reads only; `node_register` checks again under its row lock."""
+    _key_refusal(Node.objects.filter(identity=identity).first(), identity, public_key)
+
+
+def _key_refusal(node: Node | None, identity: str, public_key: str) -> None:
+    if RevokedNodeKey.objects.filter(public_key=public_key).exists():
+        raise JoinRefused(CloseCode.NODE_REVOKED,
+                          f"node key {fingerprint(bytes.fromhex(public_key))} was revoked by the operator")
+    if node is not None and node.public_key and not secrets.compare_digest(node.public_key, public_key):
+        raise JoinRefused(CloseCode.IDENTITY_TAKEN, f"identity {identity!r} is bound to key {node.key_fingerprint}; "
+                                                    f"refused key {fingerprint(bytes.fromhex(public_key))}")
+
+
+def node_release_key(*, node: Node) -> bool:
+    """Unbind the node's identity from its key: the next node that joins under it with a valid token binds its own.
+    False when it was not bound."""
+    return bool(Node.objects.filter(pk=node.pk).exclude(public_key="").update(public_key="", key_bound_at=None))
+
+
+def node_revoke(*, node: Node) -> bool:
+    """Revoke the node's key: its link closes on whichever head process holds it, and the key never joins again.
+    The identity stays bound to the revoked key until the operator releases it. False if it had no key or already
+    was revoked."""
+    if not node.public_key:
+        return False
+    _, created = RevokedNodeKey.objects.get_or_create(public_key=node.public_key,
+                                                      defaults={"identity": node.identity})
+    node_mark_offline(node_id=node.pk)
+    transaction.on_commit(lambda: _close_links(node_group(str(node.pk)), CloseCode.NODE_REVOKED,
+                                               f"node {node.identity!r} was revoked"))
+    return created
+
+
+def node_group(node_id: str) -> str:
+    """The channel-layer group a node's link listens on (holds, drains, revocation), whichever process holds it."""
+    return f"fleet.node.{node_id}"
 
 
 # --- nodes --------------------------------------------------------------------------------------------------
@@ -90,10 +203,11 @@ def node_fleet_model_name(own: str, *, served: set[str]) -> tuple[str, str | Non
 
 @transaction.atomic
 def node_register(
-    *, identity: str, address: str, token: FleetToken | None, models: list[str], lanes: int, context_window: int,
-    capabilities: dict, engine: str, version: str, labels: dict, replicas: list[dict],
+    *, identity: str, public_key: str, address: str, token: FleetToken | None, models: list[str], lanes: int,
+    context_window: int, capabilities: dict, engine: str, version: str, labels: dict, replicas: list[dict],
 ) -> Registration:
-    """Create or update the Node for a (re)joining host; a rejoin is recognised by its identity."""
+    """Create or update the Node for a (re)joining host; a rejoin is recognised by its identity, whose key must be
+    the one bound to it (the first join, or the first after a release, binds it). Raises JoinRefused."""
     served = _served_model_names()
     names, warnings = [], []
     for own in models:
@@ -102,9 +216,12 @@ def node_register(
         if warning:
             warnings.append(warning)
     node = Node.objects.select_for_update().filter(identity=identity).first()
+    _key_refusal(node, identity, public_key)
     rejoin = node is not None
     node = node or Node(identity=identity)
     now = timezone.now()
+    if not node.public_key:
+        node.public_key, node.key_bound_at = public_key, now
     node.models_served, node.lanes, node.context_window = names, lanes, context_window
     node.capabilities, node.engine, node.version = capabilities, engine, version
     node.labels, node.replicas, node.address, node.token = labels, replicas, address, token
@@ -148,8 +265,6 @@ def _tell_link(node_id: str, *, schedulable: bool) -> None:
     """Tell the node's link consumer, in whichever head process holds it, whether it may take new work."""
     from asgiref.sync import async_to_sync
     from channels.layers import get_channel_layer
-
-    from nodes.consumers import node_group
 
     layer = get_channel_layer()
     if layer is not None:

@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nodes.link.handshake import LOCAL_TOKEN_ID, format_token, make_secret
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
@@ -128,7 +130,9 @@ def make_head(tmp: Path, *, extra_env: dict[str, str] | None = None, port: int |
     home = tmp / f"head-{uuid.uuid4().hex[:6]}"
     home.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    # As under `manage.py up`: this head's own nodes (start_node) join with a local token made for the run.
     env.update({"FLEET_HOME": str(home), "FLEET_MDNS": "0", "DJANGO_SETTINGS_MODULE": "fleet.settings",
+                "FLEET_LOCAL_NODE_TOKEN": format_token(LOCAL_TOKEN_ID, make_secret()),
                 "FLEET_REDIS_PREFIX": f"fleet-test-{uuid.uuid4().hex[:8]}:",
                 "PYTHONUNBUFFERED": "1", "DJANGO_SUPERUSER_PASSWORD": "test-password-1"})
     db = database_url or _fresh_database_url()

@@ -13,6 +13,7 @@ from nodes.link.channel import MAX_FRAME, ChannelBroken, FrameError, SecureChann
 from nodes.link.handshake import (
     BadToken,
     HandshakeError,
+    HeadKeyChanged,
     Initiator,
     Responder,
     TokenRefused,
@@ -21,20 +22,25 @@ from nodes.link.handshake import (
     parse_token,
 )
 from nodes.link.messages import PROTOCOL_VERSION, LinkError, ProtocolError
-from nodes.link.noise import CipherState
+from nodes.link.noise import CipherState, generate_static, public_key
 from nodes.link.spec import GenerateSpec
 
 SECRET = bytes(range(32))
+NODE_KEY = generate_static()
+HEAD_KEY = generate_static()
 
 
-def _connect(public_id: str | None = "tok-1", secret: bytes | None = SECRET) -> tuple[SecureChannel, SecureChannel]:
+def _connect(public_id: str = "tok-1", secret: bytes = SECRET) -> tuple[SecureChannel, SecureChannel]:
     """(node channel, head channel) after a full handshake."""
-    node = Initiator(public_id, secret)
-    head = Responder()
+    node = Initiator(public_id, secret, NODE_KEY)
+    head = Responder(HEAD_KEY)
     hello = head.read_hello(node.first_frame())
     assert hello.token_id == public_id
-    reply, head_channel = head.respond(secret)
-    return node.read_reply(reply), head_channel
+    assert node.read_reply(head.respond(secret)) == public_key(HEAD_KEY)
+    final, node_channel = node.finish()
+    head_channel = head.finish(final)
+    assert head.node_key == public_key(NODE_KEY)
+    return node_channel, head_channel
 
 
 def _every_message() -> list[messages.Message]:
@@ -87,6 +93,7 @@ def _every_message() -> list[messages.Message]:
         ),
         messages.Error(gen_id="g1", code="oom", message="KV cache full", retryable=True, seq=2),
         messages.Bye(reason="draining"),
+        messages.Check(identity="node-a"),
     ]
 
 
@@ -123,59 +130,70 @@ def test_handshake_hash_matches_on_both_ends():
     assert node.handshake_hash == head.handshake_hash
 
 
-def test_tokenless_nn_handshake_works():
-    node, head = _connect(public_id=None, secret=None)
-    assert head.open(node.seal(messages.Bye(reason="x"))) == messages.Bye(reason="x")
-    assert node.open(head.seal(messages.Bye())) == messages.Bye()
-
-
-def test_wrong_psk_is_refused_by_the_responder_and_nothing_is_decrypted():
-    node = Initiator("tok-1", SECRET)
-    head = Responder()
+def _through_reply(secret: bytes = SECRET, *, pinned: bytes | None = None) -> tuple[Initiator, Responder]:
+    node = Initiator("tok-1", SECRET, NODE_KEY, pinned_head=pinned)
+    head = Responder(HEAD_KEY)
     head.read_hello(node.first_frame())
+    node.read_reply(head.respond(secret))
+    return node, head
+
+
+def test_wrong_psk_is_refused_by_the_responder_at_the_last_frame():
+    node, head = _through_reply(bytes(32))
+    final, _ = node.finish()
     with pytest.raises(TokenRefused, match="secret for token 'tok-1' is wrong") as refused:
-        head.respond(bytes(32))
+        head.finish(final)
     assert isinstance(refused.value, HandshakeError)
-    # No second guess on the same hello: the responder is spent.
-    with pytest.raises(HandshakeError, match="exactly one read_hello"):
-        head.respond(SECRET)
+    assert head.node_key is None  # an unproved key is never reported
+    with pytest.raises(HandshakeError, match="exactly one respond"):
+        head.finish(final)  # no second guess: the responder is spent
 
 
 def test_the_hello_is_bound_into_the_handshake():
-    node = Initiator("tok-1", SECRET)
+    node = Initiator("tok-1", SECRET, NODE_KEY)
     forged = node.first_frame().replace(b"tok-1", b"tok-2")
-    head = Responder()
+    head = Responder(HEAD_KEY)
     assert head.read_hello(forged).token_id == "tok-2"
-    with pytest.raises(TokenRefused):
+    with pytest.raises(HandshakeError, match="hello altered"):
         head.respond(SECRET)  # even the right secret fails: the prologue differs
 
 
-def test_psk_presence_must_match_the_hello():
-    head = Responder()
-    head.read_hello(Initiator(None, None).first_frame())
-    with pytest.raises(HandshakeError, match="tokenless hello takes none"):
-        head.respond(SECRET)
-    head = Responder()
-    head.read_hello(Initiator("tok-1", SECRET).first_frame())
-    with pytest.raises(HandshakeError, match="needs its secret"):
-        head.respond(None)
+def test_a_pinned_head_key_is_checked_before_the_node_proves_anything():
+    other = public_key(generate_static())
+    node = Initiator("tok-1", SECRET, NODE_KEY, pinned_head=other)
+    head = Responder(HEAD_KEY)
+    head.read_hello(node.first_frame())
+    with pytest.raises(HeadKeyChanged, match="pinned") as changed:
+        node.read_reply(head.respond(SECRET))
+    assert changed.value.presented == public_key(HEAD_KEY) and changed.value.pinned == other
+    with pytest.raises(HandshakeError, match="out of order"):
+        node.finish()
+    node, _ = _through_reply(pinned=public_key(HEAD_KEY))  # the pinned key itself passes
+    assert node.head_key == public_key(HEAD_KEY)
+
+
+def test_a_malformed_last_frame_is_a_protocol_error_not_a_token_refusal():
+    _, head = _through_reply()
+    with pytest.raises(HandshakeError, match="has 10 bytes, not 64") as caught:
+        head.finish(b"x" * 10)
+    assert not isinstance(caught.value, TokenRefused)
 
 
 def test_initiator_refuses_a_garbage_reply():
-    node = Initiator("tok-1", SECRET)
+    node = Initiator("tok-1", SECRET, NODE_KEY)
     node.first_frame()
     with pytest.raises(HandshakeError, match="reply failed"):
-        node.read_reply(os.urandom(64))
+        node.read_reply(os.urandom(96))
 
 
-def test_initiator_arguments_are_checked():
-    with pytest.raises(HandshakeError, match="both a token id and its secret"):
-        Initiator("tok-1", None)
+def test_initiator_arguments_and_order_are_checked():
     with pytest.raises(HandshakeError, match="32 bytes"):
-        Initiator("tok-1", b"short")
-    node = Initiator("tok-1", SECRET)
-    with pytest.raises(HandshakeError, match="needs exactly one first_frame"):
-        node.read_reply(b"x" * 48)
+        Initiator("tok-1", b"short", NODE_KEY)
+    with pytest.raises(HandshakeError, match="malformed token id"):
+        Initiator("tok 1", SECRET, NODE_KEY)
+    node = Initiator("tok-1", SECRET, NODE_KEY)
+    with pytest.raises(HandshakeError, match="out of order"):
+        node.read_reply(b"x" * 96)
 
 
 def _broken_after(channel: SecureChannel, frame: bytes, match: str) -> None:
@@ -273,35 +291,43 @@ def test_authenticated_garbage_is_a_protocol_error_and_breaks_the_channel():
 
 
 def _hello(body: bytes) -> bytes:
-    return b"FLEET1" + struct.pack(">H", len(body)) + body
+    return b"FLEET2" + struct.pack(">H", len(body)) + body
 
 
 @pytest.mark.parametrize(
     ("frame", "match"),
     [
         (b"\x17\x03\x03" + os.urandom(61), "bad magic"),
-        (b"FLEET2" + b"\x00" * 60, "bad magic"),
-        (b"FLEET1\x00", "truncated hello: the frame ends before the hello length"),
-        (b"FLEET1" + struct.pack(">H", 40) + b"\x82\xa5proto", "truncated hello: it claims 40 bytes but only 7"),
+        (b"FLEET1" + b"\x00" * 60, "bad magic"),
+        (b"FLEET2\x00", "truncated hello: the frame ends before the hello length"),
+        (b"FLEET2" + struct.pack(">H", 40) + b"\x82\xa5proto", "truncated hello: it claims 40 bytes but only 7"),
         (_hello(b"\xc1") + os.urandom(48), "hello is not valid msgpack"),
         (_hello(msgpack.packb([1, 2])) + os.urandom(48), "must be a msgpack map"),
-        (_hello(msgpack.packb({"proto": "fleet/9", "token_id": None})) + os.urandom(48), "unsupported link proto"),
-        (_hello(msgpack.packb({"proto": "fleet/1", "token_id": 7})) + os.urandom(48), "malformed token id"),
-        (_hello(msgpack.packb({"proto": "fleet/1", "token_id": "t"})) + os.urandom(20), "needs 48"),
-        (_hello(msgpack.packb({"proto": "fleet/1", "token_id": None})), "has 0 bytes, needs 32"),
-        (b"FLEET1" + os.urandom(2000), "too large"),
-        ("FLEET1 hello", "must be a binary websocket frame"),
+        (_hello(msgpack.packb({"proto": "fleet/1", "token_id": "t"})) + os.urandom(48), "unsupported link proto"),
+        (_hello(msgpack.packb({"proto": "fleet/2", "token_id": 7})) + os.urandom(48), "malformed one"),
+        (_hello(msgpack.packb({"proto": "fleet/2", "token_id": None})) + os.urandom(48), "no token id"),
+        (_hello(msgpack.packb({"proto": "fleet/2", "token_id": "t" * 65})) + os.urandom(48), "malformed one"),
+        (_hello(msgpack.packb({"proto": "fleet/2", "token_id": "a.b"})) + os.urandom(48), "malformed one"),
+        (_hello(msgpack.packb({"proto": "fleet/2", "token_id": "t"})) + os.urandom(20), "has 20 bytes, not 48"),
+        (_hello(msgpack.packb({"proto": "fleet/2", "token_id": "t"})) + os.urandom(64), "has 64 bytes, not 48"),
+        (_hello(msgpack.packb({"proto": "fleet/2", "token_id": "t"})), "has 0 bytes, not 48"),
+        (b"FLEET2" + os.urandom(2000), "too large"),
+        ("FLEET2 hello", "must be a binary websocket frame"),
     ],
     ids=[
         "random",
-        "wrong-magic",
+        "old-protocol-magic",
         "no-length",
         "truncated",
         "not-msgpack",
         "not-map",
         "proto",
         "token-id-type",
+        "token-id-missing",
+        "token-id-too-long",
+        "token-id-bad-chars",
         "short-noise",
+        "long-noise",
         "no-noise",
         "oversize",
         "text-frame",
@@ -309,7 +335,7 @@ def _hello(body: bytes) -> bytes:
 )
 def test_garbage_before_the_handshake_is_a_handshake_error(frame, match):
     with pytest.raises(HandshakeError, match=match) as caught:
-        Responder().read_hello(frame)
+        Responder(HEAD_KEY).read_hello(frame)
     assert isinstance(caught.value, LinkError)
 
 

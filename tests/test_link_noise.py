@@ -8,10 +8,14 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from nodes.link.noise import MAX_NONCE, CipherState, HandshakeState, NoiseError
+from nodes.link.noise import MAX_NONCE, PATTERNS, CipherState, HandshakeState, NoiseError, generate_static
 
-VECTORS_FILE = Path(__file__).parent / "data" / "noise" / "nn_psk_25519_chachapoly_sha256.json"
-VECTORS = json.loads(VECTORS_FILE.read_text())["vectors"]
+VECTORS_DIR = Path(__file__).parent / "data" / "noise"
+VECTORS = [
+    vector
+    for name in ("nn_psk_25519_chachapoly_sha256.json", "xx_psk3_25519_chachapoly_sha256.json")
+    for vector in json.loads((VECTORS_DIR / name).read_text())["vectors"]
+]
 PSK = bytes(range(32))
 
 
@@ -28,14 +32,17 @@ def _side(vector: dict, initiator: bool) -> HandshakeState:
         prologue=bytes.fromhex(vector[f"{prefix}_prologue"]),
         psk=bytes.fromhex(psks[0]) if psks else None,
         ephemeral=bytes.fromhex(vector[f"{prefix}_ephemeral"]),
+        static=bytes.fromhex(vector[f"{prefix}_static"]) if f"{prefix}_static" in vector else None,
     )
 
 
-def test_the_vector_file_holds_the_three_suites():
+def test_the_vector_files_hold_the_five_suites():
     assert sorted(v["protocol_name"] for v in VECTORS) == [
         "Noise_NN_25519_ChaChaPoly_SHA256",
         "Noise_NNpsk0_25519_ChaChaPoly_SHA256",
         "Noise_NNpsk2_25519_ChaChaPoly_SHA256",
+        "Noise_XX_25519_ChaChaPoly_SHA256",
+        "Noise_XXpsk3_25519_ChaChaPoly_SHA256",
     ]
 
 
@@ -45,11 +52,12 @@ def test_one_side_reproduces_every_vector_message(vector, initiator):
     """Our side writes its messages byte for byte and reads the other side's from the vector alone."""
     state = _side(vector, initiator)
     assert state.protocol_name == vector["protocol_name"]
+    handshake_messages = len(PATTERNS[_pattern(vector)])
     send = receive = None
     for index, message in enumerate(vector["messages"]):
         payload, ciphertext = bytes.fromhex(message["payload"]), bytes.fromhex(message["ciphertext"])
         ours = (index % 2 == 0) == initiator  # messages alternate, initiator first
-        if index < 2:  # both patterns are two handshake messages, then transport
+        if index < handshake_messages:
             if ours:
                 assert state.write_message(payload) == ciphertext, f"handshake message {index}"
             else:
@@ -59,11 +67,20 @@ def test_one_side_reproduces_every_vector_message(vector, initiator):
             assert state.finished
             assert state.handshake_hash.hex() == vector["handshake_hash"]
             send, receive = state.split()
+            if "init_static" in vector:  # each side learned the other's static key
+                other = "resp" if initiator else "init"
+                assert state.remote_static == _public(bytes.fromhex(vector[f"{other}_static"]))
         if ours:
             assert send.encrypt_with_ad(b"", payload) == ciphertext, f"transport message {index}"
         else:
             assert receive.decrypt_with_ad(b"", ciphertext) == payload, f"transport message {index}"
     assert send is not None, "the vector has transport messages"
+
+
+def _public(static: bytes) -> bytes:
+    from nodes.link.noise import public_key
+
+    return public_key(static)
 
 
 def _pair(pattern: str, init_psk: bytes | None = None, resp_psk: bytes | None = None):
@@ -152,7 +169,37 @@ def test_short_messages_and_misuse_raise_noise_error():
     with pytest.raises(NoiseError, match="takes no psk"):
         HandshakeState("NN", initiator=True, psk=PSK)
     with pytest.raises(NoiseError, match="unsupported"):
+        HandshakeState("KK", initiator=True)
+    with pytest.raises(NoiseError, match="static private key"):
         HandshakeState("XX", initiator=True)
+
+
+def _xx_pair(init_psk: bytes, resp_psk: bytes):
+    return (
+        HandshakeState("XXpsk3", initiator=True, prologue=b"p", psk=init_psk, static=generate_static()),
+        HandshakeState("XXpsk3", initiator=False, prologue=b"p", psk=resp_psk, static=generate_static()),
+    )
+
+
+def test_a_wrong_psk_fails_xxpsk3_at_the_responders_last_read():
+    initiator, responder = _xx_pair(PSK, bytes(32))
+    responder.read_message(initiator.write_message(b""))
+    initiator.read_message(responder.write_message(b""))
+    with pytest.raises(NoiseError, match="authentication"):
+        responder.read_message(initiator.write_message(b""))
+
+
+def test_xxpsk3_tells_each_side_the_others_static_key():
+    init_static, resp_static = generate_static(), generate_static()
+    initiator = HandshakeState("XXpsk3", initiator=True, psk=PSK, static=init_static)
+    responder = HandshakeState("XXpsk3", initiator=False, psk=PSK, static=resp_static)
+    responder.read_message(initiator.write_message(b""))
+    assert responder.remote_static is None
+    initiator.read_message(responder.write_message(b""))
+    assert initiator.remote_static == _public(resp_static)
+    responder.read_message(initiator.write_message(b""))
+    assert responder.remote_static == _public(init_static)
+    assert initiator.handshake_hash == responder.handshake_hash
 
 
 def test_split_keys_differ_per_direction_and_match_across_sides():

@@ -1,26 +1,38 @@
-"""The head's end of the node link, in process: refusals, the handshake cap, bad frames, register and relay."""
+"""The head's end of the node link, in process: refusals, key binding, the handshake cap, bad frames, register."""
 
 import contextlib
 
 import pytest
+from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 
 from fleet.links import registry
-from nodes.link.handshake import Initiator, parse_token
-from nodes.link.messages import Heartbeat, Register, Registered
+from nodes.link.codes import CloseCode
+from nodes.link.handshake import LOCAL_TOKEN_ID, Initiator, format_token, make_secret, parse_token
+from nodes.link.messages import Check, Heartbeat, Register, Registered
+from nodes.link.noise import generate_static
 from nodes.models import Node
 from nodes.services import fleet_token_create, fleet_token_revoke
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
 
+LOCAL_TOKEN = format_token(LOCAL_TOKEN_ID, make_secret())
+NODE_KEY = generate_static()
+
+
+@pytest.fixture(autouse=True)
+def _local_token(settings):
+    """As under `manage.py up`: the head knows the run's local token."""
+    settings.FLEET_LOCAL_NODE_TOKEN = LOCAL_TOKEN
+
 
 _open: list[WebsocketCommunicator] = []
 
 
-def communicator(peer: str = "127.0.0.1") -> WebsocketCommunicator:
+def communicator(peer: str = "127.0.0.1", headers: list | None = None) -> WebsocketCommunicator:
     from fleet.asgi import application
 
-    comm = WebsocketCommunicator(application, "/ws/node/")
+    comm = WebsocketCommunicator(application, "/ws/node/", headers=headers or [])
     comm.scope["client"] = [peer, 50000]
     _open.append(comm)
     return comm
@@ -43,26 +55,40 @@ async def closed_with(comm) -> int:
     return output["code"]
 
 
-async def handshake(comm, token: str | None):
-    token_id, psk = parse_token(token) if token else (None, None)
-    initiator = Initiator(token_id, psk)
+async def handshake(comm, token: str = LOCAL_TOKEN, key: bytes = NODE_KEY):
+    token_id, psk = parse_token(token)
+    initiator = Initiator(token_id, psk, key)
     await comm.send_to(bytes_data=initiator.first_frame())
-    return initiator.read_reply(await comm.receive_from(timeout=5))
+    initiator.read_reply(await comm.receive_from(timeout=5))
+    final, channel = initiator.finish()
+    await comm.send_to(bytes_data=final)
+    return channel
+
+
+async def joined(token: str = LOCAL_TOKEN, key: bytes = NODE_KEY, peer: str = "127.0.0.1", register=None):
+    """(communicator, channel) of a node that registered as `register` (REGISTER by default)."""
+    comm = communicator(peer)
+    assert (await comm.connect())[0]
+    channel = await handshake(comm, token, key)
+    await comm.send_to(bytes_data=channel.seal(register or REGISTER))
+    assert isinstance(channel.open(await comm.receive_from(timeout=5)), Registered)
+    return comm, channel
 
 
 REGISTER = Register(identity="gpu-7", models=[{"name": "smollm2", "context_window": 4096}], lanes=4,
                     context_window=4096, capabilities={"chat": True}, engine="mock", engine_version="1", version="t")
 
 
-async def test_loopback_node_without_token_registers_and_heartbeats():
+async def test_the_local_node_registers_and_heartbeats():
     comm = communicator()
     assert (await comm.connect())[0]
-    channel = await handshake(comm, None)
+    channel = await handshake(comm)
     await comm.send_to(bytes_data=channel.seal(REGISTER))
     reply = channel.open(await comm.receive_from(timeout=5))
     assert isinstance(reply, Registered) and reply.model_names == ["smollm2"]
     node = await Node.objects.aget(identity="gpu-7")
     assert node.state == Node.State.ONLINE and node.lanes == 4
+    assert node.key_fingerprint and node.key_bound_at is not None
     assert registry().placement.models() == ["smollm2"]
     await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=1, lanes=4)))
     await comm.disconnect()
@@ -70,43 +96,168 @@ async def test_loopback_node_without_token_registers_and_heartbeats():
     assert node.state == Node.State.OFFLINE and registry().placement.models() == []
 
 
-async def test_remote_node_without_token_is_refused_4002():
-    comm = communicator("10.0.0.7")
+async def _refused(token: str, peer: str = "10.0.0.7", headers: list | None = None) -> int:
+    """The close code for a node that tries to join with `token` (through the whole handshake when it gets that far)."""
+    comm = communicator(peer, headers)
     await comm.connect()
-    await comm.send_to(bytes_data=Initiator(None, None).first_frame())
-    assert await closed_with(comm) == 4002
+    token_id, psk = parse_token(token)
+    initiator = Initiator(token_id, psk, NODE_KEY)
+    await comm.send_to(bytes_data=initiator.first_frame())
+    output = await comm.receive_output(timeout=5)
+    if output["type"] == "websocket.close":
+        return output["code"]
+    initiator.read_reply(output["bytes"])
+    await comm.send_to(bytes_data=initiator.finish()[0])
+    return await closed_with(comm)
 
 
-async def test_unknown_revoked_and_wrong_secret_tokens_are_refused_4001():
-    from asgiref.sync import sync_to_async
+@pytest.mark.parametrize(
+    ("peer", "headers"),
+    [
+        ("10.0.0.7", []),  # another host
+        ("127.0.0.1", [(b"x-forwarded-for", b"203.0.113.9")]),  # a proxy on this host
+        ("127.0.0.1", [(b"forwarded", b"for=203.0.113.9")]),
+        ("127.0.0.1", [(b"x-real-ip", b"203.0.113.9")]),
+    ],
+    ids=["remote", "x-forwarded-for", "forwarded", "x-real-ip"],
+)
+async def test_the_local_token_is_refused_from_another_host_or_through_a_proxy(peer, headers):
+    assert await _refused(LOCAL_TOKEN, peer, headers) == CloseCode.TOKEN_REQUIRED
 
-    token, full = await sync_to_async(fleet_token_create)(name="t")
-    from nodes.link.handshake import format_token, make_secret
 
+async def test_the_local_token_is_refused_from_a_trusted_proxy_address(settings):
+    settings.FLEET_TRUSTED_PROXIES = ["127.0.0.0/8"]
+    assert await _refused(LOCAL_TOKEN, "127.0.0.1") == CloseCode.TOKEN_REQUIRED
+
+
+async def test_without_manage_py_up_the_local_token_is_refused_even_on_loopback(settings):
+    settings.FLEET_LOCAL_NODE_TOKEN = ""  # production: only `up` sets it
+    assert await _refused(LOCAL_TOKEN, "127.0.0.1") == CloseCode.TOKEN_REQUIRED
+
+
+async def test_a_wrong_local_secret_is_refused():
+    assert await _refused(format_token(LOCAL_TOKEN_ID, make_secret()), "127.0.0.1") == CloseCode.TOKEN_REFUSED
+
+
+async def test_unknown_wrong_secret_revoked_and_expired_tokens_each_get_their_code(caplog):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    _, full = await sync_to_async(fleet_token_create)(name="t")
     wrong = format_token(full.split(".")[0], make_secret())
     revoked_row, revoked = await sync_to_async(fleet_token_create)(name="r")
     await sync_to_async(fleet_token_revoke)(token=revoked_row)
-    for bad in (wrong, revoked, "abcdef123456." + "A" * 43):
-        comm = communicator("10.0.0.7")
-        await comm.connect()
-        token_id, psk = parse_token(bad)
-        await comm.send_to(bytes_data=Initiator(token_id, psk).first_frame())
-        assert await closed_with(comm) == 4001, bad
+    _, expired = await sync_to_async(fleet_token_create)(name="e", expires_at=timezone.now() - timedelta(seconds=1))
+    cases = {"abcdef123456." + "A" * 43: CloseCode.TOKEN_REFUSED, wrong: CloseCode.TOKEN_REFUSED,
+             revoked: CloseCode.TOKEN_REVOKED, expired: CloseCode.TOKEN_EXPIRED}
+    for bad, code in cases.items():
+        caplog.clear()
+        assert await _refused(bad) == code, bad
+        refusals = [r for r in caplog.records if "refused node" in r.getMessage()]
+        assert len(refusals) == 1 and not refusals[0].exc_info, bad  # one line, no traceback
 
 
-async def test_remote_node_with_a_good_token_joins():
-    from asgiref.sync import sync_to_async
-
+async def test_a_token_whose_stored_secret_is_unreadable_is_refused_with_a_logged_reason(settings, caplog):
     _, full = await sync_to_async(fleet_token_create)(name="t")
-    comm = communicator("10.0.0.7")
-    await comm.connect()
-    channel = await handshake(comm, full)
-    await comm.send_to(bytes_data=channel.seal(REGISTER))
-    assert isinstance(channel.open(await comm.receive_from(timeout=5)), Registered)
+    settings.SECRET_KEY, settings.SECRET_KEY_FALLBACKS = "a-new-key-without-the-old-one", []
+    assert await _refused(full) == CloseCode.TOKEN_UNREADABLE
+    assert any("FLEET_SECRET_KEY_FALLBACKS" in r.getMessage() for r in caplog.records)
+
+
+async def test_token_secrets_survive_a_secret_key_rotation_with_fallbacks(settings):
+    _, full = await sync_to_async(fleet_token_create)(name="t")
+    old = settings.SECRET_KEY
+    settings.SECRET_KEY, settings.SECRET_KEY_FALLBACKS = "the-rotated-key", [old]
+    comm, _ = await joined(full, peer="10.0.0.7")
     await comm.disconnect()
 
 
-@pytest.mark.parametrize("frame", [b"garbage before the handshake", b"FLEET1\x00\xff", b"\x00", "text frame"])
+async def test_remote_node_with_a_good_token_joins_and_is_bound_to_its_key():
+    _, full = await sync_to_async(fleet_token_create)(name="t")
+    comm, _ = await joined(full, peer="10.0.0.7")
+    node = await Node.objects.select_related("token").aget(identity="gpu-7")
+    assert node.token is not None and node.token.name == "t" and node.public_key
+    await comm.disconnect()
+
+
+async def test_another_key_cannot_take_a_bound_identity_and_the_bound_node_keeps_its_link(caplog):
+    _, full = await sync_to_async(fleet_token_create)(name="t")
+    comm, channel = await joined(full, peer="10.0.0.7")
+    caplog.clear()
+    impostor = communicator("10.0.0.8")
+    await impostor.connect()
+    impostor_channel = await handshake(impostor, full, generate_static())
+    await impostor.send_to(bytes_data=impostor_channel.seal(REGISTER))
+    assert await closed_with(impostor) == CloseCode.IDENTITY_TAKEN
+    assert [r.getMessage() for r in caplog.records if "refused node" in r.getMessage()][0].count("bound to key") == 1
+    # The real node's link is untouched: it still heartbeats and holds the placement slot.
+    await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=0, lanes=4)))
+    assert await comm.receive_nothing(timeout=0.3)
+    node = await Node.objects.aget(identity="gpu-7")
+    assert node.state == Node.State.ONLINE and str(node.pk) in registry().links
+    await comm.disconnect()
+
+
+async def test_a_check_answers_before_the_model_loads():
+    comm, _ = await joined()
+    await comm.disconnect()
+    for key, code in ((NODE_KEY, CloseCode.NORMAL), (generate_static(), CloseCode.IDENTITY_TAKEN)):
+        probe = communicator()
+        await probe.connect()
+        channel = await handshake(probe, LOCAL_TOKEN, key)
+        await probe.send_to(bytes_data=channel.seal(Check(identity="gpu-7")))
+        assert await closed_with(probe) == code
+
+
+async def test_releasing_the_binding_lets_a_new_key_join():
+    from nodes.services import node_release_key
+
+    comm, _ = await joined()
+    await comm.disconnect()
+    node = await Node.objects.aget(identity="gpu-7")
+    assert await sync_to_async(node_release_key)(node=node)
+    new_key = generate_static()
+    comm, _ = await joined(key=new_key)
+    await node.arefresh_from_db()
+    from nodes.link.noise import public_key
+
+    assert node.public_key == public_key(new_key).hex()
+    await comm.disconnect()
+
+
+async def test_revoking_a_node_closes_its_link_and_its_key_cannot_rejoin_under_any_identity():
+    from nodes.services import node_revoke
+
+    comm, _ = await joined()
+    node = await Node.objects.aget(identity="gpu-7")
+    assert await sync_to_async(node_revoke)(node=node)
+    assert await closed_with(comm) == CloseCode.NODE_REVOKED
+    for identity in ("gpu-7", "gpu-8"):
+        again = communicator()
+        await again.connect()
+        channel = await handshake(again)
+        await again.send_to(bytes_data=channel.seal(_register_as(identity)))
+        assert await closed_with(again) == CloseCode.NODE_REVOKED, identity
+
+
+async def test_revoking_a_token_closes_the_links_that_joined_with_it():
+    token, full = await sync_to_async(fleet_token_create)(name="t")
+    comm, _ = await joined(full, peer="10.0.0.7")
+    local, _ = await joined(register=_register_as("gpu-local"))
+    await sync_to_async(fleet_token_revoke)(token=token)
+    assert await closed_with(comm) == CloseCode.TOKEN_REVOKED
+    assert await local.receive_nothing(timeout=0.3)  # a link with another token is untouched
+    await local.disconnect()
+
+
+def _register_as(identity: str) -> Register:
+    from dataclasses import replace
+
+    return replace(REGISTER, identity=identity)
+
+
+@pytest.mark.parametrize("frame", [b"garbage before the handshake", b"FLEET2\x00\xff", b"\x00", "text frame"])
 async def test_garbage_before_the_handshake_closes_4003(frame):
     comm = communicator()
     await comm.connect()
@@ -120,7 +271,7 @@ async def test_garbage_before_the_handshake_closes_4003(frame):
 async def test_tampered_frame_after_the_handshake_closes_4003():
     comm = communicator()
     await comm.connect()
-    channel = await handshake(comm, None)
+    channel = await handshake(comm)
     frame = bytearray(channel.seal(REGISTER))
     frame[-1] ^= 0x01
     await comm.send_to(bytes_data=bytes(frame))
@@ -130,7 +281,7 @@ async def test_tampered_frame_after_the_handshake_closes_4003():
 async def test_replayed_frame_closes_4003():
     comm = communicator()
     await comm.connect()
-    channel = await handshake(comm, None)
+    channel = await handshake(comm)
     frame = channel.seal(REGISTER)
     await comm.send_to(bytes_data=frame)
     await comm.receive_from(timeout=5)

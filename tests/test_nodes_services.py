@@ -12,7 +12,8 @@ from nodes.models import FleetToken, Node
 from nodes.services import (
     fleet_token_create,
     fleet_token_revoke,
-    fleet_token_secret,
+    JoinRefused,
+    fleet_token_for_join,
     fleet_token_verify,
     node_fleet_model_name,
     node_mark_offline,
@@ -36,7 +37,7 @@ def test_fleet_token_secret_is_never_stored_in_clear_and_verifies():
         cursor.execute("SELECT * FROM nodes_fleettoken")
         dump = repr(cursor.fetchall())
     assert encoded not in dump and secret.hex() not in dump
-    assert fleet_token_secret(public_id=public_id) == secret
+    assert fleet_token_for_join(public_id=public_id) == (token, secret)
     assert fleet_token_verify(token_string=full)
     assert not fleet_token_verify(token_string=f"{public_id}.{'A' * 43}")
 
@@ -45,7 +46,8 @@ def test_revoked_fleet_token_is_refused():
     token, full = fleet_token_create(name="n")
     assert fleet_token_revoke(token=token) is True
     assert fleet_token_revoke(token=token) is False
-    assert fleet_token_secret(public_id=token.public_id) is None
+    with pytest.raises(JoinRefused, match="was revoked"):
+        fleet_token_for_join(public_id=token.public_id)
     assert not fleet_token_verify(token_string=full)
 
 
@@ -68,8 +70,9 @@ def test_api_key_last_used_is_written_at_most_once_a_minute():
     assert type(row).objects.get(pk=row.pk).last_used_at == first
 
 
-def _register(identity="gpu-3", models=("smollm2",)):
-    return node_register(identity=identity, address="10.0.0.7", token=None, models=list(models), lanes=8,
+def _register(identity="gpu-3", models=("smollm2",), key="ab" * 32):
+    return node_register(identity=identity, public_key=key, address="10.0.0.7", token=None, models=list(models),
+                         lanes=8,
                          context_window=8192, capabilities={"chat": True}, engine="llama.cpp", version="1",
                          labels={}, replicas=[])
 

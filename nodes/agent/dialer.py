@@ -1,28 +1,34 @@
 """The node's end of the link: dial the head, hand generations to the engine, stream its frames back.
 
 Redials with backoff from 2 s to 30 s, resolving the head again each time (by mDNS when it has no address).
-A refused fleet token ends the agent at once with a line saying what to do.
+A refusal (token, identity, revoked key, a head whose key differs from the pinned one) ends the agent at once with a
+line saying what to do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
+from nodes.agent import keys
 from nodes.link.channel import MAX_FRAME, SecureChannel
-from nodes.link.handshake import Initiator, parse_token
+from nodes.link.codes import refusal
+from nodes.link.handshake import HeadKeyChanged, Initiator, fingerprint, parse_token
 from nodes.link.messages import (
     Accepted,
     Bye,
     Cancel,
+    Check,
     Done,
     Error,
     Generate,
@@ -41,22 +47,17 @@ log = logging.getLogger("nodes.agent")
 BACKOFF_START_S = 2.0
 BACKOFF_MAX_S = 30.0
 ENGINE_WAIT_S = 30.0
-REFUSAL_CODES = {
-    4001: "the head refused this node's fleet token (unknown, revoked or wrong secret): create a new one on the head "
-          "with `manage.py fleet_token` and pass it with --token",
-    4002: "the head takes nodes from other hosts only with a fleet token: create one on the head with "
-          "`manage.py fleet_token` and pass it with --token",
-}
 
 
 class Refused(Exception):
-    """The head refused this node for good (its token); redialing would not help."""
+    """The head refused this node for good (token, identity, revoked key, changed head key); redialing won't help."""
 
 
 @dataclass
 class AgentConfig:
     head: str | None
-    token: str | None
+    token: str
+    home: Path
     identity: str = field(default_factory=socket.gethostname)
     labels: dict[str, str] = field(default_factory=dict)
     version: str = "fleet-node/0.1"
@@ -92,7 +93,8 @@ class NodeAgent:
         self.config = config
         self.engine = engine
         self.resolve_head = resolve_head or (lambda: config.head)
-        self.token_id, self.psk = parse_token(config.token) if config.token else (None, None)
+        self.token_id, self.psk = parse_token(config.token)
+        self.node_key = keys.node_key(config.home)
         self.outbox: asyncio.Queue | None = None
         self.running: set[str] = set()
         self.cache_cleared = True
@@ -125,35 +127,27 @@ class NodeAgent:
             await asyncio.sleep(delay * (0.9 + 0.2 * random.random()))
             delay = min(delay * 2, self.config.backoff_max)
 
-    async def check_token(self) -> None:
-        """Handshake once before the model loads, so a refused token stops the node in seconds, not after a
-        long load. A head that does not answer yet is no error: the agent keeps dialing it later."""
+    async def check_join(self) -> None:
+        """Handshake and ask whether this key may join under its identity before the model loads, so a refusal
+        stops the node in seconds, not after a long load. A head that does not answer yet is no error: the agent
+        keeps dialing it later."""
         head = self.resolve_head()
         if head is None:
             return
         try:
-            async with websockets.connect(_uri(head), open_timeout=10, close_timeout=2) as ws:
+            async with websockets.connect(_uri(head), open_timeout=10, close_timeout=2) as ws, _refusals():
                 channel = await self._handshake(ws)
-                await ws.send(channel.seal(Bye(reason="token check before loading the model")))
-        except ConnectionClosed as exc:
-            code = exc.rcvd.code if exc.rcvd else None
-            if code in REFUSAL_CODES:
-                raise Refused(REFUSAL_CODES[code]) from None
-        except (OSError, InvalidHandshake, InvalidURI, LinkError, TimeoutError):
+                await ws.send(channel.seal(Check(identity=self.config.identity)))
+                await asyncio.wait_for(ws.recv(), 10)  # the head answers by closing the link
+        except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, LinkError, TimeoutError):
             return
 
     async def _session(self, head: str) -> bool:
         uri = _uri(head)
         async with websockets.connect(uri, max_size=MAX_FRAME + 1024, open_timeout=10, ping_interval=20,
-                                      ping_timeout=20, close_timeout=2) as ws:
-            try:
-                channel = await self._handshake(ws)
-                registered = await self._register(ws, channel)
-            except ConnectionClosed as exc:
-                code = exc.rcvd.code if exc.rcvd else None
-                if code in REFUSAL_CODES:
-                    raise Refused(REFUSAL_CODES[code]) from None
-                raise
+                                      ping_timeout=20, close_timeout=2) as ws, _refusals():
+            channel = await self._handshake(ws)
+            registered = await self._register(ws, channel)
             log.info("fleet node %r joined %s as %s (%s)", self.config.identity, head,
                      ", ".join(registered.model_names), registered.node_id)
             for warning in registered.warnings:
@@ -163,10 +157,20 @@ class NodeAgent:
             return True
 
     async def _handshake(self, ws) -> SecureChannel:
-        initiator = Initiator(self.token_id, self.psk)
+        pinned = keys.pinned_head(self.config.home)
+        initiator = Initiator(self.token_id, self.psk, self.node_key, pinned_head=pinned)
         await ws.send(initiator.first_frame())
-        reply = await asyncio.wait_for(ws.recv(), 10)
-        return initiator.read_reply(reply)
+        try:
+            head_key = initiator.read_reply(await asyncio.wait_for(ws.recv(), 10))
+        except HeadKeyChanged as exc:
+            raise Refused(f"{exc}. If this node moved to a new head on purpose, run node_join again with "
+                          "--accept-new-head; otherwise something is answering in the head's place") from None
+        if pinned is None:
+            keys.pin_head(self.config.home, head_key)
+            log.info("fleet node: pinned the head's link key %s (first contact)", fingerprint(head_key))
+        final, channel = initiator.finish()
+        await ws.send(final)
+        return channel
 
     async def _register(self, ws, channel: SecureChannel) -> Registered:
         info = self.engine.info()
@@ -254,6 +258,18 @@ class NodeAgent:
                 cache_cleared=cleared,
             ))
             await asyncio.sleep(self.heartbeat_s)
+
+
+@contextlib.asynccontextmanager
+async def _refusals():
+    """A link the head closed with a refusal code ends the agent (Refused); any other close is for redialing."""
+    try:
+        yield
+    except ConnectionClosed as exc:
+        line = refusal(exc.rcvd.code, exc.rcvd.reason) if exc.rcvd else None
+        if line is not None:
+            raise Refused(line) from None
+        raise
 
 
 def _uri(head: str) -> str:

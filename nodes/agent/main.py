@@ -10,10 +10,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nodes.agent import keys
 from nodes.agent.dialer import AgentConfig, NodeAgent, Refused
 from nodes.agent.engine.base import EngineConfig
 from nodes.agent.models import ModelNotFound, resolve_model
 from nodes.agent.replicas import ReplicaConfigError, ReplicaSet, cpu_groups, gpu_groups
+from nodes.link.handshake import BadToken, parse_token
 
 log = logging.getLogger("nodes.agent")
 
@@ -31,6 +33,7 @@ class NodeOptions:
     park: bool = False
     replicas: int = 1
     gpus: str | None = None
+    accept_new_head: bool = False
     home: Path = field(default_factory=lambda: Path(os.environ.get("FLEET_HOME") or Path.home() / ".fleet"))
     mock: dict | None = None
 
@@ -43,17 +46,33 @@ def token_path(home: Path) -> Path:
     return home / "fleet" / "token"
 
 
-def remember_token(options: NodeOptions) -> str | None:
-    """The token given now is kept for later runs; without one, the kept token is used."""
+# `manage.py up` hands its own node a token made for that run (id LOCAL_TOKEN_ID) in this variable; never kept.
+LOCAL_TOKEN_ENV = "FLEET_LOCAL_NODE_TOKEN"
+
+
+def remember_token(options: NodeOptions) -> str:
+    """The token to join with: --token (kept for later runs), else `up`'s local one, else the kept one.
+
+    Raises NodeError when there is none or it is malformed, before anything is loaded or dialed.
+    """
     path = token_path(options.home)
+    token = (options.token or "").strip()
+    source = "--token"
+    if not token and os.environ.get(LOCAL_TOKEN_ENV):
+        token, source = os.environ[LOCAL_TOKEN_ENV].strip(), LOCAL_TOKEN_ENV
+    if not token and path.exists():
+        token, source = path.read_text().strip(), str(path)
+    if not token:
+        raise NodeError("no fleet token: make one on the head with `manage.py fleet_token` and pass it with --token")
+    try:
+        parse_token(token)
+    except BadToken as exc:
+        raise NodeError(f"the fleet token from {source} is malformed: {exc}") from None
     if options.token:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(options.token.strip() + "\n")
+        path.write_text(token + "\n")
         path.chmod(0o600)
-        return options.token.strip()
-    if path.exists():
-        return path.read_text().strip() or None
-    return None
+    return token
 
 
 def engine_configs(options: NodeOptions) -> tuple[list[EngineConfig], str]:
@@ -96,10 +115,12 @@ class ProgressBar:
 async def _run(options: NodeOptions, resolve_head) -> None:
     from nodes.agent.engine.worker import EngineWorker
 
-    configs, name = engine_configs(options)
     token = remember_token(options)
+    if options.accept_new_head:
+        keys.forget_head(options.home)
+    configs, name = engine_configs(options)
     identity = options.identity or AgentConfig.identity_default()
-    agent_config = AgentConfig(head=options.head, token=token, identity=identity)
+    agent_config = AgentConfig(head=options.head, token=token, home=options.home, identity=identity)
     agent: NodeAgent | None = None
 
     def forward(index: int):
@@ -108,7 +129,7 @@ async def _run(options: NodeOptions, resolve_head) -> None:
                 agent.on_engine_event(engine.on_event(index, event) if isinstance(engine, ReplicaSet) else event)
         return on_event
 
-    await NodeAgent(agent_config, None, resolve_head=resolve_head).check_token()
+    await NodeAgent(agent_config, None, resolve_head=resolve_head).check_join()
     workers = [EngineWorker(cfg, on_event=forward(i)) for i, cfg in enumerate(configs)]
     engine = ReplicaSet(workers, model_name=name) if len(workers) > 1 else workers[0]
     bar = ProgressBar(f"loading {name}")
@@ -146,7 +167,7 @@ def run_node(options: NodeOptions) -> int:
         loop.run_until_complete(main)
     except asyncio.CancelledError:
         return 0
-    except (Refused, NodeError, ModelNotFound, ReplicaConfigError) as exc:
+    except (Refused, NodeError, ModelNotFound, ReplicaConfigError, keys.KeyFileError) as exc:
         sys.stderr.write(f"node_join: {exc}\n")
         return 2
     finally:

@@ -1,15 +1,22 @@
 """The node-link handshake, sans IO: the caller moves the frames, these classes only turn bytes into bytes.
 
-Frame 1 (node -> head): b"FLEET1" + u16 big-endian len(hello) + hello + Noise message 1, where
-hello = msgpack({"proto": "fleet/1", "token_id": str | None}). Everything before the Noise message is
-the Noise prologue, so a tampered hello fails the handshake. With a token the pattern is
-Noise_NNpsk0_25519_ChaChaPoly_SHA256 keyed by the token's secret; without one it is Noise_NN (the head
-allows that only from loopback). Frame 2 (head -> node): Noise message 2 with an empty payload.
+Noise_XXpsk3_25519_ChaChaPoly_SHA256, three frames:
+
+1. node -> head: b"FLEET2" + u16 big-endian len(hello) + hello + Noise message 1 (e), where
+   hello = msgpack({"proto": "fleet/2", "token_id": str}). Everything before the Noise message is the Noise
+   prologue, so a tampered hello fails the handshake. The head looks the token id up to find the PSK.
+2. head -> node: Noise message 2 (e, ee, s, es): the head's static key, which the node pins on first contact.
+3. node -> head: Noise message 3 (s, se, psk): the node's static key (its identity's key) and proof that it
+   holds the token's secret. A wrong secret fails here, at the head.
+
+Every payload is empty. `manage.py up`'s own node uses the reserved token id LOCAL_TOKEN_ID with a secret made
+for that run; nothing joins without a PSK.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import re
 import secrets
 import struct
@@ -21,11 +28,13 @@ from nodes.link.channel import MAX_FRAME, SecureChannel
 from nodes.link.messages import LinkError
 from nodes.link.noise import DHLEN, PSKLEN, TAGLEN, HandshakeState, NoiseError
 
-MAGIC = b"FLEET1"
-PROTO = "fleet/1"
-MAX_HANDSHAKE_FRAME = 1024  # both handshake frames are under 200 bytes; refuse big ones unparsed
-PATTERN_TOKEN = "NNpsk0"
-PATTERN_TOKENLESS = "NN"
+MAGIC = b"FLEET2"
+PROTO = "fleet/2"
+MAX_HANDSHAKE_FRAME = 1024  # the three handshake frames are under 200 bytes; refuse big ones unparsed
+PATTERN = "XXpsk3"
+FIRST_MESSAGE_LEN = DHLEN + TAGLEN
+FINAL_MESSAGE_LEN = DHLEN + 2 * TAGLEN  # message 3: the encrypted static key and an empty encrypted payload
+LOCAL_TOKEN_ID = "local"  # never a stored token's id (those are 12 hex characters)
 _PUBLIC_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _SECRET = re.compile(r"[A-Za-z0-9_-]{43}")
 
@@ -42,12 +51,27 @@ class BadToken(LinkError):
     """A fleet token string that is not `<token-id>.<secret>`."""
 
 
+class HeadKeyChanged(HandshakeError):
+    """The head presented a static key other than the one this node pinned."""
+
+    def __init__(self, pinned: bytes, presented: bytes) -> None:
+        super().__init__(f"the head presented link key {fingerprint(presented)}, but this node pinned "
+                         f"{fingerprint(pinned)} when it first joined")
+        self.pinned, self.presented = pinned, presented
+
+
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """The cleartext part of frame 1; `token_id` None means a tokenless (loopback-only) node."""
+    """The cleartext part of frame 1: the protocol and the id of the token whose secret is the PSK."""
 
     proto: str
-    token_id: str | None
+    token_id: str
+
+
+def fingerprint(public_key: bytes) -> str:
+    """A static key as people compare it: `SHA256:` and the unpadded base64 of its SHA-256, as ssh prints keys."""
+    digest = base64.b64encode(hashlib.sha256(public_key).digest()).rstrip(b"=").decode("ascii")
+    return f"SHA256:{digest}"
 
 
 def make_secret() -> bytes:
@@ -94,7 +118,7 @@ def _as_bytes(frame: object, what: str) -> bytes:
     return data
 
 
-def _hello_prefix(token_id: str | None) -> bytes:
+def _hello_prefix(token_id: str) -> bytes:
     hello = msgpack.packb({"proto": PROTO, "token_id": token_id}, use_bin_type=True)
     return MAGIC + struct.pack(">H", len(hello)) + hello
 
@@ -109,15 +133,15 @@ def _parse_hello(body: bytes) -> Hello:
     proto, token_id = data.get("proto"), data.get("token_id")
     if proto != PROTO:
         raise HandshakeError(f"unsupported link protocol {proto!r} (this side speaks {PROTO}); upgrade the node")
-    if token_id is not None and not (isinstance(token_id, str) and _PUBLIC_ID.fullmatch(token_id)):
-        raise HandshakeError("the hello carries a malformed token id")
+    if not (isinstance(token_id, str) and _PUBLIC_ID.fullmatch(token_id)):
+        raise HandshakeError("the hello carries no token id, or a malformed one")
     return Hello(proto=proto, token_id=token_id)
 
 
 def _split_first_frame(frame: bytes) -> tuple[bytes, Hello, bytes]:
     """(prologue, hello, Noise message 1) of frame 1."""
     if frame[: len(MAGIC)] != MAGIC[: len(frame)]:
-        raise HandshakeError("not a Fleet node-link hello (bad magic; expected the FLEET1 prefix)")
+        raise HandshakeError("not a Fleet node-link hello (bad magic; expected FLEET2: is the node older?)")
     start = len(MAGIC) + 2
     if len(frame) < start:
         raise HandshakeError("truncated hello: the frame ends before the hello length")
@@ -127,10 +151,10 @@ def _split_first_frame(frame: bytes) -> tuple[bytes, Hello, bytes]:
         raise HandshakeError(f"truncated hello: it claims {hello_len} bytes but only {len(frame) - start} follow")
     hello = _parse_hello(frame[start:end])
     message = frame[end:]
-    # NN's message 1 is a bare ephemeral key; NNpsk0's also carries the tag of its (empty) payload.
-    minimum = DHLEN if hello.token_id is None else DHLEN + TAGLEN
-    if len(message) < minimum:
-        raise HandshakeError(f"truncated handshake: Noise message 1 has {len(message)} bytes, needs {minimum}")
+    # XXpsk3's message 1 is the ephemeral key and the tag of its empty payload (psk patterns key the cipher on e).
+    if len(message) != FIRST_MESSAGE_LEN:
+        raise HandshakeError(
+            f"malformed handshake: Noise message 1 has {len(message)} bytes, not {FIRST_MESSAGE_LEN}")
     return frame[:end], hello, message
 
 
@@ -140,50 +164,71 @@ def _channel(state: HandshakeState, max_frame: int) -> SecureChannel:
 
 
 class Initiator:
-    """The node's side: `first_frame()`, send it, then `read_reply(head's frame)` gives the channel."""
+    """The node's side: `first_frame()`; send it; `read_reply(frame 2)`; then `finish()` gives frame 3 and the channel.
 
-    def __init__(self, token_id: str | None, psk: bytes | None, *, max_frame: int = MAX_FRAME) -> None:
-        if (token_id is None) != (psk is None):
-            raise HandshakeError("pass both a token id and its secret, or neither (tokenless, loopback only)")
-        if psk is not None and len(psk) != PSKLEN:
+    `static` is the node's private key; `pinned_head` the head key this node pinned, if any: a reply under another
+    key raises HeadKeyChanged before the node proves anything.
+    """
+
+    def __init__(self, token_id: str, psk: bytes, static: bytes, *, pinned_head: bytes | None = None,
+                 max_frame: int = MAX_FRAME) -> None:
+        if len(psk) != PSKLEN:
             raise HandshakeError(f"a token secret is {PSKLEN} bytes, not {len(psk)}")
-        if token_id is not None and not _PUBLIC_ID.fullmatch(token_id):
+        if not _PUBLIC_ID.fullmatch(token_id):
             raise HandshakeError(f"malformed token id {token_id!r}")
         self.token_id = token_id
-        self._psk = psk
+        self.head_key: bytes | None = None
+        self._pinned_head = pinned_head
         self._max_frame = max_frame
-        self._state: HandshakeState | None = None
+        self._state = HandshakeState(PATTERN, initiator=True, prologue=_hello_prefix(token_id), psk=psk,
+                                     static=static)
+        self._step = 0
+
+    def _advance(self, expected: int, what: str) -> None:
+        if self._step != expected:
+            raise HandshakeError(f"{what} called out of order; start a new Initiator to redial")
+        self._step += 1
 
     def first_frame(self) -> bytes:
-        """Frame 1: magic, hello and Noise message 1. Call once."""
-        if self._state is not None:
-            raise HandshakeError("first_frame() was already called; start a new Initiator to redial")
-        prologue = _hello_prefix(self.token_id)
-        pattern = PATTERN_TOKENLESS if self._psk is None else PATTERN_TOKEN
-        self._state = HandshakeState(pattern, initiator=True, prologue=prologue, psk=self._psk)
-        return prologue + self._state.write_message(b"")
+        """Frame 1: magic, hello and Noise message 1."""
+        self._advance(0, "first_frame()")
+        return _hello_prefix(self.token_id) + self._state.write_message(b"")
 
-    def read_reply(self, frame: bytes) -> SecureChannel:
-        """The secure channel, from the head's frame 2."""
-        if self._state is None or self._state.finished:
-            raise HandshakeError("read_reply() needs exactly one first_frame() before it")
+    def read_reply(self, frame: bytes) -> bytes:
+        """Read the head's frame 2; returns the head's static public key (checked against the pin)."""
+        self._advance(1, "read_reply()")
         data = _as_bytes(frame, "the head's handshake reply")
         try:
             self._state.read_message(data)
         except NoiseError as exc:
             raise HandshakeError(f"the head's handshake reply failed: {exc} (is this the right head?)") from exc
-        return _channel(self._state, self._max_frame)
+        self.head_key = self._state.remote_static
+        if self._pinned_head is not None and not secrets.compare_digest(self._pinned_head, self.head_key):
+            self._step = -1  # spent: this node must not prove itself to an unknown head
+            raise HeadKeyChanged(self._pinned_head, self.head_key)
+        return self.head_key
+
+    def finish(self) -> tuple[bytes, SecureChannel]:
+        """(frame 3, channel): the node's static key and the PSK proof, then the transport keys."""
+        self._advance(2, "finish()")
+        frame = self._state.write_message(b"")
+        return frame, _channel(self._state, self._max_frame)
 
 
 class Responder:
-    """The head's side: `read_hello(frame 1)`, look the token up, then `respond(psk)`."""
+    """The head's side: `read_hello(frame 1)`; look the token up; `respond(psk)` gives frame 2; `finish(frame 3)`.
 
-    def __init__(self, *, max_frame: int = MAX_FRAME) -> None:
+    After `finish`, `node_key` is the node's static public key, proved to belong to a holder of the token.
+    """
+
+    def __init__(self, static: bytes, *, max_frame: int = MAX_FRAME) -> None:
+        self._static = static
         self._max_frame = max_frame
         self._prologue: bytes | None = None
         self._message: bytes = b""
+        self._state: HandshakeState | None = None
         self.hello: Hello | None = None
-        self._done = False
+        self.node_key: bytes | None = None
 
     def read_hello(self, frame: bytes) -> Hello:
         """Parse frame 1 without any crypto, so the caller can find the token's secret (maybe asynchronously)."""
@@ -193,27 +238,35 @@ class Responder:
         self._prologue, self.hello, self._message = _split_first_frame(data)
         return self.hello
 
-    def respond(self, psk: bytes | None) -> tuple[bytes, SecureChannel]:
-        """(frame 2, channel). `psk` is the named token's secret, None for a tokenless hello."""
-        if self.hello is None or self._prologue is None or self._done:
+    def respond(self, psk: bytes) -> bytes:
+        """Frame 2, for the named token's secret."""
+        if self.hello is None or self._prologue is None or self._state is not None:
             raise HandshakeError("respond() needs exactly one read_hello() before it")
-        self._done = True
-        if (self.hello.token_id is None) != (psk is None):
-            raise HandshakeError("a hello with a token id needs its secret; a tokenless hello takes none")
-        if psk is not None and len(psk) != PSKLEN:
+        if len(psk) != PSKLEN:
             raise HandshakeError(f"a token secret is {PSKLEN} bytes, not {len(psk)}")
-        pattern = PATTERN_TOKENLESS if psk is None else PATTERN_TOKEN
-        state = HandshakeState(pattern, initiator=False, prologue=self._prologue, psk=psk)
+        self._state = HandshakeState(PATTERN, initiator=False, prologue=self._prologue, psk=psk,
+                                     static=self._static)
         try:
-            state.read_message(self._message)
+            self._state.read_message(self._message)
         except NoiseError as exc:
-            if psk is not None:
-                raise TokenRefused(
-                    f"the node's secret for token {self.hello.token_id!r} is wrong (or its hello was altered)"
-                ) from exc
-            raise HandshakeError(f"the node's handshake message is malformed: {exc}") from exc
+            raise HandshakeError(f"the node's first handshake message failed ({exc}): was its hello altered?") from exc
         try:
-            reply = state.write_message(b"")
-        except NoiseError as exc:
+            return self._state.write_message(b"")
+        except NoiseError as exc:  # a low-order ephemeral key from the node
             raise HandshakeError(f"the node's handshake message is malformed: {exc}") from exc
-        return reply, _channel(state, self._max_frame)
+
+    def finish(self, frame: object) -> SecureChannel:
+        """The channel, from the node's frame 3; TokenRefused when the node does not hold the token's secret."""
+        if self._state is None or self._state.finished:
+            raise HandshakeError("finish() needs exactly one respond() before it")
+        data = _as_bytes(frame, "the node's last handshake frame")
+        if len(data) != FINAL_MESSAGE_LEN:
+            raise HandshakeError(f"malformed handshake: Noise message 3 has {len(data)} bytes, not {FINAL_MESSAGE_LEN}")
+        try:
+            self._state.read_message(data)
+        except NoiseError as exc:
+            raise TokenRefused(
+                f"the node's secret for token {self.hello.token_id!r} is wrong (or its handshake was altered)"
+            ) from exc
+        self.node_key = self._state.remote_static
+        return _channel(self._state, self._max_frame)

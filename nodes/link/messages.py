@@ -39,6 +39,7 @@ class MessageType(StrEnum):
     DONE = "done"
     ERROR = "error"
     BYE = "bye"
+    CHECK = "check"
 
 
 class Message:
@@ -197,6 +198,15 @@ class Bye(Message):
     reason: str = ""
 
 
+@dataclass(slots=True)
+class Check(Message):
+    """node -> head, instead of Register: may this key join under `identity`? The head closes the link either way:
+    1000 when it may, or the refusal code (identity taken, node revoked). A node sends it before loading its model."""
+
+    TYPE: ClassVar[MessageType] = MessageType.CHECK
+    identity: str
+
+
 REGISTRY: dict[str, type[Message]] = {
     cls.TYPE.value: cls
     for cls in (
@@ -212,6 +222,7 @@ REGISTRY: dict[str, type[Message]] = {
         Done,
         Error,
         Bye,
+        Check,
     )
 }
 

@@ -1,6 +1,7 @@
 """A small Noise Protocol Framework (revision 34) for one suite: 25519 / ChaChaPoly / SHA256.
 
-Only the interactive patterns the node link needs are here: NN, NNpsk0 and NNpsk2. Names follow the
+Only the interactive patterns the node link needs (and their neighbours, for the published test vectors) are here:
+XXpsk3 (the link's), XX, NN, NNpsk0 and NNpsk2. Names follow the
 spec (https://noiseprotocol.org/noise.html) so each method can be checked against it section by section.
 The primitives come from `cryptography`; any failure surfaces as `NoiseError`, never as one of its
 exceptions, so callers have a single thing to catch.
@@ -26,6 +27,8 @@ MAX_NONCE = 2**64 - 1  # reserved by the spec; reaching it means the key is spen
 
 # Message patterns: one tuple of tokens per message, initiator first, then alternating.
 PATTERNS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "XX": (("e",), ("e", "ee", "s", "es"), ("s", "se")),
+    "XXpsk3": (("e",), ("e", "ee", "s", "es"), ("s", "se", "psk")),
     "NN": (("e",), ("e", "ee")),
     "NNpsk0": (("psk", "e"), ("e", "ee")),
     "NNpsk2": (("e",), ("e", "ee", "psk")),
@@ -66,6 +69,18 @@ def _dh(private: X25519PrivateKey, public: bytes) -> bytes:
 
 def _public_bytes(private: X25519PrivateKey) -> bytes:
     return private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def generate_static() -> bytes:
+    """A new X25519 private key, as the 32 raw bytes a HandshakeState takes as `static`."""
+    return X25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+    )
+
+
+def public_key(static: bytes) -> bytes:
+    """The 32-byte X25519 public key of a raw private key."""
+    return _public_bytes(X25519PrivateKey.from_private_bytes(static))
 
 
 class CipherState:
@@ -149,6 +164,8 @@ class SymmetricState:
 class HandshakeState:
     """One side of a handshake (section 5.3) for `pattern` in PATTERNS.
 
+    `static` is this side's long-term private key (32 bytes), needed by patterns with an "s" token;
+    `remote_static` is the peer's public key once a handshake message carried it.
     `ephemeral` fixes the ephemeral private key (32 bytes); only test vectors should pass it.
     After the last message, `split()` returns (send, receive) CipherStates for this side.
     """
@@ -160,9 +177,13 @@ class HandshakeState:
         prologue: bytes = b"",
         psk: bytes | None = None,
         ephemeral: bytes | None = None,
+        static: bytes | None = None,
     ) -> None:
         if pattern not in PATTERNS:
             raise NoiseError(f"unsupported Noise pattern {pattern!r}")
+        uses_static = any("s" in message for message in PATTERNS[pattern])
+        if uses_static and (static is None or len(static) != DHLEN):
+            raise NoiseError(f"pattern {pattern} needs a {DHLEN}-byte static private key")
         uses_psk = "psk" in pattern
         if uses_psk and (psk is None or len(psk) != PSKLEN):
             raise NoiseError(f"pattern {pattern} needs a {PSKLEN}-byte psk")
@@ -174,7 +195,9 @@ class HandshakeState:
         self._uses_psk = uses_psk
         self._psk = psk
         self._e = X25519PrivateKey.from_private_bytes(ephemeral) if ephemeral is not None else None
+        self._s = X25519PrivateKey.from_private_bytes(static) if static is not None else None
         self._re: bytes | None = None
+        self.remote_static: bytes | None = None
         self._index = 0
         self._failed = False
         self.symmetric = SymmetricState(self.protocol_name.encode("ascii"))
@@ -208,6 +231,9 @@ class HandshakeState:
                 if self._e is None:
                     self._e = X25519PrivateKey.generate()
                 out += self._mix_ephemeral(_public_bytes(self._e))
+            elif token == "s":
+                assert self._s is not None  # checked in __init__
+                out += self.symmetric.encrypt_and_hash(_public_bytes(self._s))
             else:
                 self._mix_token(token)
         out += self.symmetric.encrypt_and_hash(payload)
@@ -234,6 +260,12 @@ class HandshakeState:
                     raise NoiseError("handshake message too short for an ephemeral key")
                 self._re, rest = rest[:DHLEN], rest[DHLEN:]
                 self._mix_ephemeral(self._re)
+            elif token == "s":
+                size = DHLEN + (TAGLEN if self.symmetric.cipher.has_key() else 0)
+                if len(rest) < size:
+                    raise NoiseError("handshake message too short for a static key")
+                self.remote_static = self.symmetric.decrypt_and_hash(rest[:size])
+                rest = rest[size:]
             else:
                 self._mix_token(token)
         if self.symmetric.cipher.has_key() and len(rest) < TAGLEN:
@@ -249,14 +281,25 @@ class HandshakeState:
 
     def _mix_token(self, token: str) -> None:
         if token == "ee":
-            if self._e is None or self._re is None:
-                raise NoiseError("ee before both ephemeral keys are known")
-            self.symmetric.mix_key(_dh(self._e, self._re))
+            self.symmetric.mix_key(_dh(self._need(self._e), self._need(self._re)))
+        elif token in ("es", "se"):
+            # "es" is the initiator's ephemeral with the responder's static; "se" the other way round.
+            ours_ephemeral = (token == "es") == self.initiator
+            if ours_ephemeral:
+                self.symmetric.mix_key(_dh(self._need(self._e), self._need(self.remote_static)))
+            else:
+                self.symmetric.mix_key(_dh(self._need(self._s), self._need(self._re)))
         elif token == "psk":
             assert self._psk is not None  # checked in __init__
             self.symmetric.mix_key_and_hash(self._psk)
         else:
             raise NoiseError(f"unsupported token {token!r}")
+
+    @staticmethod
+    def _need(key):
+        if key is None:
+            raise NoiseError("a DH token came before both of its keys were known")
+        return key
 
     def split(self) -> tuple[CipherState, CipherState]:
         """(send, receive) for this side: the initiator sends with c1, the responder with c2."""

@@ -19,6 +19,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from api.services import api_key_create
 from fleet.discovery import Announcer
+from nodes.link.handshake import LOCAL_TOKEN_ID, format_token, make_secret
 
 
 class Command(BaseCommand):
@@ -68,7 +69,10 @@ class Command(BaseCommand):
 
     def _start(self, options) -> dict[str, subprocess.Popen]:
         python, manage = sys.executable, str(settings.BASE_DIR / "manage.py")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # The local node's token, made for this run and known only to these children: the head takes it from
+        # loopback only, never through a proxy; nothing else joins without a token from `manage.py fleet_token`.
+        local_token = format_token(LOCAL_TOKEN_ID, make_secret())
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "FLEET_LOCAL_NODE_TOKEN": local_token}
         commands = {
             "daphne": [python, "-m", "daphne", "-b", options["host"], "-p", str(options["port"]),
                        "fleet.asgi:application"],

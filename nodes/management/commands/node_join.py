@@ -54,6 +54,8 @@ class Command(BaseCommand):
         parser.add_argument("--park", action="store_true", help="keep prompt prefixes on disk to start warm")
         parser.add_argument("--replicas", type=_positive_int, default=1, help="engine workers on this node")
         parser.add_argument("--gpus", help='GPUs to split among replicas: "0,1,2,3" or groups "0,1;2,3"')
+        parser.add_argument("--accept-new-head", action="store_true",
+                            help="forget the head key pinned at the first join and pin the one the head shows now")
 
     def handle(self, *args, **options):
         try:
@@ -70,7 +72,8 @@ class Command(BaseCommand):
             head=options["head"], model=options["model"], token=options["token"],
             max_context=options["max_context"], max_batch=options["max_batch"], identity=options["identity"],
             model_name=options["model_name"], offline=options["offline"], park=options["park"],
-            replicas=options["replicas"], gpus=options["gpus"], home=settings.FLEET_HOME,
+            replicas=options["replicas"], gpus=options["gpus"], accept_new_head=options["accept_new_head"],
+            home=settings.FLEET_HOME,
         ))
         if code:
             sys.exit(code)

@@ -1,0 +1,54 @@
+"""Websocket close codes of the node link: one vocabulary that the head closes with and the node reads."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class CloseCode(IntEnum):
+    """Why the head closed a node's link. Codes in REFUSALS end the node (exit status 2): redialing cannot help."""
+
+    NORMAL = 1000
+    GOING_AWAY = 1001
+    TOKEN_REFUSED = 4001  # unknown token id, or the node's secret for it is wrong
+    TOKEN_REQUIRED = 4002  # the reserved local token id from anywhere but `manage.py up`'s own node
+    PROTOCOL = 4003  # a malformed, forged, oversized, out-of-order or unexpected frame
+    IDENTITY_TAKEN = 4004  # the identity is bound to another node key
+    NODE_REVOKED = 4005  # the operator revoked this node's key
+    TOKEN_REVOKED = 4006
+    TOKEN_EXPIRED = 4007
+    BUSY = 4008  # too many handshakes at once on this head process; the node retries
+    FLOOD = 4009  # more frames a second than the head takes from one node
+    TOKEN_UNREADABLE = 4010  # the head cannot decrypt its copy of the token's secret (SECRET_KEY changed)
+    HEAD_KEY_UNREADABLE = 4011  # the head cannot decrypt its own static key (SECRET_KEY changed)
+
+
+_NEW_TOKEN = "create a new one on the head with `manage.py fleet_token` and pass it with --token"
+
+# What the host owner reads (one line, exit status 2) when the head closes the link with one of these codes.
+REFUSALS: dict[int, str] = {
+    CloseCode.TOKEN_REFUSED: f"the head refused this node's fleet token (unknown, or wrong secret): {_NEW_TOKEN}",
+    CloseCode.TOKEN_REQUIRED: f"the head takes this node only with a fleet token: {_NEW_TOKEN}",
+    CloseCode.IDENTITY_TAKEN: (
+        "another node key already holds this identity on the head: pick another with --identity, or ask the "
+        "operator to release the identity's key binding in the admin (Nodes > action 'Release key binding')"
+    ),
+    CloseCode.NODE_REVOKED: "the operator revoked this node's key; it cannot rejoin the fleet with it",
+    CloseCode.TOKEN_REVOKED: f"this node's fleet token was revoked: {_NEW_TOKEN}",
+    CloseCode.TOKEN_EXPIRED: f"this node's fleet token has expired: {_NEW_TOKEN}",
+    CloseCode.TOKEN_UNREADABLE: (
+        "the head cannot read its copy of this fleet token (its SECRET_KEY changed without the old key in "
+        f"FLEET_SECRET_KEY_FALLBACKS): {_NEW_TOKEN}"
+    ),
+    CloseCode.HEAD_KEY_UNREADABLE: (
+        "the head cannot read its own link key (its SECRET_KEY changed without the old key in "
+        "FLEET_SECRET_KEY_FALLBACKS); the operator must restore the old key"
+    ),
+}
+
+
+def refusal(code: int | None, reason: str = "") -> str | None:
+    """The line to print for a refusing close code (with the head's own reason when it gave one), else None."""
+    if code not in REFUSALS:
+        return None
+    return f"{REFUSALS[code]} (head: {reason})" if reason else REFUSALS[code]
