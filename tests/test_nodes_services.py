@@ -10,10 +10,10 @@ from api.services import api_key_authenticate, api_key_create, api_key_revoke
 from nodes.link.handshake import parse_token
 from nodes.models import FleetToken, Node
 from nodes.services import (
-    fleet_token_create,
-    fleet_token_revoke,
     JoinRefused,
+    fleet_token_create,
     fleet_token_for_join,
+    fleet_token_revoke,
     fleet_token_verify,
     node_fleet_model_name,
     node_mark_offline,
