@@ -4,6 +4,8 @@ Auth happens in connect(): `Authorization: Bearer <key>` or `?api_key=<key>` (br
 with no key, a logged-in staff Django session from the same origin (the admin playground); a refused socket is
 closed with 4401 and a reason. Frames in: generate, cancel, ping. Frames out: token, done,
 error (and pong), each with a `seq` per generation id. Closing the socket cancels all its generations.
+A frame over FLEET_MAX_BODY_BYTES (the HTTP body limit) is refused with a `message_too_large` error frame; the
+socket and its other generations go on.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from urllib.parse import urlsplit
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
 
 from api.auth import bearer_from_scope, key_throttled
 from api.errors import OpenAIError
@@ -72,6 +75,11 @@ class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         if self.user is None:
+            return
+        size = len(text_data.encode()) if text_data is not None else len(bytes_data or b"")
+        if size > settings.FLEET_MAX_BODY_BYTES:
+            await self.send_json(_error(None, 0, "message_too_large", f"This frame holds {size} bytes; a frame may "
+                                        f"hold at most {settings.FLEET_MAX_BODY_BYTES} (FLEET_MAX_BODY_BYTES)."))
             return
         try:
             frame = json.loads(text_data if text_data is not None else bytes_data)
@@ -168,8 +176,6 @@ class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
 
 def _same_origin(scope: dict) -> bool:
     """The handshake's Origin is this host (or a CSRF-trusted origin), so another site cannot ride the cookie."""
-    from django.conf import settings
-
     headers = {name.lower(): value.decode("latin1") for name, value in scope.get("headers") or []}
     origin, host = headers.get(b"origin", "").strip(), headers.get(b"host", "").strip().lower()
     if not origin or origin == "null":

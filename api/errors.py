@@ -6,7 +6,8 @@ import json
 import logging
 from typing import Any
 
-from django.core.exceptions import PermissionDenied, ValidationError
+from django.conf import settings
+from django.core.exceptions import PermissionDenied, RequestDataTooBig, ValidationError
 from django.http import Http404, HttpResponse
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -58,13 +59,23 @@ def invalid(message: str, *, param: str | None = None, code: str | None = "inval
     return OpenAIError(400, message, code=code, param=param)
 
 
+def body_too_large(limit: int) -> OpenAIError:
+    """A body over FLEET_MAX_BODY_BYTES (api.limits) or Django's DATA_UPLOAD_MAX_MEMORY_SIZE."""
+    return OpenAIError(413, f"The request body is larger than this head accepts ({limit} bytes, "
+                       "FLEET_MAX_BODY_BYTES); send less, e.g. fewer or shorter messages.", code="request_too_large")
+
+
 def management_exception_handler(exc: Exception, context: dict) -> Response | None:
-    """DRF's handler, plus the errors services raise (ValueError, Django's ValidationError) as 400s.
+    """DRF's handler, plus the errors services raise (ValueError, Django's ValidationError) as 400s and a body over
+    Django's DATA_UPLOAD_MAX_MEMORY_SIZE as a 413.
 
     Anything else becomes a logged 500 with a one-line body: a traceback is never shown to a user.
     """
     from rest_framework.views import exception_handler  # not at import: DRF's settings import this module
 
+    if isinstance(exc, RequestDataTooBig):
+        error = body_too_large(settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
+        return Response({"detail": error.message}, status=error.status)
     if isinstance(exc, ValueError | ValidationError):
         messages = exc.messages if isinstance(exc, ValidationError) else [str(exc)]
         return Response({"detail": " ".join(messages)}, status=status.HTTP_400_BAD_REQUEST)

@@ -138,6 +138,10 @@ class GrammarHandleSerializer(serializers.ModelSerializer):
 
 
 class LogitBiasHandleSerializer(serializers.ModelSerializer):
+    # Explicit: the model's default of {} made the field optional, and a body without it reached the view.
+    bias = serializers.DictField(child=serializers.FloatField(min_value=-100, max_value=100),
+                                 help_text='Token id to bias, e.g. {"1234": -100}; biases from -100 to 100.')
+
     class Meta:
         model = LogitBiasHandle
         fields = ["id", "name", "bias", "created_at", "freed_at"]

@@ -19,6 +19,7 @@ from django.conf import settings
 from api.constraints import apply_constraints
 from api.errors import OpenAIError, invalid
 from api.tools import ToolPlan, tool_plan
+from fleet.selectors import model_context_window
 from nodes.link.spec import GenerateSpec
 from sessions import selectors
 from sessions.services import logit_bias_clean
@@ -133,7 +134,7 @@ def _base_spec(body: dict[str, Any]) -> GenerateSpec:
     if body.get("n") not in (None, 1):
         raise invalid("Only n=1 is supported; send several requests for several choices.", param="n")
     spec = GenerateSpec(gen_id=uuid.uuid4().hex, model=model.strip())
-    spec.max_tokens = _max_tokens(body)
+    spec.max_tokens = _max_tokens(body, spec.model)
     for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
                          ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
                          ("repeat_penalty", 0.0, 10.0)):
@@ -149,10 +150,17 @@ def _base_spec(body: dict[str, Any]) -> GenerateSpec:
     return spec
 
 
-def _max_tokens(body: dict[str, Any]) -> int:
+def _max_tokens(body: dict[str, Any], model: str) -> int:
+    """The client's max_tokens, within the model's context window (the largest among the nodes serving it); the
+    default is not checked, because the node stops at its window anyway."""
     for name in ("max_completion_tokens", "max_tokens"):
         if body.get(name) is not None:
-            return _int(body, name, 1, 1_000_000, message=f"{name} must be a whole number of at least 1.")
+            value = _int(body, name, 1, 1_000_000, message=f"{name} must be a whole number of at least 1.")
+            window = model_context_window(model)
+            if window is not None and value > window:
+                raise invalid(f"{name} is {value}, beyond the context window of {model!r} ({window} tokens, prompt "
+                              "included); ask for fewer tokens.", param=name)
+            return value
     return DEFAULT_MAX_TOKENS
 
 
@@ -221,6 +229,10 @@ def _prompt(prompt: Any) -> str:
 def _messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list of {role, content} objects.", param="messages")
+    if len(messages) > settings.FLEET_MAX_MESSAGES:
+        raise invalid(f"messages holds {len(messages)} messages; one request may send at most "
+                      f"{settings.FLEET_MAX_MESSAGES} (FLEET_MAX_MESSAGES). Keep a long conversation in a session.",
+                      param="messages", code="too_many_messages")
     return [_message(i, m) for i, m in enumerate(messages)]
 
 

@@ -16,11 +16,13 @@ from functools import wraps
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from api.auth import v1_authenticate_async
-from api.errors import OpenAIError, invalid, openai_error_response
+from api.errors import OpenAIError, body_too_large, invalid, openai_error_response
 from api.generation import Run
 from api.responses import shape_for
 from api.specs import GenerationRequest, chat_request, completion_request
@@ -67,6 +69,8 @@ def json_body(request: HttpRequest) -> dict[str, Any]:
                           f"{content_type or 'none'!r}).", code="unsupported_media_type")
     try:
         body = json.loads(request.body or b"")
+    except RequestDataTooBig:
+        raise body_too_large(settings.DATA_UPLOAD_MAX_MEMORY_SIZE) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid(f"The body is not valid JSON: {exc}.", code="invalid_json") from None
     if not isinstance(body, dict):
@@ -200,4 +204,3 @@ def _encode(vector: list[float], encoding: str) -> list[float] | str:
     if encoding == "float":
         return [float(x) for x in vector]
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-

@@ -1,4 +1,5 @@
-"""ASGI entry point: HTTP (Django), the node link (/ws/node/) and client streams (/ws/v1/generate)."""
+"""ASGI entry point: HTTP (Django, behind the body-size limit), the node link (/ws/node/) and client streams
+(/ws/v1/generate)."""
 
 import os
 
@@ -9,7 +10,11 @@ django_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
+from api.limits import body_limit  # noqa: E402
 from api.sse import sse_guard  # noqa: E402
 from fleet.routing import websocket_urlpatterns  # noqa: E402
 
-application = ProtocolTypeRouter({"http": sse_guard(django_app), "websocket": URLRouter(websocket_urlpatterns)})
+application = ProtocolTypeRouter({
+    "http": body_limit(sse_guard(django_app)),
+    "websocket": URLRouter(websocket_urlpatterns),
+})

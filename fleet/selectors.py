@@ -1,4 +1,5 @@
-"""Reads for the fleet overview: nodes with their live lanes, models served, recent generations."""
+"""Reads of the fleet: the overview (nodes with their live lanes, models served, recent generations) and a model's
+context window."""
 
 from __future__ import annotations
 
@@ -58,3 +59,14 @@ def fleet_overview() -> dict:
         "lanes_total": sum(n.lanes for n in nodes if n.state != Node.State.OFFLINE),
         "lanes_busy": sum(r.lanes_busy or 0 for r in rows if r.node.state != Node.State.OFFLINE),
     }
+
+
+def model_context_window(model: str) -> int | None:
+    """The largest context window among the linked nodes serving `model`; None when none serves it or none said.
+
+    From the placement state (Redis when set, so every head process sees every node), not the database: it holds
+    the nodes that can take a generation now.
+    """
+    windows = [slot.context_window for slot in registry().placement.nodes()
+               if model in slot.models and slot.context_window]
+    return max(windows, default=None)

@@ -144,6 +144,13 @@ def test_logit_bias_handles_are_created_checked_and_freed(client):
     assert LogitBiasHandle.objects.get().freed_at is not None
 
 
+@pytest.mark.parametrize("body", [{}, {"name": "no bias"}, {"bias": None}, {"bias": [1, 2]}])
+def test_a_logit_bias_handle_without_a_bias_map_is_a_400_naming_it(client, body):
+    response = client.post("/api/logit-biases/", body, format="json")
+    assert response.status_code == 400 and "bias" in response.json()
+    assert not LogitBiasHandle.objects.exists()
+
+
 def test_generations_are_listed_with_filters(client, person, staff):
     mine = InferenceSession.objects.create(model="smollm2", owner=person)
     a = GenerationFactory(session=mine, node=NodeFactory(identity="gpu-a"))
