@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import time
 from typing import Any
@@ -44,12 +45,13 @@ from nodes.link.messages import (
     encode,
 )
 from nodes.link.routing import NodeSlot
-from nodes.models import FleetToken
+from nodes.models import FleetToken, Node
 from nodes.services import JoinRefused, node_group, token_group
 
 log = logging.getLogger("fleet")
 
 HANDSHAKE_TIMEOUT_S = 10
+REVOCATION_CHECK_S = 1
 TOUCH_EVERY_S = 30
 PROXY_HEADERS = {b"x-forwarded-for", b"forwarded", b"x-real-ip", b"x-forwarded-host"}
 
@@ -77,6 +79,41 @@ def _via_proxy(scope: dict) -> bool:
     except (TypeError, ValueError):
         return False
     return any(address in ipaddress.ip_network(proxy, strict=False) for proxy in settings.FLEET_TRUSTED_PROXIES)
+
+
+def _layer_is_process_local(layer) -> bool:
+    return type(layer).__name__ == "InMemoryChannelLayer"
+
+
+def _text_problem(name: str, text: str) -> str | None:
+    if (not text and name == "identity") or "\x00" in text or len(text) > Node._meta.get_field(name).max_length:
+        return f"{name} {text[:40]!r} is empty, too long or holds a NUL character"
+    return None
+
+
+def _json_problem(**values: Any) -> str | None:
+    """Why node-sent values cannot be stored as JSON (msgpack also carries bytes, NaN, extension types, depth)."""
+    try:
+        stored = json.dumps(values, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return f"{', '.join(values)} must be plain JSON (no bytes, NaN, infinity or extension types, little nesting)"
+    return f"{', '.join(values)} must hold no NUL character" if "\\u0000" in stored else None
+
+
+def _register_problem(msg: Register) -> str | None:
+    """What makes a Register unstorable beyond the outer field types that messages.decode checked; None if nothing."""
+    engine = f"{msg.engine} {msg.engine_version}".strip()
+    for problem in (_text_problem("identity", msg.identity), _text_problem("engine", engine),
+                    _text_problem("version", msg.version)):
+        if problem:
+            return problem
+    if not all(isinstance(m, dict) and isinstance(m.get("name"), str) and m["name"] for m in msg.models):
+        return "every model must be a map with a non-empty string name"
+    if not (0 <= msg.lanes < 2**31 and 0 <= msg.context_window < 2**31):
+        return "lanes and context window must be from 0 to 2**31-1"
+    if not all(isinstance(r, dict) for r in msg.replicas):
+        return "every replica must be a map"
+    return _json_problem(models=msg.models, capabilities=msg.capabilities, labels=msg.labels, replicas=msg.replicas)
 
 
 class FrameBudget:
@@ -117,11 +154,12 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         self.last_frame = time.monotonic()
         self.last_touch = 0.0
         self.in_handshake = False
+        self.closing = False
         self.watchdog: asyncio.Task | None = None
         if _handshakes_in_progress >= settings.FLEET_MAX_HANDSHAKES:
             log.warning("fleet refused a node from %s: %d handshakes already in progress", self.peer,
                         _handshakes_in_progress)
-            await self.close(code=CloseCode.BUSY, reason="too many handshakes in progress, retry")
+            await self.close(code=int(CloseCode.BUSY), reason="too many handshakes in progress, retry")
             return
         _handshakes_in_progress += 1
         self.in_handshake = True
@@ -135,6 +173,8 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             _handshakes_in_progress -= 1
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if self.closing:
+            return  # queued before the node saw our close frame: one refusal, one log line, per link
         self.last_frame = time.monotonic()
         if bytes_data is None:
             await self._refuse(CloseCode.PROTOCOL, "the node link carries binary frames only")
@@ -157,9 +197,15 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             await self._refuse(CloseCode.PROTOCOL, f"protocol error: {exc}")
 
     async def _refuse(self, code: int, reason: str) -> None:
+        if self.closing:
+            return
         log.warning("fleet refused node %s from %s: %s", self.identity or "(unregistered)", self.peer, reason)
         self._handshake_over()
-        await self.close(code=code, reason=reason[:120])
+        await self.close(code=int(code), reason=reason[:120])
+
+    async def close(self, code: int | None = None, reason: str | None = None) -> None:
+        self.closing = True
+        await super().close(code=code, reason=reason)
 
     async def _hello(self, frame: bytes) -> None:
         """Frame 1: find the named token's secret, answer with frame 2 (the head's static key)."""
@@ -202,8 +248,10 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         elif isinstance(msg, Register) and not self.node_id:
             await self._on_register(msg)
         elif isinstance(msg, Check) and not self.node_id:
+            if problem := _text_problem("identity", msg.identity):
+                raise LinkError(f"check: {problem}")
             await database_sync_to_async(services.node_key_check)(identity=msg.identity, public_key=self.node_key)
-            await self.close(code=CloseCode.NORMAL)
+            await self.close(code=int(CloseCode.NORMAL))
         elif isinstance(msg, Bye):
             await self.close(code=1000)
         else:
@@ -226,6 +274,8 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             reg.lanes.notify()
 
     async def _on_register(self, msg: Register) -> None:
+        if problem := _register_problem(msg):
+            raise LinkError(f"register: {problem}")
         register = database_sync_to_async(services.node_register)
         fields = dict(
             identity=msg.identity, public_key=self.node_key, address=self.peer or "", token=self.token,
@@ -262,6 +312,8 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
     async def _on_heartbeat(self, msg: Heartbeat) -> None:
         if not self.node_id:
             raise LinkError("heartbeat before register")
+        if not all(isinstance(r, dict) for r in msg.replicas) or _json_problem(replicas=msg.replicas):
+            raise LinkError("heartbeat: every replica must be a map of plain JSON")
         placement = registry().placement
         placement.node_alive(self.node_id)
         if msg.cache_cleared:
@@ -275,9 +327,19 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             await database_sync_to_async(services.node_touch)(node_id=self.node_id)
 
     async def _watch(self) -> None:
-        """Close a link that stopped talking: no handshake in time, or heartbeats missed."""
+        """Close a link that stopped talking (no handshake in time, heartbeats missed) or was revoked elsewhere."""
+        ticks = 0
         while True:
             await asyncio.sleep(1.0)
+            ticks += 1
+            if self.node_id and ticks % REVOCATION_CHECK_S == 0 and _layer_is_process_local(self.channel_layer):
+                # The in-memory layer cannot carry a revocation made in another process (`manage.py fleet_token
+                # --revoke` on the embedded default), so such a head looks the link's token and key up itself.
+                refusal = await database_sync_to_async(services.link_refusal)(
+                    token=self.token, public_key=self.node_key)
+                if refusal is not None:
+                    await self._refuse(refusal.code, refusal.reason)
+                    return
             quiet = time.monotonic() - self.last_frame
             if self.channel_ is None and quiet > HANDSHAKE_TIMEOUT_S:
                 await self._refuse(CloseCode.PROTOCOL, "no handshake in time")

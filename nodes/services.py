@@ -132,6 +132,15 @@ def _close_links(group: str, code: CloseCode, reason: str) -> None:
 # --- node keys: identity binding, release, revocation --------------------------------------------------------
 
 
+def link_refusal(*, token: FleetToken | None, public_key: str) -> JoinRefused | None:
+    """Why a joined link must close now (its token revoked, its key revoked), or None. Two indexed reads."""
+    if token is not None and FleetToken.objects.filter(pk=token.pk, revoked_at__isnull=False).exists():
+        return JoinRefused(CloseCode.TOKEN_REVOKED, f"fleet token {token.public_id!r} was revoked")
+    if RevokedNodeKey.objects.filter(public_key=public_key).exists():
+        return JoinRefused(CloseCode.NODE_REVOKED, f"node key {fingerprint(bytes.fromhex(public_key))} was revoked")
+    return None
+
+
 def node_key_check(*, identity: str, public_key: str) -> None:
     """Raise JoinRefused when this key may not join under `identity`: the key was revoked, or the identity is bound
     to another key. Reads only; `node_register` checks again under its row lock."""

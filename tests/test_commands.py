@@ -78,3 +78,50 @@ def test_node_join_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("token", "message"),
+    [
+        ("abcdef123456", "has no '.'"),
+        ("abcdef123456.", "got 0 characters"),
+        ("abcdef123456." + "A" * 42, "got 42 characters"),
+        ("abcdef123456." + "A" * 44, "got 44 characters"),
+        ("abcdef123456." + "A" * 42 + "B", "not canonical"),  # 43 characters whose last one carries stray bits
+        ("bad id!." + "A" * 43, "token id before the '.'"),
+        ("x" * 65 + "." + "A" * 43, "token id before the '.'"),
+        ("abcdef123456." + "A" * 42 + "=", "unpadded urlsafe base64"),
+    ],
+    ids=["no-dot", "empty-secret", "short-secret", "long-secret", "non-canonical", "bad-id", "long-id", "padded"],
+)
+def test_node_join_malformed_token_is_one_line_and_exit_2(token, message, tmp_path):
+    import os
+
+    result = run_manage("node_join", "127.0.0.1:9", "--model", "smollm2", "--token", token,
+                        env={**os.environ, "FLEET_HOME": str(tmp_path)})
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "fleet token from --token is malformed" in lines[0] and message in lines[0], lines
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "fleet" / "token").exists()  # a malformed token is never kept
+
+
+def test_node_join_without_any_token_says_how_to_get_one(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "FLEET_LOCAL_NODE_TOKEN"}
+    result = run_manage("node_join", "127.0.0.1:9", "--model", "smollm2", env={**env, "FLEET_HOME": str(tmp_path)})
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("node_join: no fleet token: make one on the head with `manage.py fleet_token` "
+                                     "and pass it with --token")
+
+
+def test_fleet_token_expires_in():
+    out = StringIO()
+    call_command("fleet_token", "--name", "short", "--expires-in", "12h", stdout=out)
+    token = FleetToken.objects.get()
+    assert token.expires_at is not None and "valid until" in out.getvalue()
+    assert 11.9 * 3600 < (token.expires_at - token.created_at).total_seconds() <= 12 * 3600
+    with pytest.raises(CommandError) as info:
+        call_command("fleet_token", "--expires-in", "soon")
+    assert info.value.returncode == 2 and "like 30m, 12h or 90d" in str(info.value)

@@ -64,20 +64,36 @@ def test_head_restart_gets_the_node_back_within_one_backoff_step(head):
         node.stop()
 
 
-@pytest.mark.parametrize("revoke", [False, True])
-def test_wrong_or_revoked_token_stops_node_join_with_a_clear_line(head, revoke):
-    if revoke:
-        out = head.manage("fleet_token", "--name", "soon-revoked").stdout
-        token = re.search(r"--token (\S+)", out).group(1)
-        head.manage("fleet_token", "--revoke", token.split(".")[0])
-    else:
+@pytest.mark.parametrize(
+    ("shape", "line"),
+    [
+        ("unknown", "node_join: the head refused this node's fleet token (unknown, or wrong secret)"),
+        ("wrong-secret", "node_join: the head refused this node's fleet token (unknown, or wrong secret)"),
+        ("revoked", "node_join: this node's fleet token was revoked"),
+        ("expired", "node_join: this node's fleet token has expired"),
+    ],
+)
+def test_every_bad_token_stops_node_join_with_one_line_and_exit_2(head, shape, line):
+    if shape == "unknown":
         token = "abcdef012345." + "A" * 43
+    else:
+        expiry = ["--expires-in", "1m"] if shape == "expired" else []
+        out = head.manage("fleet_token", "--name", shape, *expiry).stdout
+        token = re.search(r"--token (\S+)", out).group(1)
+        if shape == "wrong-secret":
+            token = token.split(".")[0] + "." + "A" * 43
+        elif shape == "revoked":
+            head.manage("fleet_token", "--revoke", token.split(".")[0])
+        elif shape == "expired":
+            head.manage("shell", "-c", "from django.utils import timezone; from nodes.models import FleetToken; "
+                        "FleetToken.objects.update(expires_at=timezone.now())")
     node = start_node(head, "--token", token, identity="gpu-bad")
     wait_for(lambda: node.proc.poll() is not None, 180, f"node_join did not stop: {node.log()}")
     assert node.proc.returncode == 2
-    assert "node_join: the head refused this node's fleet token" in node.log()
+    errors = [text for text in node.log().splitlines() if text.startswith("node_join:")]
+    assert len(errors) == 1 and errors[0].startswith(line), node.log()
     assert "Traceback" not in node.log() and "Traceback" not in head.log()
-    assert "refused node" in head.log()
+    assert head.log().count("refused node") == 1
 
 
 def test_node_sigterm_is_a_clean_stop(head):
