@@ -7,4 +7,7 @@ class ApiConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from api import schema  # noqa: F401  (registers the OpenAPI description of API-key auth)
+        import api.schema  # noqa: F401  (registers the OpenAPI description of API-key auth)
+        from api import signals
+
+        signals.connect()

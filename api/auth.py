@@ -9,8 +9,7 @@ from rest_framework import authentication, exceptions
 
 from api.errors import OpenAIError
 from api.models import ApiKey
-from api.services import api_key_authenticate, api_key_verified_recently
-from api.throttles import ApiKeyRateThrottle
+from api.services import api_key_authenticate, api_key_verified
 
 
 def bearer_from_header(value: str | bytes | None) -> str | None:
@@ -61,17 +60,14 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
 
 
 async def v1_authenticate_async(header: str | None) -> ApiKey:
-    """v1_authenticate without a thread hop when this process verified the key a moment ago."""
+    """v1_authenticate without a thread hop when this process verified the key lately and no key changed since."""
     key = bearer_from_header(header) if header else None
-    row = api_key_verified_recently(key=key) if key else None
-    if row is None or not row.owner.is_active:
-        return await sync_to_async(v1_authenticate)(header)
-    key_throttled(row)  # the cache, not the database: fine on the event loop
-    return row
+    row = await api_key_verified(key=key) if key else None
+    return row if row is not None else await sync_to_async(v1_authenticate)(header)
 
 
 def v1_authenticate(header: str | None) -> ApiKey:
-    """The key for a /v1 request, throttled; raises OpenAIError 401 or 429. Sync: call via sync_to_async."""
+    """The key for a /v1 request; raises OpenAIError 401. Sync: call via sync_to_async."""
     if not header:
         raise OpenAIError(401, "You didn't provide an API key. Send `Authorization: Bearer <api key>`; "
                           "an operator makes one with `manage.py create_api_key` or under /api/keys/.",
@@ -81,14 +77,4 @@ def v1_authenticate(header: str | None) -> ApiKey:
     if row is None or not row.owner.is_active:
         raise OpenAIError(401, "Incorrect or revoked API key provided. Check the key, or create a new one.",
                           code="invalid_api_key")
-    key_throttled(row)
     return row
-
-
-def key_throttled(row: ApiKey) -> None:
-    """Raise a 429 OpenAIError when this key is over its request rate. Sync."""
-    wait = ApiKeyRateThrottle.check_key(row)
-    if wait is not None:
-        seconds = max(int(wait + 0.999), 1)
-        raise OpenAIError(429, f"Rate limit reached for this API key; retry in {seconds} s.",
-                          code="rate_limit_exceeded", headers={"Retry-After": str(seconds)})

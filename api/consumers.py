@@ -4,6 +4,8 @@ Auth happens in connect(): `Authorization: Bearer <key>` or `?api_key=<key>` (br
 with no key, a logged-in staff Django session from the same origin (the admin playground); a refused socket is
 closed with 4401 and a reason. Frames in: generate, cancel, ping. Frames out: token, done,
 error (and pong), each with a `seq` per generation id. Closing the socket cancels all its generations.
+Each generate frame is checked against the key (revoked since connect: close 4401) and its quotas (over one: an
+error frame with code `rate_limit_exceeded` and `retry_after`); its stream slot frees when the generation ends.
 A frame over FLEET_MAX_BODY_BYTES (the HTTP body limit) is refused with a `message_too_large` error frame; the
 socket and its other generations go on.
 """
@@ -21,10 +23,11 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
-from api.auth import bearer_from_scope, key_throttled
+from api.auth import bearer_from_scope
 from api.errors import OpenAIError
 from api.generation import Run
-from api.services import api_key_authenticate
+from api.quotas import Ticket, quota_admit
+from api.services import api_key_authenticate, api_key_verified
 from api.specs import request_for
 from fleet.dispatch import Finished, Tokens
 
@@ -34,11 +37,15 @@ CLOSE_UNAUTHORIZED = 4401
 MAX_RUNNING = 32
 
 
+class _Refused(Exception):
+    """A generate frame was refused and the client told why."""
+
+
 class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
     """One client's socket. Each generation runs as its own task and streams independently."""
 
     async def connect(self) -> None:
-        self.api_key = None
+        self.api_key = self.bearer = None
         self.user = None  # set once the socket is authenticated: the key's owner, or the staff session's user
         self.running: dict[Any, tuple[Run, asyncio.Task]] = {}
         await self.accept()
@@ -50,7 +57,7 @@ class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
         if row is None or not row.owner.is_active:
             await self._refuse("the API key is wrong or revoked")
             return
-        self.api_key, self.user = row, row.owner
+        self.api_key, self.user, self.bearer = row, row.owner, key
 
     async def _connect_session(self) -> None:
         """No key: a logged-in, active staff user's session (the admin playground), only from this site's pages."""
@@ -112,19 +119,42 @@ class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
             await self.send_json(_error(client_id, 0, "too_many_generations",
                                         f"At most {MAX_RUNNING} generations run at once on one socket."))
             return
+        try:
+            ticket = await self._admit(client_id)
+        except _Refused:
+            return
         body = {k: v for k, v in frame.items() if k not in ("type", "id")}
         try:
             gen = await database_sync_to_async(self._validate)(body)
         except OpenAIError as exc:
+            if ticket is not None:
+                await ticket.settle()
             await self.send_json(_error(client_id, 1, exc.code or "invalid_request", exc.message, exc.param))
             return
-        run = Run(gen)
+        run = Run(gen, ticket)
         task = asyncio.ensure_future(self._relay(client_id, run))
         self.running[client_id] = (run, task)
 
+    async def _admit(self, client_id: Any) -> Ticket | None:
+        """The key's quota ticket for one generation (None for a staff session, which has no key). Raises _Refused,
+        having told the client, when the key is over a quota (an error frame) or was revoked since the socket
+        opened (the socket closes with 4401)."""
+        if self.api_key is None:
+            return None
+        row = await api_key_verified(key=self.bearer) or await database_sync_to_async(api_key_authenticate)(
+            key=self.bearer)
+        if row is None or not row.owner.is_active:
+            await self._refuse("the API key was revoked, or its owner deactivated")
+            raise _Refused
+        self.api_key = row  # the row as it is now: its quotas may have changed
+        try:
+            return await quota_admit(row, tokens=True, stream=True)
+        except OpenAIError as exc:
+            frame = _error(client_id, 1, exc.code, exc.message)
+            await self.send_json({**frame, "retry_after": int(exc.headers["Retry-After"])})
+            raise _Refused from None
+
     def _validate(self, body: dict[str, Any]):
-        if self.api_key is not None:
-            key_throttled(self.api_key)
         return request_for(body, api_key=self.api_key, user=self.user)
 
     async def _relay(self, client_id: Any, run: Run) -> None:

@@ -2,7 +2,8 @@
 
 `Run` drives the dispatcher's stream: it hands out events with a timeout (so SSE can send keep-alives without
 cancelling the stream), turns dispatcher errors into OpenAIError, cancels the node's lane when the client goes
-away, and writes the durable record once, at the end.
+away, and writes the durable record once, at the end, when it also settles the key's quota ticket (the tokens
+the node spent, the stream slot).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 
 from api.errors import OpenAIError
+from api.quotas import Ticket, tokens_spent
 from api.specs import GenerationRequest
 from fleet.dispatch import Finished, GenerationError, Started, Tokens, generation_stream
 from sessions.models import Generation
@@ -29,8 +31,11 @@ PENDING = object()  # next_event timed out; the stream goes on
 class Run:
     """Iterate with `next_event`; end with `abandon()` when the client leaves. Records itself exactly once."""
 
-    def __init__(self, request: GenerationRequest):
+    def __init__(self, request: GenerationRequest, ticket: Ticket | None = None):
         self.request = request
+        self.ticket = ticket  # the key's quota: settled with the tokens spent when the generation ends
+        if ticket is not None:
+            ticket.owned = True
         self.stream = generation_stream(request.spec, deadline=request.deadline)
         self._events = self.stream.__aiter__()
         self._next: asyncio.Future | None = None
@@ -124,6 +129,9 @@ class Run:
         self.recorded = True
         request = self.request
         outcome = self.stream.outcome
+        if self.ticket is not None:
+            await self.ticket.settle(tokens_spent(outcome.prompt_tokens, outcome.cached_tokens,
+                                                  outcome.completion_tokens))
         if self.finished is None and not outcome.finish_reason:
             outcome.finish_reason = "cancelled" if status == Generation.Status.CANCELLED else ""
         trace = GenerationTrace(

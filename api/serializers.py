@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from api.models import ApiKey
+from api.quotas import limits_for
 from nodes.models import FleetToken, Node
 from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message
 
@@ -47,10 +49,20 @@ class FleetTokenCreatedSerializer(FleetTokenSerializer):
 
 
 class ApiKeySerializer(serializers.ModelSerializer):
+    owner = serializers.CharField(source="owner.get_username", read_only=True)
+    limits = serializers.SerializerMethodField(help_text="The quotas in force: the key's own (set by staff in the "
+                                               "admin) or the FLEET_QUOTA_* defaults; 0 is unlimited.")
+
     class Meta:
         model = ApiKey
-        fields = ["id", "name", "prefix", "is_active", "created_at", "revoked_at", "last_used_at"]
-        read_only_fields = ["id", "prefix", "is_active", "created_at", "revoked_at", "last_used_at"]
+        fields = ["id", "name", "prefix", "owner", "is_active", "created_at", "revoked_at", "last_used_at",
+                  "requests_per_minute", "tokens_per_minute", "tokens_per_day", "concurrent_streams", "limits"]
+        read_only_fields = ["id", "prefix", "is_active", "created_at", "revoked_at", "last_used_at",
+                            "requests_per_minute", "tokens_per_minute", "tokens_per_day", "concurrent_streams"]
+
+    @extend_schema_field(serializers.DictField(child=serializers.IntegerField()))
+    def get_limits(self, key: ApiKey) -> dict[str, int]:
+        return dataclasses.asdict(limits_for(key))
 
 
 class ApiKeyCreatedSerializer(ApiKeySerializer):

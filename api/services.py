@@ -1,12 +1,16 @@
-"""Writes for API keys."""
+"""Writes for API keys, and the check /v1 and the client websocket make on every request."""
 
 from __future__ import annotations
 
 import hashlib
 import secrets
-import time
+import threading
+import uuid
 
+from cachetools import TTLCache
 from django.contrib.auth.models import AbstractBaseUser
+from django.core.cache import cache
+from django.db import transaction
 from django.utils import timezone
 
 from api.models import ApiKey
@@ -19,35 +23,57 @@ def _hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def api_key_create(*, owner: AbstractBaseUser, name: str) -> tuple[ApiKey, str]:
-    """Make a key; returns the row and the full key, which is shown once and never stored."""
+def api_key_create(*, owner: AbstractBaseUser, name: str, quotas: dict[str, int | None] | None = None
+                   ) -> tuple[ApiKey, str]:
+    """Make a key (`quotas`: its own limits by field name, None for the default); returns the row and the full key,
+    which is shown once and never stored."""
     name = name.strip()
     if not name:
         raise ValueError("an API key needs a name")
     prefix = KEY_PREFIX + secrets.token_hex(4)
     key = f"{prefix}.{secrets.token_urlsafe(32)}"
-    row = ApiKey.objects.create(name=name, owner=owner, prefix=prefix, key_hash=_hash(key))
+    row = ApiKey.objects.create(name=name, owner=owner, prefix=prefix, key_hash=_hash(key), **(quotas or {}))
     return row, key
 
 
 def api_key_revoke(*, key: ApiKey) -> bool:
+    """Revoke the key; every head process refuses it from its next request on (see api_key_verified)."""
     revoked = bool(ApiKey.objects.filter(pk=key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now()))
-    _verified.clear()  # this process stops accepting it at once; other head processes within VERIFIED_TTL_S
+    api_keys_changed()
     return revoked
 
 
-# Keys verified in this process, by hash, for a few seconds: a generation's time to first token should not pay a
-# database round trip (and a thread hop) on every request. Revoking in this process clears it at once.
-VERIFIED_TTL_S = 5.0
-_verified: dict[str, tuple[float, ApiKey]] = {}
+# Keys verified against the database, by hash, with the revocation stamp read before that check: a generation's
+# time to first token should not pay a database round trip (and a thread hop) on every request. Every change that
+# can stop a key (revoked, deleted, its owner deactivated) or change its quotas writes a new stamp into the Django
+# cache (Redis when REDIS_URL is set, so every head process sees it) after its commit; a cached entry counts only
+# while the stamp is the one it was verified under. The TTL bounds what the stamp cannot see (a raw SQL UPDATE).
+STAMP_KEY = "api-keys:stamp"
+VERIFIED_TTL_S = 30.0
+_verified: TTLCache[str, tuple[ApiKey, str | None]] = TTLCache(maxsize=10_000, ttl=VERIFIED_TTL_S)
+_verified_lock = threading.Lock()  # the event loop reads, sync threads write; cachetools caches are not thread-safe
 
 
-def api_key_verified_recently(*, key: str) -> ApiKey | None:
-    """The key's row when this process verified it within VERIFIED_TTL_S; no database access (async-safe)."""
-    entry = _verified.get(_hash(key))
-    if entry is None or entry[0] < time.monotonic():
+def api_keys_restamp() -> None:
+    """Write a new revocation stamp now: every process verifies keys against the database again."""
+    cache.set(STAMP_KEY, uuid.uuid4().hex, timeout=None)
+
+
+def api_keys_changed() -> None:
+    """A key or its owner changed: write a new stamp once the change is committed (before it, another process
+    could verify the key against the old row and cache it under the new stamp)."""
+    transaction.on_commit(api_keys_restamp)
+
+
+async def api_key_verified(*, key: str) -> ApiKey | None:
+    """The key's row when this process verified it within VERIFIED_TTL_S and no key changed since; else None
+    (then verify it with api_key_authenticate). One cache read, no database access."""
+    with _verified_lock:
+        entry = _verified.get(_hash(key))
+    if entry is None:
         return None
-    return entry[1]
+    row, stamp = entry
+    return row if await cache.aget(STAMP_KEY) == stamp else None
 
 
 def api_key_authenticate(*, key: str) -> ApiKey | None:
@@ -55,13 +81,14 @@ def api_key_authenticate(*, key: str) -> ApiKey | None:
     prefix, _, _ = key.partition(".")
     if not prefix.startswith(KEY_PREFIX):
         return None
+    stamp = cache.get(STAMP_KEY)  # before the database read: a revocation committed after it changes the stamp
     row = ApiKey.objects.select_related("owner").filter(prefix=prefix).first()
     if row is None or not secrets.compare_digest(row.key_hash, _hash(key)) or row.revoked_at is not None:
         return None
     now = timezone.now()
     if row.last_used_at is None or (now - row.last_used_at).total_seconds() > 60:
         ApiKey.objects.filter(pk=row.pk).update(last_used_at=now)
-    if len(_verified) > 10_000:
-        _verified.clear()
-    _verified[_hash(key)] = (time.monotonic() + VERIFIED_TTL_S, row)
+    if row.owner.is_active:
+        with _verified_lock:
+            _verified[_hash(key)] = (row, stamp)
     return row

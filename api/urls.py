@@ -6,7 +6,9 @@ from rest_framework.routers import DefaultRouter
 
 from api import docs, v1, views
 
+# No `.json` suffix routes: `?format=` does the same, and the actions (drain, revoke, messages) take no `format`.
 router = DefaultRouter()
+router.include_format_suffixes = False
 router.register("nodes", views.NodeViewSet, basename="node")
 router.register("fleet-tokens", views.FleetTokenViewSet, basename="fleet-token")
 router.register("keys", views.ApiKeyViewSet, basename="api-key")

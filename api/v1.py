@@ -1,7 +1,8 @@
 """The OpenAI-compatible /v1 API as plain Django async views (streaming and disconnects need async, not DRF).
 
-Each view: authenticate and throttle the key, parse the body, validate it into a GenerationRequest, run it, shape
-the answer. Every failure a client can cause is an OpenAI error object with a 4xx status.
+Each view: authenticate the key and count it against its quota, parse the body, validate it into a
+GenerationRequest, run it, shape the answer. Every failure a client can cause is an OpenAI error object with a 4xx
+status; every answer after authentication carries the key's x-ratelimit headers.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from django.views.decorators.csrf import csrf_exempt
 from api.auth import v1_authenticate_async
 from api.errors import OpenAIError, body_too_large, invalid, openai_error_response
 from api.generation import Run
+from api.quotas import Ticket, quota_admit
 from api.responses import shape_for
 from api.specs import GenerationRequest, chat_request, completion_request
 from api.sse import first_event, sse_response
@@ -37,29 +39,45 @@ MAX_EMBED_INPUTS = 256
 EMBED_TIMEOUT_S = 60.0
 
 
-def openai_view(*methods: str):
-    """Wrap an async view: method check, API-key auth and throttle, and OpenAIError (or a bug) as an error object."""
+def openai_view(*methods: str, tokens: bool = False, stream: bool = False):
+    """Wrap an async view: method check, API-key auth, the key's quota (`tokens`: the view spends tokens, `stream`:
+    it runs a generation, which holds a stream slot), OpenAIError (or a bug) as an error object, and the
+    x-ratelimit headers on whatever the view answers."""
 
     def wrap(view: Callable[..., Awaitable[HttpResponse]]):
         @csrf_exempt
         @wraps(view)
         async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+            request.quota = None
             try:
-                if request.method not in methods:
-                    raise OpenAIError(405, f"{request.method} is not allowed here; use {' or '.join(methods)}.",
-                                      code="method_not_allowed")
-                request.api_key = await v1_authenticate_async(request.headers.get("Authorization"))
-                return await view(request, *args, **kwargs)
-            except OpenAIError as exc:
-                return openai_error_response(exc)
-            except Exception:
-                log.exception("api: %s %s failed", request.method, request.path)
-                return openai_error_response(OpenAIError(500, "The head failed to serve this request; it has been "
-                                                         "logged.", code="internal_error"))
+                response = await _serve_admitted(view, request, methods, tokens, stream, *args, **kwargs)
+            finally:
+                if request.quota is not None and not request.quota.owned:  # no Run took it: free its slot now
+                    await request.quota.settle()
+            if request.quota is not None:
+                for name, value in request.quota.headers().items():
+                    response[name] = value
+            return response
 
         return wrapper
 
     return wrap
+
+
+async def _serve_admitted(view, request: HttpRequest, methods, tokens: bool, stream: bool, *args, **kwargs):
+    try:
+        if request.method not in methods:
+            raise OpenAIError(405, f"{request.method} is not allowed here; use {' or '.join(methods)}.",
+                              code="method_not_allowed")
+        request.api_key = await v1_authenticate_async(request.headers.get("Authorization"))
+        request.quota = await quota_admit(request.api_key, tokens=tokens, stream=stream)
+        return await view(request, *args, **kwargs)
+    except OpenAIError as exc:
+        return openai_error_response(exc)
+    except Exception:
+        log.exception("api: %s %s failed", request.method, request.path)
+        return openai_error_response(OpenAIError(500, "The head failed to serve this request; it has been "
+                                                 "logged.", code="internal_error"))
 
 
 def json_body(request: HttpRequest) -> dict[str, Any]:
@@ -110,12 +128,12 @@ async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
 # --- generations ----------------------------------------------------------------------------------------------
 
 
-@openai_view("POST")
+@openai_view("POST", tokens=True, stream=True)
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     return await serve(request, chat_request)
 
 
-@openai_view("POST")
+@openai_view("POST", tokens=True, stream=True)
 async def completions(request: HttpRequest) -> HttpResponse:
     return await serve(request, completion_request)
 
@@ -124,12 +142,13 @@ async def serve(request: HttpRequest, parse: Callable[..., GenerationRequest]) -
     body = json_body(request)
     key = request.api_key
     gen = await sync_to_async(parse)(body, api_key=key, user=key.owner)
-    return await respond(gen)
+    return await respond(gen, request.quota)
 
 
-async def respond(gen: GenerationRequest) -> HttpResponse:
-    """Run a validated generation and answer it: SSE when it streams, else one JSON object."""
-    run = Run(gen)
+async def respond(gen: GenerationRequest, ticket: Ticket | None = None) -> HttpResponse:
+    """Run a validated generation and answer it: SSE when it streams, else one JSON object. The Run settles the
+    quota ticket when the generation ends."""
+    run = Run(gen, ticket)
     try:
         if gen.stream:
             first = await first_event(run)
@@ -148,7 +167,7 @@ async def respond(gen: GenerationRequest) -> HttpResponse:
 # --- embeddings -----------------------------------------------------------------------------------------------
 
 
-@openai_view("POST")
+@openai_view("POST", tokens=True)
 async def embeddings(request: HttpRequest) -> HttpResponse:
     body = json_body(request)
     model, texts, encoding = _embedding_input(body)
@@ -163,6 +182,7 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
     vectors = result.get("embeddings") or []
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, encoding)} for i, v in enumerate(vectors)]
     prompt_tokens = int(result.get("prompt_tokens") or sum(max(len(t) // 4, 1) for t in texts))
+    await request.quota.settle(prompt_tokens)
     response = JsonResponse({"object": "list", "data": data, "model": model,
                              "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
     response["X-Fleet-Node"] = node

@@ -17,6 +17,7 @@ from api import services as key_services
 from api.errors import OpenAIError
 from api.generation import Run
 from api.models import ApiKey
+from api.quotas import quota_admit
 from api.specs import chat_request
 from api.sse import first_event, sse_response
 from api.status import fleet_status
@@ -40,10 +41,12 @@ def _caller_key(request) -> ApiKey | None:
 
 @extend_schema_view(list=extend_schema(summary="List nodes"), retrieve=extend_schema(summary="A node"))
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
-    """Nodes that joined the fleet. Operators drain (finish running work, take none), cordon or uncordon them."""
+    """Nodes that joined the fleet (staff only: addresses and versions are the operator's business; /api/fleet/
+    shows any key what is served). Operators drain (finish running work, take none), cordon or uncordon them."""
 
     queryset = Node.objects.all()
     serializer_class = s.NodeSerializer
+    permission_classes = [IsStaff]
 
     def get_serializer_context(self):
         from nodes.consumers import liveness_key
@@ -108,13 +111,15 @@ class FleetTokenViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.R
 
 class ApiKeyViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                     mixins.DestroyModelMixin, viewsets.GenericViewSet):
-    """Your own API keys. The key is shown once, in the create response; DELETE revokes it."""
+    """Your own API keys (staff: everyone's). The key is shown once, in the create response; DELETE revokes it.
+    Quotas are set by staff in the admin; here they are read-only."""
 
     serializer_class = s.ApiKeySerializer
     queryset = ApiKey.objects.none()  # for the schema; get_queryset narrows to the caller's keys
 
     def get_queryset(self):
-        return ApiKey.objects.filter(owner=self.request.user).order_by("-created_at")
+        keys = ApiKey.objects.select_related("owner").order_by("-created_at")
+        return keys if self.request.user.is_staff else keys.filter(owner=self.request.user)
 
     @extend_schema(responses={201: s.ApiKeyCreatedSerializer})
     def create(self, request, *args, **kwargs):
@@ -173,9 +178,12 @@ class SessionViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retr
         messages = data.pop("messages", None) or [{"role": "user", "content": data.pop("content")}]
         data.pop("content", None)
         body = {**data, "model": data.get("model") or session.model, "messages": messages, "session": str(session.id)}
+        key = _caller_key(self.request)
         try:
-            gen = chat_request(body, api_key=_caller_key(self.request), user=self.request.user)
-            run = Run(gen)
+            gen = chat_request(body, api_key=key, user=self.request.user)
+            # The throttle counted the request; a generation also checks the key's tokens and takes a stream slot.
+            ticket = async_to_sync(quota_admit)(key, request=False, tokens=True, stream=True) if key else None
+            run = Run(gen, ticket)
             if gen.stream:
                 return sse_response(run, async_to_sync(first_event)(run))
             async_to_sync(_drain)(run)

@@ -74,15 +74,16 @@ def test_fleet_tokens_are_for_staff_and_show_their_secret_once(client, staff):
 
 def test_nodes_are_listed_and_operators_drain_cordon_and_uncordon_them(client, staff):
     node = NodeFactory(identity="gpu-7")
-    listed = client.get("/api/nodes/").json()["results"]
+    listed = staff.get("/api/nodes/").json()["results"]
     assert [n["identity"] for n in listed] == ["gpu-7"] and listed[0]["state"] == "online"
+    assert client.get("/api/nodes/").status_code == 403  # nodes are the operators' business
     assert client.post(f"/api/nodes/{node.id}/drain/").status_code == 403
     for verb, state in (("drain", "draining"), ("cordon", "cordoned"), ("uncordon", "online")):
         response = staff.post(f"/api/nodes/{node.id}/{verb}/")
         assert response.status_code == 200 and response.json()["state"] == state
         node.refresh_from_db()
         assert node.state == state
-    assert client.get(f"/api/nodes/{node.id}/").json()["identity"] == "gpu-7"
+    assert staff.get(f"/api/nodes/{node.id}/").json()["identity"] == "gpu-7"
 
 
 def test_sessions_are_created_read_listed_and_deleted_by_their_owner(client, person):

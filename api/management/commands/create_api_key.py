@@ -1,8 +1,9 @@
-"""`manage.py create_api_key --user U --name N`: make an API key and print it once."""
+"""`manage.py create_api_key --user U --name N [--tokens-per-day T ...]`: make an API key and print it once."""
 
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
+from api.models import ApiKey
 from api.services import api_key_create
 
 
@@ -12,6 +13,10 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--user", required=True, help="username that owns the key")
         parser.add_argument("--name", required=True, help="what the key is for")
+        for field in ApiKey.QUOTA_FIELDS:
+            parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=None, metavar="N",
+                                help=f"the key's own {field.replace('_', ' ')} (default: FLEET_QUOTA_"
+                                f"{field.upper()}; 0: unlimited)")
 
     def handle(self, *args, **options):
         user = get_user_model().objects.filter(username=options["user"]).first()
@@ -19,8 +24,12 @@ class Command(BaseCommand):
             raise CommandError(
                 f"no user named {options['user']!r}; create one with `manage.py createsuperuser`", returncode=2
             )
+        negative = [f for f in ApiKey.QUOTA_FIELDS if (options[f] or 0) < 0]
+        if negative:
+            raise CommandError(f"--{negative[0].replace('_', '-')} must be 0 (unlimited) or more", returncode=2)
         try:
-            key, secret = api_key_create(owner=user, name=options["name"])
+            key, secret = api_key_create(owner=user, name=options["name"],
+                                         quotas={f: options[f] for f in ApiKey.QUOTA_FIELDS})
         except ValueError as exc:
             raise CommandError(str(exc), returncode=2) from exc
         self.stdout.write(f"API key {key.name!r} created for {user.get_username()} (prefix {key.prefix}).\n")
