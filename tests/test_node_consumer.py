@@ -21,6 +21,14 @@ NODE_KEY = generate_static()
 
 
 @pytest.fixture(autouse=True)
+def _fleet_log_reaches_caplog(monkeypatch):
+    """The `fleet` logger does not propagate (settings.LOGGING); caplog listens at the root."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("fleet"), "propagate", True)
+
+
+@pytest.fixture(autouse=True)
 def _local_token(settings):
     """As under `manage.py up`: the head knows the run's local token."""
     settings.FLEET_LOCAL_NODE_TOKEN = LOCAL_TOKEN
@@ -226,7 +234,13 @@ async def test_releasing_the_binding_lets_a_new_key_join():
     await comm.disconnect()
 
 
-async def test_revoking_a_node_closes_its_link_and_its_key_cannot_rejoin_under_any_identity():
+@pytest.fixture
+def no_periodic_check(monkeypatch):
+    """Only the channel-layer message may close the link (the embedded head's once-a-second look-up is off)."""
+    monkeypatch.setattr("nodes.consumers.REVOCATION_CHECK_S", 10**6)
+
+
+async def test_revoking_a_node_closes_its_link_and_its_key_cannot_rejoin_under_any_identity(no_periodic_check):
     from nodes.services import node_revoke
 
     comm, _ = await joined()
@@ -241,7 +255,7 @@ async def test_revoking_a_node_closes_its_link_and_its_key_cannot_rejoin_under_a
         assert await closed_with(again) == CloseCode.NODE_REVOKED, identity
 
 
-async def test_revoking_a_token_closes_the_links_that_joined_with_it():
+async def test_revoking_a_token_closes_the_links_that_joined_with_it(no_periodic_check):
     token, full = await sync_to_async(fleet_token_create)(name="t")
     comm, _ = await joined(full, peer="10.0.0.7")
     local, _ = await joined(register=_register_as("gpu-local"))
@@ -301,3 +315,38 @@ async def test_at_most_eight_handshakes_at_once(settings):
     _open.clear()
     again = communicator()
     assert (await again.connect())[0]  # the slots are free again
+
+
+@pytest.mark.parametrize(
+    "token_id",
+    [None, 7, "", "x" * 65, "a.b", "spaced id", "ünïcode"],
+    ids=["missing", "not-a-string", "empty", "too-long", "dot", "space", "non-ascii"],
+)
+async def test_each_malformed_token_id_in_a_hello_is_one_refusal_line_and_4003(token_id, caplog):
+    import struct
+
+    import msgpack
+
+    hello = msgpack.packb({"proto": "fleet/2", "token_id": token_id})
+    comm = communicator("10.0.0.7")
+    await comm.connect()
+    await comm.send_to(bytes_data=b"FLEET2" + struct.pack(">H", len(hello)) + hello + bytes(48))
+    assert await closed_with(comm) == CloseCode.PROTOCOL
+    refusals = [r for r in caplog.records if "refused node" in r.getMessage()]
+    assert len(refusals) == 1 and "token id" in refusals[0].getMessage() and not refusals[0].exc_info
+
+
+@pytest.mark.parametrize("what", ["token", "node"])
+async def test_an_embedded_head_finds_a_revocation_made_in_another_process(what, monkeypatch):
+    """`manage.py fleet_token --revoke` runs in its own process, which the in-memory layer cannot reach."""
+    from nodes.services import node_revoke
+
+    monkeypatch.setattr("nodes.services._close_links", lambda *args: None)  # no message reaches this process
+    token, full = await sync_to_async(fleet_token_create)(name="t")
+    comm, _ = await joined(full, peer="10.0.0.7")
+    if what == "token":
+        await sync_to_async(fleet_token_revoke)(token=token)
+    else:
+        await sync_to_async(node_revoke)(node=await Node.objects.aget(identity="gpu-7"))
+    expected = CloseCode.TOKEN_REVOKED if what == "token" else CloseCode.NODE_REVOKED
+    assert await closed_with(comm) == expected
