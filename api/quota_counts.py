@@ -1,0 +1,227 @@
+"""The counts behind the quotas: where they live and the rule that admits a request.
+
+In Redis when REDIS_URL is set: one Lua script per admission, so several head processes count together and two of
+them cannot both take a key's last slot. Else in the Django cache (local memory: one process counts alone). Keys
+are per window: the UTC minute for requests and tokens a minute, the UTC day for tokens a day.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.asyncio
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.cache import cache
+
+MINUTE_TTL_S = 120
+DAY_TTL_S = 2 * 86400
+# A head process that dies with streams open cannot release their slots; in Redis they lapse after this long.
+STREAM_LEASE_S = 3600
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """A key's limits; 0 is unlimited."""
+
+    requests_per_minute: int
+    tokens_per_minute: int
+    tokens_per_day: int
+    concurrent_streams: int
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    """What one admission takes: a request from the rate, a check of the token budget, a stream slot."""
+
+    request: bool = True
+    tokens: bool = False
+    stream: bool = False
+
+
+@dataclass(slots=True)
+class Counts:
+    """A key's counts in the current windows, as an admission left them, and why it refused (or "")."""
+
+    requests: int
+    tokens_minute: int
+    tokens_day: int
+    streams: int
+    refused: str = ""
+
+
+def refusal(limits: Limits, want: Want, counts: Counts) -> str:
+    """Which limit an admission would cross ("" when none). The Lua script ADMIT applies the same rule."""
+    if want.request and limits.requests_per_minute and counts.requests >= limits.requests_per_minute:
+        return "requests"
+    if want.tokens and limits.tokens_per_minute and counts.tokens_minute >= limits.tokens_per_minute:
+        return "tokens_per_minute"
+    if want.tokens and limits.tokens_per_day and counts.tokens_day >= limits.tokens_per_day:
+        return "tokens_per_day"
+    if want.stream and limits.concurrent_streams and counts.streams >= limits.concurrent_streams:
+        return "streams"
+    return ""
+
+
+@dataclass(frozen=True, slots=True)
+class Windows:
+    """The windows that `now` falls in, and the seconds until each turns."""
+
+    minute: int
+    day: int
+    minute_reset: float
+    day_reset: float
+
+    @classmethod
+    def at(cls, now: float) -> Windows:
+        minute, day = int(now // 60), int(now // 86400)
+        return cls(minute, day, (minute + 1) * 60 - now, (day + 1) * 86400 - now)
+
+
+def _keys(prefix: str, ident: str, w: Windows) -> list[str]:
+    base = f"{prefix}quota:{ident}:"
+    return [f"{base}r:{w.minute}", f"{base}t:{w.minute}", f"{base}d:{w.day}", f"{base}s"]
+
+
+# --- the stores -----------------------------------------------------------------------------------------------
+
+# KEYS: requests this minute, tokens this minute, tokens today, the key's stream slots (a sorted set by start time).
+# ARGV: the four limits, want request / tokens (1 or 0), the slot id ('' for none), now, the slot lease.
+ADMIT = """
+local rpm, tpm, tpd, cs = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local count, tokens, slot = ARGV[5] == '1', ARGV[6] == '1', ARGV[7]
+local now, lease = tonumber(ARGV[8]), tonumber(ARGV[9])
+local requests = tonumber(redis.call('GET', KEYS[1]) or '0')
+local minute = tonumber(redis.call('GET', KEYS[2]) or '0')
+local day = tonumber(redis.call('GET', KEYS[3]) or '0')
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - lease)
+local streams = redis.call('ZCARD', KEYS[4])
+local refused = ''
+if count and rpm > 0 and requests >= rpm then refused = 'requests'
+elseif tokens and tpm > 0 and minute >= tpm then refused = 'tokens_per_minute'
+elseif tokens and tpd > 0 and day >= tpd then refused = 'tokens_per_day'
+elseif slot ~= '' and cs > 0 and streams >= cs then refused = 'streams'
+end
+if refused == '' then
+  if count then
+    requests = redis.call('INCR', KEYS[1])
+    redis.call('EXPIRE', KEYS[1], 120)
+  end
+  if slot ~= '' then
+    redis.call('ZADD', KEYS[4], now, slot)
+    redis.call('EXPIRE', KEYS[4], lease)
+    streams = streams + 1
+  end
+end
+return {refused, requests, minute, day, streams}
+"""
+
+
+class RedisQuotaStore:
+    """Counts in Redis, shared by every head process. Async callers get redis.asyncio (one client per event loop);
+    DRF's sync views the sync client."""
+
+    def __init__(self, url: str, prefix: str):
+        self.url, self.prefix = url, prefix
+        self._sync = redis.Redis.from_url(url)
+        self._sync_admit = self._sync.register_script(ADMIT)
+        self._clients: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+
+    def _client(self) -> tuple[Any, Any]:
+        loop = asyncio.get_running_loop()
+        entry = self._clients.get(loop)
+        if entry is None:
+            client = redis.asyncio.Redis.from_url(self.url)
+            entry = self._clients[loop] = (client, client.register_script(ADMIT))
+        return entry
+
+    def _args(self, ident: str, limits: Limits, want: Want, slot: str, now: float):
+        keys = _keys(self.prefix, ident, Windows.at(now))
+        args = [limits.requests_per_minute, limits.tokens_per_minute, limits.tokens_per_day,
+                limits.concurrent_streams, int(want.request), int(want.tokens), slot, repr(now), STREAM_LEASE_S]
+        return keys, args
+
+    @staticmethod
+    def _counts(result: list) -> Counts:
+        refused, *numbers = result
+        return Counts(*(int(n) for n in numbers), refused=refused.decode() if isinstance(refused, bytes) else refused)
+
+    async def admit(self, ident: str, limits: Limits, want: Want, slot: str, now: float) -> Counts:
+        _, script = self._client()
+        keys, args = self._args(ident, limits, want, slot, now)
+        return self._counts(await script(keys=keys, args=args))
+
+    def admit_sync(self, ident: str, limits: Limits, want: Want, slot: str, now: float) -> Counts:
+        keys, args = self._args(ident, limits, want, slot, now)
+        return self._counts(self._sync_admit(keys=keys, args=args))
+
+    async def settle(self, ident: str, tokens: int, slot: str, now: float) -> None:
+        client, _ = self._client()
+        _, minute, day, streams = _keys(self.prefix, ident, Windows.at(now))
+        pipe = client.pipeline(transaction=False)
+        if tokens:
+            pipe.incrby(minute, tokens).expire(minute, MINUTE_TTL_S).incrby(day, tokens).expire(day, DAY_TTL_S)
+        if slot:
+            pipe.zrem(streams, slot)
+        await pipe.execute()
+
+
+class CacheQuotaStore:
+    """Counts in the Django cache: without REDIS_URL that is local memory, so one process counts alone.
+
+    A lock makes check-and-count atomic here as the Lua script does in Redis; the async methods run the sync ones
+    in a worker thread (one hop per admission, not one per cache call).
+    """
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self._lock = threading.Lock()
+
+    def admit_sync(self, ident: str, limits: Limits, want: Want, slot: str, now: float) -> Counts:
+        keys = _keys(self.prefix, ident, Windows.at(now))
+        with self._lock:
+            got = cache.get_many(keys)
+            counts = Counts(*(int(got.get(k, 0)) for k in keys))
+            counts.refused = refusal(limits, want, counts)
+            if not counts.refused and want.request:
+                counts.requests += 1
+                cache.set(keys[0], counts.requests, MINUTE_TTL_S)
+            if not counts.refused and slot:
+                counts.streams += 1
+                cache.set(keys[3], counts.streams, None)
+        return counts
+
+    def settle_sync(self, ident: str, tokens: int, slot: str, now: float) -> None:
+        _, minute, day, streams = _keys(self.prefix, ident, Windows.at(now))
+        with self._lock:
+            got = cache.get_many([minute, day, streams])
+            if tokens:
+                cache.set(minute, int(got.get(minute, 0)) + tokens, MINUTE_TTL_S)
+                cache.set(day, int(got.get(day, 0)) + tokens, DAY_TTL_S)
+            if slot:
+                cache.set(streams, max(int(got.get(streams, 0)) - 1, 0), None)
+
+    async def admit(self, ident: str, limits: Limits, want: Want, slot: str, now: float) -> Counts:
+        return await sync_to_async(self.admit_sync, thread_sensitive=False)(ident, limits, want, slot, now)
+
+    async def settle(self, ident: str, tokens: int, slot: str, now: float) -> None:
+        await sync_to_async(self.settle_sync, thread_sensitive=False)(ident, tokens, slot, now)
+
+
+_stores: dict[tuple[str, str], RedisQuotaStore | CacheQuotaStore] = {}
+
+
+def quota_store() -> RedisQuotaStore | CacheQuotaStore:
+    """Redis when REDIS_URL is set, else the Django cache; one per configuration (tests change settings)."""
+    url, prefix = settings.REDIS_URL, settings.FLEET_REDIS_PREFIX
+    store = _stores.get((url, prefix))
+    if store is None:
+        store = _stores[(url, prefix)] = RedisQuotaStore(url, prefix) if url else CacheQuotaStore(prefix)
+    return store
+
+
