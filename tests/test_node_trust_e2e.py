@@ -77,7 +77,7 @@ def test_a_node_refuses_a_head_whose_key_differs_from_the_pinned_one(head, tmp_p
     try:
         head.wait_nodes(1, timeout=180)
         assert pin.read_text().strip() != "11" * 32
-        head_key = re.search(r"link key: (SHA256:\S+)", head.manage("fleet_token", "--name", "x").stdout).group(1)
+        head_key = re.search(r"first join: (SHA256:\S+)", head.manage("fleet_token", "--name", "x").stdout).group(1)
         assert f"pinned the head's link key {head_key}" in node.log()
     finally:
         node.stop()
@@ -116,8 +116,8 @@ def test_revocation_closes_the_link_on_the_head_process_that_holds_it(head, tmp_
         expected = "fleet token was revoked" if how == "token" else "the operator revoked this node's key"
         errors = [line for line in node.log().splitlines() if line.startswith("node_join:")]
         assert len(errors) == 1 and expected in errors[0], node.log()
-        assert "refused node 'gpu-r'" in holder.log()
-        again = start_node(holder, identity="gpu-r", extra_env={"FLEET_HOME": str(tmp_path / "r")})
+        assert "fleet refused node gpu-r from 127.0.0.1" in holder.log_path.read_text()
+        again = start_node(holder, "--token", token, identity="gpu-r", extra_env={"FLEET_HOME": str(tmp_path / "r")})
         wait_for(lambda: again.proc.poll() is not None, 120, f"the revoked node rejoined: {again.log()}")
         assert again.proc.returncode == 2
     finally:
