@@ -8,7 +8,8 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, RequestDataTooBig, ValidationError
-from django.http import Http404, HttpResponse
+from django.http import Http404, HttpResponse, JsonResponse
+from django.views import defaults
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 
@@ -88,3 +89,24 @@ def management_exception_handler(exc: Exception, context: dict) -> Response | No
         return None
     log.exception("api: unhandled error in %s", context.get("view").__class__.__name__)
     return Response({"detail": "Internal error; it has been logged."}, status=status.HTTP_500_INTERNAL_SERVER_ERROR)
+
+
+def not_found(request, exception=None) -> HttpResponse:
+    """The 404 of a URL no route matches (handler404): the API's own error shape under /v1/ and /api/."""
+    if request.path.startswith("/v1/"):
+        return openai_error_response(OpenAIError(404, f"There is nothing at {request.path!r}; /v1/openapi.json "
+                                                 "lists the paths of this API.", code="not_found"))
+    if request.path.startswith("/api/"):
+        return JsonResponse({"detail": f"There is nothing at {request.path!r}; /api/schema/ lists the paths of this "
+                                       "API."}, status=404)
+    return defaults.page_not_found(request, exception)
+
+
+def server_error(request) -> HttpResponse:
+    """A bug outside the views' own handlers (handler500): the API's error shape under /v1/ and /api/."""
+    if request.path.startswith("/v1/"):
+        return openai_error_response(OpenAIError(500, "The head failed to serve this request; it has been logged.",
+                                                 code="internal_error"))
+    if request.path.startswith("/api/"):
+        return JsonResponse({"detail": "Internal error; it has been logged."}, status=500)
+    return defaults.server_error(request)

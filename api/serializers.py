@@ -91,13 +91,18 @@ class MessageInSerializer(serializers.Serializer):
 class SessionSerializer(serializers.ModelSerializer):
     messages = MessageInSerializer(many=True, required=False, write_only=True,
                                    help_text="Messages to seed the conversation with (optional).")
-    message_count = serializers.IntegerField(read_only=True, required=False)
+    message_count = serializers.SerializerMethodField(help_text="How many messages the session holds.")
 
     class Meta:
         model = InferenceSession
         fields = ["id", "model", "title", "system_prompt", "metadata", "messages", "message_count", "created_at",
                   "updated_at"]
         read_only_fields = ["id", "created_at", "updated_at", "message_count"]
+
+    def get_message_count(self, session: InferenceSession) -> int:
+        # Lists annotate the count; a session just created or updated is counted here.
+        count = getattr(session, "message_count", None)
+        return session.messages.count() if count is None else count
 
 
 class SessionDetailSerializer(SessionSerializer):

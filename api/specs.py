@@ -241,7 +241,7 @@ def _message(index: int, message: Any) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise invalid(f"{param} must be an object with a role and content.", param=param)
     role = message.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise invalid(f"{param}.role must be one of {', '.join(sorted(ROLES))}; got {role!r}.", param=f"{param}.role")
     clean: dict[str, Any] = {"role": "system" if role == "developer" else role,
                              "content": _content(message.get("content"), f"{param}.content")}
@@ -249,6 +249,11 @@ def _message(index: int, message: Any) -> dict[str, Any]:
     if tool_calls:
         if role != "assistant" or not isinstance(tool_calls, list):
             raise invalid(f"{param}.tool_calls belongs on assistant messages, as a list.", param=f"{param}.tool_calls")
+        for i, call in enumerate(tool_calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise invalid(f"{param}.tool_calls[{i}] must be {{id, type: function, function: {{name, arguments}}}}.",
+                              param=f"{param}.tool_calls[{i}]")
         clean["tool_calls"] = tool_calls
     elif clean["content"] is None:
         raise invalid(f"{param}.content is missing.", param=f"{param}.content")
@@ -281,9 +286,10 @@ def _for_node(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dic
     out = []
     for m in messages:
         m = dict(m)
+        if m.get("tool_calls"):  # a session's stored calls too: only their clean shape travels to the node
+            m["tool_calls"] = [_call_clean(c) for c in m["tool_calls"] if isinstance(c, dict)]
         if m.get("content") is None:
-            calls = [{"name": c.get("function", {}).get("name"), "arguments": _arguments(c)}
-                     for c in m.get("tool_calls") or []]
+            calls = [{"name": c["function"]["name"], "arguments": _arguments(c)} for c in m.get("tool_calls") or []]
             m["content"] = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
         out.append(m)
     if plan is not None:
@@ -295,10 +301,21 @@ def _for_node(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dic
     return out
 
 
+def _call_clean(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier tool call in OpenAI's shape, with its arguments as JSON text: whatever else a client put in it
+    (numbers msgpack cannot carry, say) stays on the head."""
+    function = call.get("function") if isinstance(call.get("function"), dict) else {}
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+    return {"id": str(call.get("id") or ""), "type": "function",
+            "function": {"name": str(function.get("name") or ""), "arguments": arguments}}
+
+
 def _arguments(call: dict[str, Any]) -> Any:
-    raw = call.get("function", {}).get("arguments")
+    raw = call["function"]["arguments"]
     try:
-        return json.loads(raw) if isinstance(raw, str) else (raw or {})
+        return json.loads(raw)
     except ValueError:
         return raw
 

@@ -81,7 +81,7 @@ class ToolPlan:
                 arguments = json.loads(arguments)
             except ValueError:
                 return None
-        if name not in self.functions or not isinstance(arguments, dict):
+        if not isinstance(name, str) or name not in self.functions or not isinstance(arguments, dict):
             return None
         return {
             "id": f"call_{uuid.uuid4().hex[:24]}",

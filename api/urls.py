@@ -4,7 +4,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView
 from rest_framework.routers import DefaultRouter
 
-from api import docs, v1, views
+from api import docs, openapi_v1, v1, views
 
 # No `.json` suffix routes: `?format=` does the same, and the actions (drain, revoke, messages) take no `format`.
 router = DefaultRouter()
@@ -18,6 +18,8 @@ router.register("logit-biases", views.LogitBiasHandleViewSet, basename="logit-bi
 router.register("generations", views.GenerationViewSet, basename="generation")
 
 v1_patterns = [
+    path("openapi.json", openapi_v1.openapi_v1, name="v1-openapi"),
+
     path("models", v1.models, name="v1-models"),
     path("models/<path:model>", v1.model_detail, name="v1-model"),
     path("chat/completions", v1.chat_completions, name="v1-chat-completions"),

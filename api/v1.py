@@ -68,7 +68,7 @@ async def _serve_admitted(view, request: HttpRequest, methods, tokens: bool, str
     try:
         if request.method not in methods:
             raise OpenAIError(405, f"{request.method} is not allowed here; use {' or '.join(methods)}.",
-                              code="method_not_allowed")
+                              code="method_not_allowed", headers={"Allow": ", ".join(methods)})
         request.api_key = await v1_authenticate_async(request.headers.get("Authorization"))
         request.quota = await quota_admit(request.api_key, tokens=tokens, stream=stream)
         return await view(request, *args, **kwargs)
@@ -224,3 +224,4 @@ def _encode(vector: list[float], encoding: str) -> list[float] | str:
     if encoding == "float":
         return [float(x) for x in vector]
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+

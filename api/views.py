@@ -95,7 +95,9 @@ class FleetTokenViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.R
         data = s.FleetTokenCreatedSerializer({**s.FleetTokenSerializer(token).data, "token": secret}).data
         return Response(data, status=status.HTTP_201_CREATED)
 
-    @extend_schema(summary="Revoke (nodes holding it are refused at their next handshake)")
+    @extend_schema(summary="Revoke (nodes holding it are refused at their next handshake)",
+                   description="A soft delete: the token stops working, but its record stays, so GET still returns "
+                               "it, with `is_active` false and `revoked_at` set. Revoking twice is harmless.")
     def destroy(self, request, *args, **kwargs):
         node_services.fleet_token_revoke(token=self.get_object())
         return Response(status=status.HTTP_204_NO_CONTENT)
@@ -129,7 +131,9 @@ class ApiKeyViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retri
         data = s.ApiKeyCreatedSerializer({**s.ApiKeySerializer(row).data, "key": key}).data
         return Response(data, status=status.HTTP_201_CREATED)
 
-    @extend_schema(summary="Revoke the key")
+    @extend_schema(summary="Revoke the key",
+                   description="A soft delete: the key stops working at once, but its record stays, so GET still "
+                               "returns it, with `is_active` false and `revoked_at` set. Revoking twice is harmless.")
     def destroy(self, request, *args, **kwargs):
         key_services.api_key_revoke(key=self.get_object())
         return Response(status=status.HTTP_204_NO_CONTENT)
@@ -138,6 +142,8 @@ class ApiKeyViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retri
 # --- sessions -------------------------------------------------------------------------------------------------
 
 
+@extend_schema_view(destroy=extend_schema(description="Deletes the session and its messages for good (a GET is then "
+                                                      "a 404); the generation records that ran in it stay."))
 class SessionViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                      mixins.DestroyModelMixin, viewsets.GenericViewSet):
     """Server-side conversations. Continue one with POST messages/ here, or `session` on /v1/chat/completions."""
@@ -203,6 +209,10 @@ async def _drain(run: Run) -> None:
 # --- handles --------------------------------------------------------------------------------------------------
 
 
+FREED = ("A soft delete: the handle is freed, but its record stays, so GET still returns it, with `freed_at` set; "
+         "a generation naming it gets a 400 saying when it was freed. Freeing twice is harmless.")
+
+
 class _HandleViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                      mixins.DestroyModelMixin, viewsets.GenericViewSet):
     def destroy(self, request, *args, **kwargs):
@@ -210,7 +220,8 @@ class _HandleViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retr
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
-@extend_schema_view(destroy=extend_schema(summary="Free the handle (generations naming it get a 400)"))
+@extend_schema_view(destroy=extend_schema(summary="Free the handle (generations naming it get a 400)",
+                                          description=FREED))
 class GrammarHandleViewSet(_HandleViewSet):
     """Grammars kept on the head (GBNF, or a JSON schema); name one by id in `grammar` on /v1."""
 
@@ -230,7 +241,8 @@ class GrammarHandleViewSet(_HandleViewSet):
         services.grammar_handle_free(handle=handle)
 
 
-@extend_schema_view(destroy=extend_schema(summary="Free the handle (generations naming it get a 400)"))
+@extend_schema_view(destroy=extend_schema(summary="Free the handle (generations naming it get a 400)",
+                                          description=FREED))
 class LogitBiasHandleViewSet(_HandleViewSet):
     """Token-id biases kept on the head; name one by id in `logit_bias_handle` on /v1."""
 

@@ -195,7 +195,7 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_THROTTLE_CLASSES": ["api.quotas.RequestQuota"],
     "EXCEPTION_HANDLER": "api.errors.management_exception_handler",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "api.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,
 }
 SPECTACULAR_SETTINGS = {
@@ -203,6 +203,9 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Nodes, fleet tokens, API keys, sessions, handles and generations of a llama.cpp fleet.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "api.schema.document_errors"],
+    # The API speaks JSON (form data is accepted, for DRF's browsable forms, but not documented).
+    "PARSER_WHITELIST": ["rest_framework.parsers.JSONParser"],
 }
 
 # The fleet's own knobs.

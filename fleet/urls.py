@@ -9,6 +9,10 @@ admin.site.site_header = "Fleet administration"
 admin.site.site_title = "Fleet"
 admin.site.index_title = "Nodes, keys, conversations and generations"
 
+# Under /v1/ and /api/, Django's own 404 and 500 pages answer in the API's error shape.
+handler404 = "api.errors.not_found"
+handler500 = "api.errors.server_error"
+
 urlpatterns = [
     path("admin/fleet/", admin.site.admin_view(views.fleet_overview), name="fleet-overview"),
     path("admin/playground/", admin.site.admin_view(views.playground), name="fleet-playground"),

@@ -21,6 +21,7 @@ from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBi
 
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 LOGIT_BIAS_LIMIT = 100.0
+MAX_TOKEN_ID = 10**9 - 1  # beyond any vocabulary; and a bigger number may not fit the link's integers
 
 
 # --- sessions -------------------------------------------------------------------------------------------------
@@ -197,8 +198,8 @@ def logit_bias_clean(bias: Any) -> dict[str, float]:
             token = int(key)
         except (TypeError, ValueError):
             raise ValueError(f"logit_bias key {key!r} is not a token id") from None
-        if token < 0:
-            raise ValueError(f"logit_bias key {key!r} is not a token id")
+        if not 0 <= token <= MAX_TOKEN_ID:
+            raise ValueError(f"logit_bias key {key!r} is not a token id (0 to {MAX_TOKEN_ID})")
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"logit_bias value for {key!r} must be a number")
         if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:

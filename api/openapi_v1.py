@@ -1,0 +1,268 @@
+"""The OpenAPI 3 description of the OpenAI-compatible /v1 API, served at /v1/openapi.json (no key needed).
+
+Written by hand, in one place, from what api.v1 and api.specs accept: the views are plain async Django views,
+which drf-spectacular cannot see. The limits come from the same constants and settings the validators use, so
+the document cannot drift from them; `tests/test_fuzz_api.py` holds every answer of the API to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.http import require_GET
+
+from api import specs, v1
+
+INT64 = 2**63 - 1
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _opt(schema: dict[str, Any], description: str = "") -> dict[str, Any]:
+    """An optional parameter: null means "not given", as the validators read it."""
+    return {**schema, "nullable": True, **({"description": description} if description else {})}
+
+
+def _number(lo: float, hi: float, description: str = "") -> dict[str, Any]:
+    return _opt({"type": "number", "minimum": lo, "maximum": hi}, description)
+
+
+def _integer(lo: int, hi: int, description: str = "") -> dict[str, Any]:
+    return _opt({"type": "integer", "minimum": lo, "maximum": hi}, description)
+
+
+TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}
+CONTENT = {"oneOf": [{"type": "string"}, TEXT_PARTS]}
+
+
+TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"}, "arguments": {"description": "JSON text, or the arguments object."}}}}}
+
+
+def _message(roles: list[str], required: list[str], **extra: Any) -> dict[str, Any]:
+    return {"type": "object", "required": ["role", *required], "properties": {
+        "role": {"type": "string", "enum": roles}, "content": CONTENT, "name": {"type": "string"}, **extra}}
+
+
+MESSAGE = {"oneOf": [
+    _message(["system", "developer", "user"], ["content"]),
+    _message(["assistant"], [], content={**CONTENT, "nullable": True},
+             tool_calls={"type": "array", "minItems": 1, "items": TOOL_CALL,
+                         "description": "Calls the assistant made; content may then be null."}),
+    _message(["tool"], ["content", "tool_call_id"], tool_call_id={"type": "string"}),
+]}
+
+TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+        "parameters": {"type": "object", "description": "A JSON schema of the arguments."}}}}}
+
+TOOL_CHOICE = {"oneOf": [
+    {"type": "string", "enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}},
+], "nullable": True, "description": "Needs `tools` unless none or auto."}
+
+RESPONSE_FORMAT = {"oneOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"type": "string",
+                                                                     "enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"type": "string", "enum": ["json_schema"]},
+        "json_schema": {"type": "object", "required": ["schema"], "properties": {
+            "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
+], "nullable": True}
+
+
+def _common() -> dict[str, Any]:
+    """The parameters chat and completions share (api.specs._base_spec and _request)."""
+    window = ("At most 1,000,000, and at most the context window of the nodes serving the model (a 400 names "
+              "it); default 512.")
+    return {
+        "model": {"type": "string", "minLength": 1, "pattern": r"\S", "description": "A model /v1/models lists."},
+        "max_tokens": _integer(1, 1_000_000, window),
+        "max_completion_tokens": _integer(1, 1_000_000, window + " Wins over max_tokens."),
+        "temperature": _number(0, 2), "top_p": _number(0, 1), "min_p": _number(0, 1),
+        "presence_penalty": _number(-2, 2), "frequency_penalty": _number(-2, 2), "repeat_penalty": _number(0, 10),
+        "top_k": _integer(0, 1_000_000), "seed": _integer(-INT64 - 1, INT64),
+        "ignore_eos": _opt({"type": "boolean"}),
+        "stop": _opt({"oneOf": [{"type": "string", "minLength": 1},
+                                {"type": "array", "maxItems": specs.MAX_STOP,
+                                 "items": {"type": "string", "minLength": 1}}]}),
+        "logit_bias": _opt({"type": "object", "propertyNames": {"pattern": "^0*[0-9]{1,9}$"},
+                            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+                           "Token id (of the node's model) to bias."),
+        "logit_bias_handle": _opt({"type": "string", "format": "uuid"}, "A handle from POST /api/logit-biases/."),
+        "grammar": _opt({"type": "string", "minLength": 1}, "A grammar handle id, or GBNF text with a root rule."),
+        "response_format": RESPONSE_FORMAT,
+        "n": _opt({"type": "integer", "enum": [1]}),
+        "stream": _opt({"type": "boolean"}),
+        "stream_options": _opt({"type": "object", "properties": {"include_usage": {}}}),
+        "deadline_ms": _integer(1, specs.MAX_DEADLINE_MS, "How long the request may wait for a lane and run."),
+        "user": {"description": "Accepted and ignored."},
+        "metadata": {"description": "Accepted and ignored."},
+    }
+
+
+def chat_request() -> dict[str, Any]:
+    return {"type": "object", "required": ["model", "messages"], "properties": {
+        **_common(),
+        "messages": {"type": "array", "minItems": 1, "maxItems": settings.FLEET_MAX_MESSAGES, "items": MESSAGE,
+                     "description": "At most FLEET_MAX_MESSAGES; a 400 names the limit."},
+        "logprobs": _opt({"type": "boolean"}),
+        "top_logprobs": _integer(0, specs.MAX_TOP_LOGPROBS, "Needs logprobs: true."),
+        "tools": _opt({"type": "array", "items": TOOL}), "tool_choice": TOOL_CHOICE,
+        "session": _opt({"type": "string"}, "A session id from POST /api/sessions/."),
+    }}
+
+
+def completion_request() -> dict[str, Any]:
+    return {"type": "object", "required": ["model", "prompt"], "properties": {
+        **_common(),
+        "prompt": {"oneOf": [{"type": "string", "minLength": 1},
+                             {"type": "array", "minItems": 1, "maxItems": 1,
+                              "items": {"type": "string", "minLength": 1}}]},
+        "logprobs": _integer(0, specs.MAX_TOP_LOGPROBS, "How many alternatives to report per token."),
+        "echo": _opt({"type": "boolean", "enum": [False]}), "suffix": _opt({"type": "string", "maxLength": 0}),
+        "best_of": _opt({"type": "integer", "enum": [1]}),
+    }}
+
+
+def embedding_request() -> dict[str, Any]:
+    return {"type": "object", "required": ["model", "input"], "properties": {
+        "model": {"type": "string", "minLength": 1, "pattern": r"\S"},
+        "input": {"oneOf": [{"type": "string", "minLength": 1},
+                            {"type": "array", "minItems": 1, "maxItems": v1.MAX_EMBED_INPUTS,
+                             "items": {"type": "string", "minLength": 1}}]},
+        "encoding_format": _opt({"type": "string", "enum": ["float", "base64"]}),
+        "dimensions": {"nullable": True, "enum": [None], "description": "Not supported: leave it out."},
+        "user": {"description": "Accepted and ignored."},
+    }}
+
+
+USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
+    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+    "total_tokens": {"type": "integer"},
+    "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
+
+
+def _answer(object_name: str, choice: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+        "id": {"type": "string"}, "object": {"type": "string", "enum": [object_name]},
+        "created": {"type": "integer"}, "model": {"type": "string"}, "system_fingerprint": {"type": "string"},
+        "choices": {"type": "array", "items": choice}, "usage": USAGE}}
+
+
+CHAT_CHOICE = {"type": "object", "required": ["index", "message", "finish_reason"], "properties": {
+    "index": {"type": "integer"}, "finish_reason": {"type": "string"},
+    "logprobs": {"type": "object", "nullable": True},
+    "message": {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string", "enum": ["assistant"]}, "content": {"type": "string", "nullable": True},
+        "refusal": {"nullable": True}, "tool_calls": {"type": "array", "items": {"type": "object"}}}}}}
+
+COMPLETION_CHOICE = {"type": "object", "required": ["index", "text", "finish_reason"], "properties": {
+    "index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": {"type": "string"},
+    "logprobs": {"type": "object", "nullable": True}}}
+
+MODEL = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
+    "id": {"type": "string"}, "object": {"type": "string", "enum": ["model"]}, "created": {"type": "integer"},
+    "owned_by": {"type": "string"}}}
+
+EMBEDDINGS = {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
+    "object": {"type": "string", "enum": ["list"]}, "model": {"type": "string"},
+    "data": {"type": "array", "items": {"type": "object", "required": ["object", "index", "embedding"],
+                                        "properties": {"object": {"type": "string", "enum": ["embedding"]},
+                                                       "index": {"type": "integer"},
+                                                       "embedding": {"oneOf": [{"type": "array",
+                                                                                "items": {"type": "number"}},
+                                                                               {"type": "string"}]}}}},
+    "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"], "properties": {
+        "prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}}}}
+
+SSE_EVENT = {"type": "object", "required": ["data"], "description": "With stream: true, OpenAI's chunks as "
+             "server-sent events: each `data` is a chunk as JSON (or an error object), and the last is `[DONE]`.",
+             "properties": {"data": {"type": "string", "minLength": 1}, "event": {"type": "string"}}}
+
+ERROR = {"type": "object", "required": ["error"], "additionalProperties": False, "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"], "additionalProperties": False,
+    "properties": {"message": {"type": "string", "minLength": 1}, "type": {"type": "string"},
+                   "param": {"type": "string", "nullable": True}, "code": {"type": "string", "nullable": True}}}}}
+
+ERRORS = {
+    "400": "A parameter is missing or wrong (`param` names it), or the body is not a JSON object.",
+    "401": "No API key, or a wrong or revoked one.",
+    "404": "No node serves the model; the message lists what is served.",
+    "405": "Another method than the one documented.",
+    "413": "The body is over FLEET_MAX_BODY_BYTES.",
+    "415": "The body is not `application/json`.",
+    "429": "Over the key's rate; `Retry-After` says when to retry.",
+    "502": "The node failed the request.",
+    "503": "Every lane serving the model stayed busy until the deadline; `Retry-After`.",
+    "504": "The node did not answer in time.",
+}
+
+
+def _operation(summary: str, ok: dict[str, Any], statuses: list[str], body: dict[str, Any] | None = None,
+               *, stream: bool = False) -> dict[str, Any]:
+    content = {"application/json": {"schema": ok}}
+    if stream:
+        content["text/event-stream"] = {"schema": SSE_EVENT}
+    responses = {"200": {"description": "OK", "content": content}}
+    for status in statuses:
+        responses[status] = {"description": ERRORS[status],
+                             "content": {"application/json": {"schema": _ref("Error")}}}
+    operation: dict[str, Any] = {"summary": summary, "responses": responses}
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+    return operation
+
+
+GENERATION_ERRORS = ["400", "401", "404", "405", "413", "415", "429", "502", "503", "504"]
+EMBEDDING_ERRORS = ["400", "401", "404", "405", "413", "415", "429", "502", "504"]
+
+
+def v1_schema() -> dict[str, Any]:
+    """The whole document (built per call: the limits follow settings)."""
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "Fleet OpenAI-compatible API", "version": "1",
+                 "description": "OpenAI's /v1 shapes, served by a llama.cpp fleet. Errors are OpenAI's error "
+                                "object. Extensions (session, grammar, logit_bias_handle, deadline_ms, top_k, "
+                                "min_p, repeat_penalty, ignore_eos) are described in docs/api.md."},
+        "servers": [{"url": "/"}],
+        "security": [{"apiKey": []}],
+        "paths": {
+            "/v1/models": {"get": _operation("Models served by the fleet", {
+                "type": "object", "required": ["object", "data"], "properties": {
+                    "object": {"type": "string", "enum": ["list"]}, "data": {"type": "array", "items": MODEL}}},
+                ["401", "405", "429"])},
+            "/v1/models/{model}": {"get": {**_operation("A model served by the fleet", MODEL,
+                                                        ["401", "404", "405", "429"]),
+                                           "parameters": [{"name": "model", "in": "path", "required": True,
+                                                           "schema": {"type": "string"}}]}},
+            "/v1/chat/completions": {"post": _operation("Chat completion", _answer("chat.completion", CHAT_CHOICE),
+                                                        GENERATION_ERRORS, chat_request(), stream=True)},
+            "/v1/completions": {"post": _operation("Text completion", _answer("text_completion", COMPLETION_CHOICE),
+                                                   GENERATION_ERRORS, completion_request(), stream=True)},
+            "/v1/embeddings": {"post": _operation("Embeddings", EMBEDDINGS, EMBEDDING_ERRORS,
+                                                  embedding_request())},
+        },
+        "components": {
+            "schemas": {"Error": ERROR},
+            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer",
+                                           "description": "An API key: `Authorization: Bearer fk-...`."}},
+        },
+    }
+
+
+@require_GET
+def openapi_v1(request: HttpRequest) -> JsonResponse:
+    return JsonResponse(v1_schema())

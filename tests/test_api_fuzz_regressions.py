@@ -1,0 +1,164 @@
+"""What the fuzzers (tests/test_fuzz_api.py) found, each pinned by a plain test: a request that once got a 5xx, broke
+a node's link, or was answered in the wrong shape; and the descriptions the fuzzers check against."""
+
+import json
+
+import msgpack
+import pytest
+from django.test import RequestFactory
+from django.urls import get_resolver
+from rest_framework.test import APIClient
+
+from api.errors import server_error
+from api.services import api_key_create
+from tests.api_support import request
+from tests.factories import UserFactory
+
+pytest_plugins = ["tests.api_fixtures"]
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHAT = "/v1/chat/completions"
+
+
+def chat(*messages, **extra):
+    return {"model": "smollm2", "messages": list(messages) or [{"role": "user", "content": "Hi"}], **extra}
+
+
+def openai_error(ex, status):
+    assert ex.status == status, ex.body
+    body = ex.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+# --- /v1 ------------------------------------------------------------------------------------------------------
+
+
+async def test_a_role_that_is_not_a_string_is_a_400_not_a_500(bearer, fake_node):
+    error = openai_error(await request("POST", CHAT, key=bearer, body=chat({"role": {}, "content": "x"})), 400)
+    assert error["param"] == "messages[0].role"
+
+
+async def test_a_tool_call_without_a_function_object_is_a_400(bearer, fake_node):
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "function": "get_weather"}]}
+    error = openai_error(await request("POST", CHAT, key=bearer, body=chat(call, {"role": "user", "content": "?"})),
+                         400)
+    assert error["param"] == "messages[0].tool_calls[0]"
+
+
+async def test_earlier_tool_calls_reach_the_node_in_one_shape_the_link_can_carry(bearer, fake_node):
+    arguments = {"city": "Oslo", "population": 10**30}  # msgpack cannot carry this number: it broke the link
+    call = {"role": "assistant", "content": None, "extra": 1,
+            "tool_calls": [{"id": "c1", "type": "function", "junk": [2**70],
+                            "function": {"name": "get_weather", "arguments": arguments}}]}
+    ex = await request("POST", CHAT, key=bearer, body=chat(call, {"role": "user", "content": "And now?"}))
+    assert ex.status == 200, ex.body
+    sent = fake_node.specs[0]["messages"][0]
+    assert sent["tool_calls"] == [{"id": "c1", "type": "function",
+                                   "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}]
+    assert json.loads(sent["content"]) == {"name": "get_weather", "arguments": arguments}
+    msgpack.packb({k: v for k, v in sent.items() if k != "content"})
+
+
+async def test_tool_calls_stored_in_a_session_reach_the_node_in_the_same_shape(bearer, api_user, fake_node):
+    from asgiref.sync import sync_to_async
+
+    from sessions.services import session_create
+
+    call = {"id": "c1", "function": {"name": "f", "arguments": {"n": 10**30}}, "junk": {"k": 2**70}}
+    session = await sync_to_async(session_create)(owner=api_user, model="smollm2", messages=[
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}])
+    ex = await request("POST", CHAT, key=bearer, body=chat({"role": "user", "content": "Go on"},
+                                                           session=str(session.id)))
+    assert ex.status == 200, ex.body
+    stored = fake_node.specs[0]["messages"][1]
+    assert stored["tool_calls"] == [{"id": "c1", "type": "function",
+                                     "function": {"name": "f", "arguments": json.dumps({"n": 10**30})}}]
+    msgpack.packb(fake_node.specs[0]["messages"])
+
+
+@pytest.mark.parametrize("token, status", [("999999999", 200), ("1000000000", 400), ("9" * 30, 400)])
+async def test_logit_bias_token_ids_are_bounded(bearer, fake_node, token, status):
+    ex = await request("POST", CHAT, key=bearer, body=chat(logit_bias={token: 5}))
+    assert ex.status == status, ex.body
+    if status == 400:
+        assert ex.json()["error"]["param"] == "logit_bias" and "0 to 999999999" in ex.json()["error"]["message"]
+
+
+async def test_an_unknown_v1_url_is_a_404_in_openais_shape(bearer):
+    error = openai_error(await request("GET", "/v1/models/a\nb", key=bearer), 404)
+    assert error["code"] == "not_found" and "/v1/openapi.json" in error["message"]
+    assert openai_error(await request("GET", "/v1/nothing-here", key=bearer), 404)["code"] == "not_found"
+
+
+async def test_a_wrong_method_on_v1_says_which_are_allowed(bearer):
+    ex = await request("DELETE", CHAT, key=bearer)
+    assert openai_error(ex, 405)["code"] == "method_not_allowed" and ex.headers["allow"] == "POST"
+
+
+async def test_the_v1_description_is_served_without_a_key():
+    ex = await request("GET", "/v1/openapi.json")
+    assert ex.status == 200
+    document = ex.json()
+    assert document["openapi"].startswith("3.") and set(document["paths"]) == {
+        "/v1/models", "/v1/models/{model}", "/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
+
+
+def test_a_bug_outside_the_views_is_a_500_in_each_apis_shape():
+    assert get_resolver().resolve_error_handler(500) is server_error
+    factory = RequestFactory()
+    v1 = json.loads(server_error(factory.get("/v1/models")).content)
+    assert v1["error"]["code"] == "internal_error" and v1["error"]["type"] == "server_error"
+    api = server_error(factory.get("/api/sessions/"))
+    assert api.status_code == 500 and json.loads(api.content) == {"detail": "Internal error; it has been logged."}
+
+
+# --- /api -----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def client(api_user):
+    _, key = api_key_create(owner=api_user, name="dev")
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    return api
+
+
+def test_an_unknown_api_url_is_a_404_in_drfs_shape(client):
+    response = client.get("/api/grammars/not.a.uuid/")
+    assert response.status_code == 404 and "/api/schema/" in response.json()["detail"]
+
+
+@pytest.mark.parametrize("query, name", [("limit=ten", "limit"), ("limit=0", "limit"), ("limit=1001", "limit"),
+                                         ("offset=-1", "offset"), ("offset=1.5", "offset"),
+                                         (f"offset={10**20}", "offset")])
+def test_a_bad_page_is_a_400_naming_the_parameter(client, query, name):
+    response = client.get(f"/api/sessions/?{query}")
+    assert response.status_code == 400 and name in response.json()
+    assert client.get("/api/sessions/?limit=1000&offset=5").status_code == 200
+
+
+def test_a_new_session_says_how_many_messages_it_holds(client):
+    made = client.post("/api/sessions/", {"model": "smollm2", "messages": [{"role": "user", "content": "a"},
+                                                                          {"role": "assistant", "content": "b"}]},
+                       format="json")
+    assert made.status_code == 201 and made.json()["message_count"] == 2
+    assert client.get("/api/sessions/").json()["results"][0]["message_count"] == 2
+
+
+def test_the_schema_documents_the_error_statuses_and_soft_deletes():
+    staff = APIClient()
+    staff.force_authenticate(UserFactory(username="operator"))
+    schema = staff.get("/api/schema/?format=json").json()
+    for path, item in schema["paths"].items():
+        for method, operation in item.items():
+            documented = set(operation["responses"])
+            assert {"401", "403", "429"} <= documented, (method, path)
+            assert ("404" in documented) == ("{" in path), (method, path)
+            if "requestBody" in operation:
+                assert {"400", "413", "415"} <= documented, (method, path)
+                assert set(operation["requestBody"]["content"]) == {"application/json"}, (method, path)
+    for path in ("/api/keys/{id}/", "/api/fleet-tokens/{id}/", "/api/grammars/{id}/", "/api/logit-biases/{id}/"):
+        assert "soft delete" in schema["paths"][path]["delete"]["description"], path
+    assert "for good" in schema["paths"]["/api/sessions/{id}/"]["delete"]["description"]
