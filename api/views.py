@@ -128,7 +128,7 @@ class ApiKeyViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retri
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         row, key = key_services.api_key_create(owner=request.user, name=serializer.validated_data["name"])
-        data = s.ApiKeyCreatedSerializer({**s.ApiKeySerializer(row).data, "key": key}).data
+        data = {**s.ApiKeySerializer(row).data, "key": key}  # the created-key shape: the row's fields and the key
         return Response(data, status=status.HTTP_201_CREATED)
 
     @extend_schema(summary="Revoke the key",

@@ -6,10 +6,12 @@ import time
 
 import pytest
 
+from nodes.agent.dialer import _event_to_message
 from nodes.agent.engine import EngineConfig, create_engine
 from nodes.agent.engine.local import run_local
 from nodes.agent.engine.mock import MockEngine
 from nodes.agent.engine.runs import stop_cut
+from nodes.link.messages import decode, encode
 from nodes.link.spec import GenerateSpec
 
 LONG = " ".join(f"word{i}" for i in range(300))
@@ -260,6 +262,10 @@ def test_cancel_and_deadline_finish_with_their_reasons():
     assert late["late"].finish_reason == "deadline"
     gone = run_local(engine, [GenerateSpec(gen_id="gone", prompt="c", deadline=time.time() - 1)])
     assert gone["gone"].finish_reason == "deadline" and gone["gone"].ids == []
+    # It never had a lane, and its done still crosses the link (a None lane was a protocol error that cut the node).
+    assert gone["gone"].done["lane"] == -1
+    frame = encode(_event_to_message(gone["gone"].done))
+    assert decode(frame).lane == -1
 
 
 def test_errors_have_codes_and_clear_messages():

@@ -281,6 +281,17 @@ def test_cap_is_per_channel_and_applies_when_sealing():
     assert fresh.max_frame == MAX_FRAME
 
 
+def test_a_message_that_cannot_be_sealed_fails_alone_and_the_channel_goes_on():
+    node, head = _connect()
+    node.max_frame = 1024
+    with pytest.raises(FrameError, match="too large"):
+        node.seal(messages.Generate(gen_id="big", spec={"prompt": "x" * 2000}))
+    with pytest.raises(LinkError):
+        node.seal(messages.Generate(gen_id="huge-int", spec={"logit_bias": {10**30: 1.0}}))
+    assert not node.broken
+    assert head.open(node.seal(messages.Cancel(gen_id="next"))) == messages.Cancel(gen_id="next")
+
+
 def test_authenticated_garbage_is_a_protocol_error_and_breaks_the_channel():
     channel = SecureChannel(CipherState(bytes(32)), CipherState(SECRET))
     frame = CipherState(SECRET).encrypt_with_ad(b"", b"\xc1")  # 0xc1 is never valid msgpack

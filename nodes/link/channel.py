@@ -48,16 +48,15 @@ class SecureChannel:
     def seal(self, msg: Message) -> bytes:
         """The frame to send for `msg`."""
         self._check_usable()
+        # A message that cannot be encoded or is too large fails alone: no nonce was spent, so the channel stays
+        # usable for every other generation on the link.
+        body = messages.encode(msg)
+        if len(body) + TAGLEN > self.max_frame:
+            raise FrameError(f"{msg.TYPE.value} message of {len(body)} bytes is too large (cap {self.max_frame})")
         try:
-            body = messages.encode(msg)
-            if len(body) + TAGLEN > self.max_frame:
-                raise FrameError(f"{msg.TYPE.value} message of {len(body)} bytes is too large (cap {self.max_frame})")
             return self._send.encrypt_with_ad(b"", body)
         except NoiseError as exc:
             raise self._break(FrameError(f"cannot seal frame: {exc}")) from exc
-        except LinkError as exc:
-            self._break(exc)
-            raise
 
     def open(self, frame: bytes) -> Message:
         """The message in a received frame; raises FrameError or ProtocolError and breaks the channel."""

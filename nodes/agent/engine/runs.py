@@ -162,7 +162,7 @@ class Run:
                 "decode_tps": round((self.completion_tokens - 1) / decode_s, 3) if decode_s > 0 else 0.0,
                 "total_ms": round((now - self.submitted_at) * 1000, 3),
             },
-            "lane": self.lane,
+            "lane": -1 if self.lane is None else self.lane,  # -1: it ended before it had a lane (deadline)
             "evicted": list(self.evicted),
         }
 
