@@ -10,7 +10,6 @@ FLEET_FUZZ_SEED to explore others. The totals show in pytest's warnings summary.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
@@ -34,7 +33,6 @@ from nodes.link.handshake import (
     MAGIC,
     MAX_HANDSHAKE_FRAME,
     Initiator,
-    format_token,
     make_secret,
     parse_token,
 )
@@ -56,19 +54,25 @@ from nodes.link.messages import (
 )
 from nodes.link.noise import TAGLEN, CipherState, generate_static
 from nodes.models import Node
-from tests.test_node_consumer import closed_with, handshake
+from tests.test_node_consumer import (  # noqa: F401 - the autouse fixtures apply here too
+    LOCAL_TOKEN,
+    _disconnect_all,
+    _fleet_log_reaches_caplog,
+    _local_token,
+    _open,
+    closed_with,
+    communicator,
+    handshake,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
 
 SEED = int(os.environ.get("FLEET_FUZZ_SEED", "10"))
-LOCAL_TOKEN = format_token(LOCAL_TOKEN_ID, make_secret())
 STEADY_KEY, HOSTILE_KEY = generate_static(), generate_static()
 STEADY = Register(identity="steady", models=[{"name": "smollm2", "context_window": 4096}], lanes=4,
                   context_window=4096, capabilities={"chat": True}, engine="mock", engine_version="1", version="t")
 HOSTILE = replace(STEADY, identity="hostile")
 TALLY: Counter = Counter()  # hostile links and the frames they sent, for the summary
-
-_open: list[WebsocketCommunicator] = []
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,30 +80,6 @@ def _report_tally():
     yield
     warnings.warn(f"link fuzzer: {TALLY['links']} hostile node links sent {TALLY['frames']} frames (seed {SEED}); "
                   "each link was refused with one log line", UserWarning, stacklevel=1)
-
-
-@pytest.fixture(autouse=True)
-def _local_token(settings):
-    """As under `manage.py up`: the head knows the run's local token, so every node here joins over loopback."""
-    settings.FLEET_LOCAL_NODE_TOKEN = LOCAL_TOKEN
-
-
-@pytest.fixture(autouse=True)
-async def _disconnect_all():
-    yield
-    while _open:
-        comm = _open.pop()
-        with contextlib.suppress(Exception):  # already closed by the server
-            await comm.disconnect()
-
-
-def communicator() -> WebsocketCommunicator:
-    from fleet.asgi import application
-
-    comm = WebsocketCommunicator(application, "/ws/node/")
-    comm.scope["client"] = ["127.0.0.1", 50000]
-    _open.append(comm)
-    return comm
 
 
 @dataclass
