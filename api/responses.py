@@ -144,32 +144,42 @@ def shape_for(run: Run) -> ChatShape | CompletionShape:
 # --- logprobs -------------------------------------------------------------------------------------------------
 
 
-def _entries(pieces: list[str] | None, logprobs: list[dict[str, Any]] | None) -> list[tuple[str, float, list]]:
+def _entries(pieces: list[str] | None,
+             logprobs: list[dict[str, Any]] | None) -> list[tuple[str, float, list, list[int]]]:
     out = []
     for i, entry in enumerate(logprobs or []):
         entry = entry or {}
         token = entry.get("token")
         if token is None:
             token = pieces[i] if pieces and i < len(pieces) else ""
-        out.append((token, float(entry.get("logprob", 0.0)), entry.get("top") or []))
+        out.append((token, float(entry.get("logprob", 0.0)), entry.get("top") or [], _bytes(entry, token)))
     return out
 
 
 def chat_logprobs(pieces: list[str] | None, logprobs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """OpenAI chat logprobs content: token, logprob, bytes and top_logprobs per token."""
     return [
-        {"token": token, "logprob": lp, "bytes": list(token.encode()),
+        {"token": token, "logprob": lp, "bytes": raw,
          "top_logprobs": [{"token": t.get("token", ""), "logprob": float(t.get("logprob", 0.0)),
-                           "bytes": list(str(t.get("token", "")).encode())} for t in top]}
-        for token, lp, top in _entries(pieces, logprobs)
+                           "bytes": _bytes(t, str(t.get("token", "")))} for t in top]}
+        for token, lp, top, raw in _entries(pieces, logprobs)
     ]
+
+
+def _bytes(entry: dict[str, Any], token: str) -> list[int]:
+    """The node's raw bytes for a token where it sent them (a piece of a character does not survive as
+    text), else the text's own."""
+    raw = entry.get("bytes")
+    if isinstance(raw, list) and all(isinstance(b, int) and 0 <= b < 256 for b in raw):
+        return raw
+    return list(token.encode())
 
 
 def completion_logprobs(pieces: list[str] | None, logprobs: list[dict[str, Any]] | None,
                         offset: int) -> dict[str, Any]:
     """The legacy completions shape: parallel lists of tokens, logprobs, top alternatives and text offsets."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
-    for token, lp, top in _entries(pieces, logprobs):
+    for token, lp, top, _raw in _entries(pieces, logprobs):
         tokens.append(token)
         token_logprobs.append(lp)
         tops.append({t.get("token", ""): float(t.get("logprob", 0.0)) for t in top})

@@ -275,3 +275,14 @@ async def test_embeddings_as_floats_and_base64(bearer):
     assert missing.status == 404 and missing.json()["error"]["code"] == "model_not_found"
     empty = await request("POST", "/v1/embeddings", key=bearer, body={"model": "smollm2", "input": []})
     assert empty.status == 400 and empty.json()["error"]["param"] == "input"
+
+
+def test_a_character_split_across_tokens_comes_back_whole_from_the_bytes():
+    from api.responses import chat_logprobs
+    star = "🌟".encode()
+    pieces = [star[:2], star[2:3], star[3:]]
+    entries = [{"token": p.decode(errors="replace"), "bytes": list(p), "logprob": -0.1,
+                "top": [{"token": p.decode(errors="replace"), "bytes": list(p), "logprob": -0.1}]} for p in pieces]
+    content = chat_logprobs(None, entries)
+    assert bytes(b for c in content for b in c["bytes"]).decode() == "🌟"
+    assert content[1]["top_logprobs"][0]["bytes"] == list(star[2:3])

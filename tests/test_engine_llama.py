@@ -131,6 +131,16 @@ def test_logprobs_come_with_top_alternatives(engine):
         # Greedy picks the most likely token: the sampled one is the top alternative.
         assert entry["top"][0]["token"] == entry["token"] and entry["token"].endswith(text)
         assert entry["logprob"] == pytest.approx(tops[0])
+    # the raw bytes of the pieces are the generation's text, even where a piece holds part of a character
+    assert bytes(b for entry in out.logprobs for b in entry["bytes"]).decode() == "".join(out.texts)
+
+
+def test_a_token_that_holds_part_of_a_character_keeps_its_raw_bytes(engine):
+    from nodes.agent.engine.sampling import _piece
+    ids = engine.model.tokenize("🌟", False, False)
+    pieces = [_piece(engine.model, t) for t in ids]
+    assert len(ids) > 1 and "\ufffd" in pieces[0]["token"]  # this tokenizer splits the emoji mid-character
+    assert bytes(b for p in pieces for b in p["bytes"]).decode() == "🌟"
 
 
 def test_concurrent_greedy_generations_match_the_same_prompts_run_alone(engine):

@@ -210,9 +210,12 @@ def token_logprobs(model: LoadedModel, ctx: Any, index: int, token_id: int, n_to
     if n_top > 0:
         best = np.argpartition(-logits, n_top)[:n_top]
         best = best[np.argsort(-logits[best])]
-        top = [{"token": _text(model, int(t)), "logprob": float(logits[t] - log_z)} for t in best]
-    return {"token": _text(model, token_id), "logprob": float(logits[token_id] - log_z), "top": top}
+        top = [{**_piece(model, int(t)), "logprob": float(logits[t] - log_z)} for t in best]
+    return {**_piece(model, token_id), "logprob": float(logits[token_id] - log_z), "top": top}
 
 
-def _text(model: LoadedModel, token_id: int) -> str:
-    return model.piece(token_id).decode("utf-8", errors="replace")
+def _piece(model: LoadedModel, token_id: int) -> dict[str, Any]:
+    """A token's text and its raw UTF-8 bytes: one character can span several tokens (an emoji is often
+    three), so a piece on its own may not decode and only the bytes put the text back together."""
+    raw = model.piece(token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "bytes": list(raw)}
