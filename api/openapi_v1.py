@@ -94,6 +94,7 @@ def _common() -> dict[str, Any]:
         "presence_penalty": _number(-2, 2), "frequency_penalty": _number(-2, 2), "repeat_penalty": _number(0, 10),
         "top_k": _integer(0, 1_000_000), "seed": _integer(-INT64 - 1, INT64),
         "ignore_eos": _opt({"type": "boolean"}),
+        "batch_invariant": _opt({"type": "boolean"}),
         "stop": _opt({"oneOf": [{"type": "string", "minLength": 1},
                                 {"type": "array", "maxItems": specs.MAX_STOP,
                                  "items": {"type": "string", "minLength": 1}}]}),
@@ -236,7 +237,7 @@ def v1_schema() -> dict[str, Any]:
         "info": {"title": "Fleet OpenAI-compatible API", "version": "1",
                  "description": "OpenAI's /v1 shapes, served by a llama.cpp fleet. Errors are OpenAI's error "
                                 "object. Extensions (session, grammar, logit_bias_handle, deadline_ms, top_k, "
-                                "min_p, repeat_penalty, ignore_eos) are described in docs/api.md."},
+                                "min_p, repeat_penalty, ignore_eos, batch_invariant) are described in docs/api.md."},
         "servers": [{"url": "/"}],
         "security": [{"apiKey": []}],
         "paths": {

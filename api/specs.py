@@ -55,7 +55,7 @@ class GenerationRequest:
         s = self.spec
         params = {k: getattr(s, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                                              "presence_penalty", "frequency_penalty", "repeat_penalty", "ignore_eos",
-                                             "logprobs", "top_logprobs")}
+                                             "logprobs", "top_logprobs", "batch_invariant")}
         params.update(stream=self.stream, grammar=bool(s.grammar), json_schema=bool(s.json_schema),
                       logit_bias=len(s.logit_bias), deadline=s.deadline)
         if self.tools:
@@ -145,6 +145,7 @@ def _base_spec(body: dict[str, Any]) -> GenerateSpec:
     if body.get("seed") is not None:
         spec.seed = _int(body, "seed", -(2**63), 2**63 - 1)
     spec.ignore_eos = _bool(body, "ignore_eos", False)
+    spec.batch_invariant = _bool(body, "batch_invariant", False)
     spec.stop = _stop(body.get("stop"))
     spec.logit_bias = _logit_bias(body.get("logit_bias"))
     return spec

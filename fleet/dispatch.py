@@ -25,6 +25,11 @@ STUCK_AFTER_S = 300.0  # no frame at all from a node for this long, on a generat
 # Only a lost node is retried elsewhere. An engine that crashed on a generation is not: the same request could
 # crash every node it is sent to (llama.cpp aborts on some inputs), so it ends with a clear error instead.
 RETRYABLE_CODES = {"node_lost"}
+# What a user can do when no node has a capability a request needs.
+CAPABILITY_HINTS = {
+    "batch_invariant": "start a node with `manage.py node_join --batch-invariant` (greedy output then never depends "
+                       "on the batch, at some speed), or leave batch_invariant out",
+}
 
 
 class GenerationError(Exception):
@@ -152,11 +157,12 @@ class GenerationStream:
                     served = ", ".join(reg.placement.models()) or "none"
                     raise GenerationError("model_not_found", f"The model {model!r} is not served by any node "
                                           f"(served: {served}).", status=404, param="model")
+                unable = self._unable(reg)
                 ahead = _waiters.ahead_of(self.spec.gen_id, model, self.deadline)
                 if ahead < reg.placement.free_lanes(model):
-                    choice = reg.placement.choose(model, self.keys, exclude=excluded)
+                    choice = reg.placement.choose(model, self.keys, exclude=excluded | unable)
                     if choice is None and excluded:
-                        choice = reg.placement.choose(model, self.keys)
+                        choice = reg.placement.choose(model, self.keys, exclude=unable)
                     if choice is not None:
                         return choice
                 left = self.deadline - time.time()
@@ -168,6 +174,25 @@ class GenerationStream:
         finally:
             _waiters.entries.remove(entry)
             reg.lanes.notify()
+
+    def _unable(self, reg) -> set[str]:
+        """The nodes serving the model that lack a capability this request needs (never placed there); a 400
+        naming the capability and those nodes when every node lacks it."""
+        needs = self.spec.needs()
+        if not needs:
+            return set()
+        serving = [s for s in reg.placement.nodes() if self.spec.model in s.models]
+        missing = {s.node_id: [n for n in needs if n not in s.capabilities] for s in serving}
+        unable = {node_id for node_id, lacks in missing.items() if lacks}
+        if serving and len(unable) == len(serving):
+            lacking = sorted({n for lacks in missing.values() for n in lacks},
+                             key=lambda n: sum(n in lacks for lacks in missing.values()), reverse=True)[0]
+            names = ", ".join(sorted(s.identity for s in serving if lacking in missing[s.node_id]))
+            hint = CAPABILITY_HINTS.get(lacking, "use a node whose engine supports it")
+            raise GenerationError("capability_unavailable", f"This request needs {lacking}, and no node serving "
+                                  f"{self.spec.model!r} has it (lacking it: {names}); {hint}.",
+                                  status=400, param=lacking)
+        return unable
 
     async def _run_on(self, link):
         reg = registry()

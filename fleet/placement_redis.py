@@ -116,7 +116,7 @@ class RedisPlacementState:
         pipe.hset(key, mapping={
             "identity": slot.identity, "models": json.dumps(slot.models), "lanes": slot.lanes, "running": slot.running,
             "routed": slot.routed, "schedulable": int(slot.schedulable), "cpt": slot.chars_per_token,
-            "ctx": slot.context_window, "channel": channel,
+            "ctx": slot.context_window, "channel": channel, "caps": json.dumps(slot.capabilities),
         })
         pipe.expire(key, self.node_ttl_s)
         pipe.sadd(f"{self.p}nodes", slot.node_id)
@@ -148,7 +148,7 @@ class RedisPlacementState:
             if h:
                 slots.append(NodeSlot(node_id, h["identity"], json.loads(h["models"]), int(h["lanes"]),
                                       int(h.get("ctx", 0)), int(h["running"]), int(h["routed"]),
-                                      h["schedulable"] == "1", float(h["cpt"])))
+                                      h["schedulable"] == "1", float(h["cpt"]), json.loads(h.get("caps", "[]"))))
         return slots
 
     def channel_of(self, node_id: str) -> str:

@@ -296,7 +296,8 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         registry_.links[self.node_id] = self
         registry_.placement.node_up(
             NodeSlot(self.node_id, node.identity, list(reg.model_names), msg.lanes, msg.context_window,
-                     schedulable=node.schedulable),
+                     schedulable=node.schedulable,
+                     capabilities=sorted(k for k, v in (msg.capabilities or {}).items() if v is True)),
             cache_cleared=msg.cache_cleared, channel=self.channel_name,
         )
         await self.channel_layer.group_add(node_group(self.node_id), self.channel_name)

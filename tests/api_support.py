@@ -104,13 +104,18 @@ class FakeLink:
         reg.relay_push(gen_id, frame)
 
 
+# What a default node reports as true (a llama.cpp engine without --batch-invariant).
+DEFAULT_CAPABILITIES = ["chat", "completion", "embeddings", "grammar", "logprobs"]
+
+
 def add_fake_node(link: FakeLink | None = None, *, model: str = "smollm2", lanes: int = 2,
-                  context_window: int = 2048) -> FakeLink:
+                  context_window: int = 2048, capabilities: list[str] | None = None) -> FakeLink:
     """Register a fake node in this process's link registry and placement state."""
     link = link or FakeLink()
     reg = registry()
     reg.links[link.node_id] = link
-    reg.placement.node_up(NodeSlot(link.node_id, link.identity, [model], lanes, context_window))
+    caps = DEFAULT_CAPABILITIES if capabilities is None else capabilities
+    reg.placement.node_up(NodeSlot(link.node_id, link.identity, [model], lanes, context_window, capabilities=caps))
     reg.lanes.notify()
     return link
 

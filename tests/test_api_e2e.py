@@ -103,6 +103,14 @@ def test_logprobs_in_chat_and_completions(client):
     assert "".join(lp.tokens) == completion.choices[0].text and lp.text_offset[0] == 0
 
 
+def test_a_request_for_batch_invariance_on_a_default_node_is_a_400_naming_the_flag(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, extra_body={"batch_invariant": True})
+    error = refused.value.body
+    assert error["code"] == "capability_unavailable" and error["param"] == "batch_invariant"
+    assert "node_join --batch-invariant" in error["message"]
+
+
 def test_embeddings(client):
     result = client.embeddings.create(model=MODEL, input=["a cat", "a stock market report"])  # base64 on the wire
     first, second = (d.embedding for d in result.data)

@@ -286,3 +286,36 @@ def test_a_character_split_across_tokens_comes_back_whole_from_the_bytes():
     content = chat_logprobs(None, entries)
     assert bytes(b for c in content for b in c["bytes"]).decode() == "🌟"
     assert content[1]["top_logprobs"][0]["bytes"] == list(star[2:3])
+
+
+async def test_a_batch_invariant_request_goes_only_to_a_batch_invariant_node(bearer):
+    fast = add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "fast-node"), lanes=4)
+    steady = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "steady-node"), lanes=1,
+                           capabilities=["chat", "completion", "grammar", "logprobs", "batch_invariant"])
+    for _ in range(3):  # the fast node is idler and has more lanes: only the capability sends these elsewhere
+        answer = await request("POST", CHAT, key=bearer, body=chat(batch_invariant=True))
+        assert answer.status == 200, answer.json()
+    assert len(steady.specs) == 3 and not fast.specs
+    assert all(s["batch_invariant"] is True for s in steady.specs)
+    other = chat(messages=[{"role": "user", "content": "Something else entirely"}])
+    plain = await request("POST", CHAT, key=bearer, body=other)
+    assert plain.status == 200 and len(fast.specs) == 1  # without the need, the other node is as good again
+
+
+async def test_a_batch_invariant_request_with_no_such_node_is_a_400_that_names_the_flag(bearer):
+    link = add_fake_node(FakeLink(identity="fast-node"))
+    for stream in (False, True):
+        answer = await request("POST", CHAT, key=bearer, body=chat(batch_invariant=True, stream=stream))
+        assert answer.status == 400
+        error = answer.json()["error"]
+        assert error["code"] == "capability_unavailable" and error["param"] == "batch_invariant"
+        assert "fast-node" in error["message"] and "node_join --batch-invariant" in error["message"]
+    assert not link.specs  # never silently served without the guarantee
+
+
+async def test_a_request_needing_a_capability_skips_nodes_without_it(bearer):
+    plain = add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "no-grammar"), lanes=4,
+                          capabilities=["chat", "completion"])
+    able = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "full"), lanes=1)
+    answer = await request("POST", CHAT, key=bearer, body=chat(response_format={"type": "json_object"}, logprobs=True))
+    assert answer.status == 200 and len(able.specs) == 1 and not plain.specs

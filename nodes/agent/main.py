@@ -34,6 +34,7 @@ class NodeOptions:
     replicas: int = 1
     gpus: str | None = None
     accept_new_head: bool = False
+    batch_invariant: bool = False
     home: Path = field(default_factory=lambda: Path(os.environ.get("FLEET_HOME") or Path.home() / ".fleet"))
     mock: dict | None = None
 
@@ -90,6 +91,7 @@ def engine_configs(options: NodeOptions) -> tuple[list[EngineConfig], str]:
             model_path=str(path) if path else None, model_name=name, lanes=options.max_batch,
             max_context=options.max_context, park_dir=f"{park}/r{index}" if park else None, mock=options.mock,
             cpu_affinity=cpus[index] if options.replicas > 1 else None, env=env, threads=len(cpus[index]),
+            batch_invariant=options.batch_invariant,
         ))
     return configs, name
 

@@ -31,6 +31,7 @@ class NodeSlot:
     routed: int = 0
     schedulable: bool = True
     chars_per_token: float = 4.0
+    capabilities: list[str] = field(default_factory=list)  # the capabilities the node reports as true
 
     @property
     def free(self) -> int:
@@ -105,7 +106,7 @@ class PlacementState:
 
     def nodes(self) -> list[NodeSlot]:
         with self._lock:
-            return [NodeSlot(**vars(s)) for s in self._nodes.values()]
+            return [NodeSlot(**{**vars(s), "capabilities": list(s.capabilities)}) for s in self._nodes.values()]
 
     def models(self) -> list[str]:
         with self._lock:

@@ -41,6 +41,13 @@ class GenerateSpec:
     deadline: float | None = None  # unix time (seconds); past it the node cancels the lane
     resume_text: str = ""
     embedding: bool = False
+    batch_invariant: bool = False  # run only where a greedy generation's tokens do not depend on its batch
+
+    def needs(self) -> list[str]:
+        """The node capabilities this generation cannot run without (placement filters on them)."""
+        wanted = {"grammar": bool(self.grammar or self.json_schema), "logprobs": self.logprobs,
+                  "embeddings": self.embedding, "batch_invariant": self.batch_invariant}
+        return [name for name, needed in wanted.items() if needed]
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

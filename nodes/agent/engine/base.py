@@ -50,6 +50,9 @@ class EngineConfig:
     env: dict[str, str] = field(default_factory=dict)  # applied in the worker before loading
     flush_tokens: int = 4
     flush_ms: float = 30.0
+    # Today's slower settings that make a greedy generation's tokens independent of what shares its batch
+    # (no flash attention); off by default, when llama.cpp's fastest settings are used (`node_join --batch-invariant`).
+    batch_invariant: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -107,6 +107,7 @@ class MockEngine(LaneEngine):
                 "grammar": True,
                 "logprobs": True,
                 "lora": False,
+                "batch_invariant": self.config.batch_invariant,
             },
             "engine": "mock",
             "engine_version": self.params.engine_version,

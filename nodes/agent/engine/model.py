@@ -121,7 +121,7 @@ class LoadedModel:
         threads: int,
         embeddings: bool = False,
         unified_kv: bool = False,
-        flash_attn: bool = False,
+        flash_attn: int = L.LLAMA_FLASH_ATTN_TYPE_DISABLED,
     ) -> Any:
         params = L.llama_context_default_params()
         params.n_ctx = n_ctx
@@ -133,7 +133,7 @@ class LoadedModel:
         params.no_perf = True
         # Without a unified KV cache each sequence gets its own stream of n_ctx / n_seq cells.
         params.kv_unified = unified_kv
-        params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.flash_attn_type = flash_attn
         if embeddings:
             params.embeddings = True
             params.pooling_type = L.LLAMA_POOLING_TYPE_MEAN

@@ -147,6 +147,10 @@ class LaneEngine(ABC):
     def submit(self, spec: GenerateSpec) -> list[Event]:
         if self._find(spec.gen_id) is not None:
             return [error_event(spec.gen_id, ERR_INVALID_REQUEST, f"generation {spec.gen_id} is already running")]
+        if spec.batch_invariant and not self.config.batch_invariant:
+            # the head places such requests only on batch-invariant nodes; never serve one without the guarantee
+            return [error_event(spec.gen_id, ERR_INVALID_REQUEST, "this node is not batch-invariant (it was not "
+                                "started with node_join --batch-invariant)")]
         try:
             run = self._prepare(spec, clock())
         except EngineError as exc:

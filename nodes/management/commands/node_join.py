@@ -56,6 +56,9 @@ class Command(BaseCommand):
         parser.add_argument("--gpus", help='GPUs to split among replicas: "0,1,2,3" or groups "0,1;2,3"')
         parser.add_argument("--accept-new-head", action="store_true",
                             help="forget the head key pinned at the first join and pin the one the head shows now")
+        parser.add_argument("--batch-invariant", action="store_true",
+                            help="flash attention off: a greedy generation's tokens never depend on what shares its "
+                                 "batch (slower; requests with batch_invariant go only to such nodes)")
 
     def handle(self, *args, **options):
         try:
@@ -73,7 +76,7 @@ class Command(BaseCommand):
             max_context=options["max_context"], max_batch=options["max_batch"], identity=options["identity"],
             model_name=options["model_name"], offline=options["offline"], park=options["park"],
             replicas=options["replicas"], gpus=options["gpus"], accept_new_head=options["accept_new_head"],
-            home=settings.FLEET_HOME,
+            batch_invariant=options["batch_invariant"], home=settings.FLEET_HOME,
         ))
         if code:
             sys.exit(code)
