@@ -19,7 +19,9 @@ from asgiref.sync import sync_to_async
 from api.errors import OpenAIError
 from api.quotas import Ticket, tokens_spent
 from api.specs import GenerationRequest
+from fleet import metrics
 from fleet.dispatch import Finished, GenerationError, Started, Tokens, generation_stream
+from nodes.link.logs import generation_context
 from sessions.models import Generation
 from sessions.services import GenerationTrace, generation_record
 
@@ -57,6 +59,11 @@ class Run:
 
     async def next_event(self, timeout: float | None = None) -> Any:
         """The next Started / Tokens / Finished; PENDING after `timeout` s; None once over. Raises OpenAIError."""
+        # The dispatcher's step runs in a task made here, so its log lines carry the generation's id too.
+        with generation_context(self.request.gen_id):
+            return await self._next_event(timeout)
+
+    async def _next_event(self, timeout: float | None) -> Any:
         if self.over:
             return None
         if self._next is None:
@@ -102,6 +109,10 @@ class Run:
 
     async def abandon(self, reason: str = "client went away") -> None:
         """The client is gone (or cancelled): stop the node's lane now, and record what was made."""
+        with generation_context(self.request.gen_id):
+            await self._abandon(reason)
+
+    async def _abandon(self, reason: str) -> None:
         if self.over:
             return
         self.over = True
@@ -141,6 +152,12 @@ class Run:
             new_messages=request.new_messages + [self.answer_message()] if request.session_id else [],
             finished_at=time.time(),
         )
+        code = self.error.code if self.error is not None else ""
+        metrics.generation_ended(model=trace.model, status=status, code=code, outcome=outcome,
+                                 finished_at=trace.finished_at)
+        log.info("api: generation %s %s on %s: %d prompt tokens (%d cached), %d completion tokens%s", request.gen_id,
+                 status, outcome.node or "no node", outcome.prompt_tokens, outcome.cached_tokens,
+                 outcome.completion_tokens, f" ({code})" if code else "")
         try:
             await sync_to_async(generation_record)(trace)
         except Exception:  # the client got its answer; a lost record is logged, not turned into an error

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleet import metrics
 from fleet.links import NodeLost, registry
 from nodes.link.messages import Accepted, Done, Error, TokenBatch
 from nodes.link.prefix import PrefixKey, prefix_keys
@@ -102,6 +103,14 @@ def queue_length() -> int:
     return len(_waiters.entries)
 
 
+def waiting_by_model() -> dict[str, int]:
+    """This process's generations waiting for a lane, per model (the live fleet page sums every process's)."""
+    counts: dict[str, int] = {}
+    for _, _, model in _waiters.entries:
+        counts[model] = counts.get(model, 0) + 1
+    return counts
+
+
 class GenerationStream:
     """One generation's life on the head: placement, relay, failover. Iterate it once."""
 
@@ -133,13 +142,16 @@ class GenerationStream:
                 if attempt == MAX_ATTEMPTS:
                     raise GenerationError(failed.code, failed.message, status=502) from None
                 log.warning("fleet generation %s: %s on node %r; placing it again (attempt %d)",
-                            self.spec.gen_id, failed.code, choice.identity, attempt + 1)
+                            self.spec.gen_id, failed.code, choice.identity, attempt + 1,
+                            extra={"gen_id": self.spec.gen_id})
+                metrics.failover(model=self.spec.model, node=choice.identity, code=failed.code)
         raise GenerationError("node_unavailable", "no node could serve this generation", status=503)
 
     def _record_choice(self, choice, attempt: int) -> None:
         self.outcome.node_id, self.outcome.node = choice.node_id, choice.identity
         self.outcome.nodes_used.append(choice.identity)
         evidence = choice.evidence()
+        metrics.placement_made(model=self.spec.model, evidence=evidence)
         if attempt == 1:
             self.outcome.placement = evidence
         else:

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import dj_database_url
 
+from nodes.link.logs import PLAIN as PLAIN_LOG_FORMAT
+from nodes.link.logs import log_format
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -236,11 +239,17 @@ FLEET_MAX_BODY_BYTES = env_int("FLEET_MAX_BODY_BYTES", 4 * 1024 * 1024)
 FLEET_MAX_MESSAGES = env_int("FLEET_MAX_MESSAGES", 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = FLEET_MAX_BODY_BYTES
 
+# /metrics answers a scraper that sends `Authorization: Bearer <this>` (or a staff session); unset: staff only.
+FLEET_METRICS_TOKEN = os.environ.get("FLEET_METRICS_TOKEN", "").strip()
+
+# plain, or json: one JSON object a line, with gen_id on every line about a generation (node_join honours it too).
+FLEET_LOG_FORMAT = log_format(os.environ.get("FLEET_LOG_FORMAT"))
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "filters": {"gen_id": {"()": "nodes.link.logs.GenIdFilter"}},
+    "formatters": {"plain": {"format": PLAIN_LOG_FORMAT}, "json": {"()": "nodes.link.logs.JsonFormatter"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": FLEET_LOG_FORMAT, "filters": ["gen_id"]}},
     "loggers": {
         "fleet": {"handlers": ["console"], "level": os.environ.get("FLEET_LOG_LEVEL", "INFO"), "propagate": False},
         "nodes": {"handlers": ["console"], "level": os.environ.get("FLEET_LOG_LEVEL", "INFO"), "propagate": False},

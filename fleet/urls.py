@@ -3,7 +3,7 @@
 from django.contrib import admin
 from django.urls import include, path
 
-from fleet import views
+from fleet import metrics, views
 
 admin.site.site_header = "Fleet administration"
 admin.site.site_title = "Fleet"
@@ -18,5 +18,6 @@ urlpatterns = [
     path("admin/playground/", admin.site.admin_view(views.playground), name="fleet-playground"),
     path("admin/", admin.site.urls),
     path("healthz", views.healthz, name="healthz"),
+    path("metrics", metrics.metrics_view, name="metrics"),
     path("", include("api.urls")),
 ]

@@ -22,6 +22,7 @@ from django.conf import settings
 from django.core.cache import cache
 from django.db import IntegrityError
 
+from fleet import metrics
 from fleet.links import NodeLost, registry
 from nodes import services
 from nodes.link.channel import SecureChannel
@@ -159,6 +160,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         if _handshakes_in_progress >= settings.FLEET_MAX_HANDSHAKES:
             log.warning("fleet refused a node from %s: %d handshakes already in progress", self.peer,
                         _handshakes_in_progress)
+            metrics.link_refused(code=CloseCode.BUSY)
             await self.close(code=int(CloseCode.BUSY), reason="too many handshakes in progress, retry")
             return
         _handshakes_in_progress += 1
@@ -200,6 +202,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         if self.closing:
             return
         log.warning("fleet refused node %s from %s: %s", self.identity or "(unregistered)", self.peer, reason)
+        metrics.link_refused(code=code)
         self._handshake_over()
         await self.close(code=int(code), reason=reason[:120])
 
@@ -363,6 +366,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             del reg.links[self.node_id]
             reg.placement.node_down(self.node_id)
             await database_sync_to_async(services.node_mark_offline)(node_id=self.node_id)
+            metrics.link_dropped(node=self.identity)
             log.warning("fleet node %r lost (link closed, code %s); %d generation(s) running there", self.identity,
                         code, len(self.running))
         for gen_id in list(self.running):

@@ -134,7 +134,8 @@ def make_head(tmp: Path, *, extra_env: dict[str, str] | None = None, port: int |
     env.update({"FLEET_HOME": str(home), "FLEET_MDNS": "0", "DJANGO_SETTINGS_MODULE": "fleet.settings",
                 "FLEET_LOCAL_NODE_TOKEN": format_token(LOCAL_TOKEN_ID, make_secret()),
                 "FLEET_REDIS_PREFIX": f"fleet-test-{uuid.uuid4().hex[:8]}:",
-                "PYTHONUNBUFFERED": "1", "DJANGO_SUPERUSER_PASSWORD": "test-password-1"})
+                "PYTHONUNBUFFERED": "1", "DJANGO_SUPERUSER_PASSWORD": "test-password-1",
+                "FLEET_METRICS_TOKEN": f"metrics-{uuid.uuid4().hex}"})
     db = database_url or _fresh_database_url()
     if db:
         env["DATABASE_URL"] = db

@@ -86,6 +86,19 @@ def _event_to_message(event: dict[str, Any]):
                  retryable=bool(event.get("retryable", False)))
 
 
+def _log_end(event: dict[str, Any]) -> None:
+    """One line when a generation ends on this node (not per token)."""
+    gen_id = event["gen_id"]
+    if event["type"] == "error":
+        log.warning("fleet node: generation %s failed: %s: %s", gen_id, event["code"], event["message"],
+                    extra={"gen_id": gen_id, "code": event["code"]})
+        return
+    usage = event.get("usage") or {}
+    log.info("fleet node: generation %s done (%s): %d prompt tokens (%d cached), %d completion tokens", gen_id,
+             event["finish_reason"], usage.get("prompt_tokens", 0), usage.get("cached_tokens", 0),
+             usage.get("completion_tokens", 0), extra={"gen_id": gen_id})
+
+
 class NodeAgent:
     """Keeps one link to the head alive for an engine (an EngineWorker or a ReplicaSet)."""
 
@@ -104,6 +117,7 @@ class NodeAgent:
         """Engine callback (on the loop): forward to the head while a link is up."""
         if event["type"] in {"done", "error"}:
             self.running.discard(event["gen_id"])
+            _log_end(event)
         if self.outbox is not None:
             self.outbox.put_nowait(_event_to_message(event))
 
@@ -222,6 +236,7 @@ class NodeAgent:
         try:
             spec = GenerateSpec.from_dict({**msg.spec, "gen_id": msg.gen_id})
         except (SpecError, TypeError, ValueError) as exc:
+            log.warning("fleet node: generation %s refused: %s", msg.gen_id, exc, extra={"gen_id": msg.gen_id})
             self.outbox.put_nowait(Error(gen_id=msg.gen_id, code="invalid_request", message=str(exc)))
             return
         self.running.add(msg.gen_id)

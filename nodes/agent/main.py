@@ -15,6 +15,7 @@ from nodes.agent.dialer import AgentConfig, NodeAgent, Refused
 from nodes.agent.engine.base import EngineConfig
 from nodes.agent.models import ModelNotFound, resolve_model
 from nodes.agent.replicas import ReplicaConfigError, ReplicaSet, cpu_groups, gpu_groups
+from nodes.link import logs
 from nodes.link.handshake import BadToken, parse_token
 
 log = logging.getLogger("nodes.agent")
@@ -150,7 +151,11 @@ async def _run(options: NodeOptions, resolve_head) -> None:
 
 def run_node(options: NodeOptions) -> int:
     """Run until stopped. Returns the exit status: 0 when stopped, 2 when the head refused the node."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        logs.configure(logs.log_format(os.environ.get("FLEET_LOG_FORMAT")))
+    except ValueError as exc:
+        sys.stderr.write(f"node_join: {exc}\n")
+        return 2
 
     def resolve_head():
         if options.head:

@@ -1,0 +1,69 @@
+"""Log lines as text or as JSON (FLEET_LOG_FORMAT=json), on the head and on a node, with the generation they are about.
+
+A line about a generation carries its id as `gen_id`: given with `extra={"gen_id": ...}`, or taken from
+`current_gen_id`, which the head sets while it serves a generation, so a line logged anywhere under it (placement,
+quotas, the record) carries the id without it being passed along. Shared by the head's settings and a node, so it
+imports nothing from Django.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
+
+FORMATS = ("plain", "json")
+PLAIN = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+current_gen_id: ContextVar[str | None] = ContextVar("fleet_gen_id", default=None)
+
+
+def log_format(value: str | None) -> str:
+    """FLEET_LOG_FORMAT checked: "plain" (the default) or "json"."""
+    chosen = (value or "plain").strip().lower()
+    if chosen not in FORMATS:
+        raise ValueError(f"FLEET_LOG_FORMAT is {value!r}; set it to plain or json")
+    return chosen
+
+
+@contextmanager
+def generation_context(gen_id: str) -> Iterator[None]:
+    """Lines logged inside (and in tasks and threads started inside) carry this generation's id."""
+    token = current_gen_id.set(gen_id)
+    try:
+        yield
+    finally:
+        current_gen_id.reset(token)
+
+
+class GenIdFilter(logging.Filter):
+    """Puts the generation being served on a record that was not given one with `extra`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "gen_id", None) is None and (gen_id := current_gen_id.get()) is not None:
+            record.gen_id = gen_id
+        return True
+
+
+class JsonFormatter(_LibraryJsonFormatter):
+    """One JSON object a line: time, level, logger, message, and every `extra` field (gen_id among them)."""
+
+    def __init__(self) -> None:
+        super().__init__("{asctime}{levelname}{name}{message}", style="{",
+                         rename_fields={"asctime": "time", "levelname": "level", "name": "logger"})
+
+
+def handler(fmt: str) -> logging.Handler:
+    """A stderr handler in the given format, with the generation filter."""
+    out = logging.StreamHandler()
+    out.addFilter(GenIdFilter())
+    out.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(PLAIN))
+    return out
+
+
+def configure(fmt: str, level: int = logging.INFO) -> None:
+    """A node's logging (the root logger), in `fmt`, unless something configured it already."""
+    logging.basicConfig(level=level, handlers=[handler(fmt)])

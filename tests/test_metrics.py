@@ -1,0 +1,205 @@
+"""/metrics: who may scrape it, that it parses as Prometheus' text format, that each event moves exactly its series,
+the live gauges, and the counts several head processes share through Redis. (A real generation: test_metrics_e2e.)"""
+
+import os
+import time
+import uuid
+
+import pytest
+from django.core.cache import cache
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleet import metric_store, metrics
+from fleet.dispatch import Outcome
+from fleet.links import registry
+from nodes.consumers import liveness_key
+from nodes.link.codes import CloseCode
+from nodes.link.routing import NodeSlot
+from tests.factories import NodeFactory, UserFactory
+
+pytestmark = pytest.mark.django_db
+
+TOKEN = "scrape-secret-1"
+
+
+@pytest.fixture
+def fresh_store(settings):
+    """A store of its own: in process, or (REDIS_URL set) under a Redis prefix no other test run uses."""
+    settings.FLEET_REDIS_PREFIX = f"fleet-metrics-{uuid.uuid4().hex[:8]}:"
+    metric_store.store_reset()
+    yield metric_store.store()
+    current = metric_store.store()
+    if isinstance(current, metric_store.RedisStore):
+        current.clear()
+    metric_store.store_reset()
+
+
+@pytest.fixture
+def scraper(client, settings, fresh_store):
+    settings.FLEET_METRICS_TOKEN = TOKEN
+
+    def scrape() -> dict:
+        response = client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
+        assert response.status_code == 200, response.content
+        assert response["Content-Type"].startswith("text/plain; version=")
+        return {family.name: family for family in text_string_to_metric_families(response.content.decode())}
+
+    return scrape
+
+
+def value(families: dict, family: str, sample: str | None = None, **labels) -> float | None:
+    """One sample's value (None when the series is absent)."""
+    for s in families[family].samples:
+        if s.name == (sample or family) and s.labels == labels:
+            return s.value
+    return None
+
+
+# --- who may scrape ---------------------------------------------------------------------------------------------
+
+
+def test_without_credentials_it_is_a_401_that_says_what_to_send(client, settings):
+    settings.FLEET_METRICS_TOKEN = TOKEN
+    response = client.get("/metrics")
+    assert response.status_code == 401 and response["WWW-Authenticate"].startswith("Bearer")
+    assert response.content.decode() == ("/metrics needs `Authorization: Bearer <FLEET_METRICS_TOKEN>` or a staff "
+                                         "session (sign in at /admin/)\n")
+
+
+@pytest.mark.parametrize(("header", "configured", "says"), [
+    ("Bearer wrong-secret", TOKEN, "is not `Bearer <FLEET_METRICS_TOKEN>`"),
+    (f"Basic {TOKEN}", TOKEN, "is not `Bearer <FLEET_METRICS_TOKEN>`"),
+    (f"Bearer {TOKEN}", "", "this head has no FLEET_METRICS_TOKEN"),
+])
+def test_a_wrong_or_unconfigured_token_is_a_401(client, settings, header, configured, says):
+    settings.FLEET_METRICS_TOKEN = configured
+    response = client.get("/metrics", HTTP_AUTHORIZATION=header)
+    assert response.status_code == 401 and says in response.content.decode()
+
+
+def test_a_signed_in_user_who_is_not_staff_gets_a_403(client, settings):
+    settings.FLEET_METRICS_TOKEN = TOKEN
+    client.force_login(UserFactory(is_staff=False, is_superuser=False))
+    response = client.get("/metrics")
+    assert response.status_code == 403 and b"for staff users" in response.content
+
+
+def test_the_bearer_token_and_a_staff_session_both_scrape(client, settings, fresh_store):
+    settings.FLEET_METRICS_TOKEN = TOKEN
+    assert client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {TOKEN}").status_code == 200
+    client.force_login(UserFactory(is_staff=True))
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    names = {family.name for family in text_string_to_metric_families(response.content.decode())}
+    assert {"fleet_generations", "fleet_time_to_first_token_seconds", "fleet_node_up", "fleet_lanes"} <= names
+
+
+# --- what the events count ------------------------------------------------------------------------------------
+
+
+def test_a_generation_moves_its_status_tokens_and_latencies(scraper):
+    done = Outcome(node="node-a", prompt_tokens=20, cached_tokens=8, completion_tokens=5, started_at=100.0,
+                   first_token_at=100.3)
+    metrics.generation_ended(model="m", status="done", code="", outcome=done, finished_at=100.7)
+    metrics.generation_ended(model="m", status="failed", code="engine_crashed", outcome=Outcome(node="node-a"),
+                             finished_at=101.0)
+    got = scraper()
+    assert value(got, "fleet_generations", "fleet_generations_total", model="m", node="node-a", status="done",
+                 code="") == 1
+    assert value(got, "fleet_generations", "fleet_generations_total", model="m", node="node-a", status="failed",
+                 code="engine_crashed") == 1
+    for family, expected in (("fleet_prompt_tokens", 20), ("fleet_cached_tokens", 8),
+                             ("fleet_completion_tokens", 5)):
+        assert value(got, family, f"{family}_total", model="m", node="node-a") == expected
+    ttft = "fleet_time_to_first_token_seconds"
+    assert value(got, ttft, f"{ttft}_count", model="m", node="node-a") == 1  # the failed one had no first token
+    assert value(got, ttft, f"{ttft}_sum", model="m", node="node-a") == pytest.approx(0.3)
+    assert value(got, ttft, f"{ttft}_bucket", model="m", node="node-a", le="0.25") == 0
+    assert value(got, ttft, f"{ttft}_bucket", model="m", node="node-a", le="0.5") == 1
+    itl = "fleet_inter_token_latency_seconds"  # 0.4 s over the 4 tokens after the first
+    assert value(got, itl, f"{itl}_sum", model="m", node="node-a") == pytest.approx(0.1)
+    assert value(got, itl, f"{itl}_bucket", model="m", node="node-a", le="0.05") == 0
+    assert value(got, itl, f"{itl}_bucket", model="m", node="node-a", le="0.2") == 1
+    assert value(got, itl, f"{itl}_bucket", model="m", node="node-a", le="+Inf") == 1
+
+
+def test_placements_by_reason_failovers_and_link_events(scraper):
+    metrics.placement_made(model="m", evidence={"node": "a", "candidates": 2, "matched_tokens": 12})
+    metrics.placement_made(model="m", evidence={"node": "a", "candidates": 3, "matched_tokens": 0})
+    metrics.placement_made(model="m", evidence={"node": "b", "candidates": 1, "matched_tokens": 40})
+    metrics.placement_made(model="m", evidence={"node": "b", "candidates": 1, "matched_tokens": 0})
+    metrics.failover(model="m", node="a", code="node_lost")
+    metrics.link_dropped(node="a")
+    metrics.link_refused(code=CloseCode.TOKEN_REFUSED)
+    metrics.link_refused(code=int(CloseCode.TOKEN_REFUSED))
+    got = scraper()
+    placed = "fleet_placements_total"
+    assert value(got, "fleet_placements", placed, model="m", node="a", reason="prefix_hit") == 1
+    assert value(got, "fleet_placements", placed, model="m", node="a", reason="load") == 1
+    assert value(got, "fleet_placements", placed, model="m", node="b", reason="only_candidate") == 2
+    assert value(got, "fleet_failovers", "fleet_failovers_total", model="m", node="a", code="node_lost") == 1
+    assert value(got, "fleet_link_drops", "fleet_link_drops_total", node="a") == 1
+    assert value(got, "fleet_link_refusals", "fleet_link_refusals_total", reason="token_refused") == 2
+
+
+def test_live_gauges_come_from_placement_heartbeats_and_the_node_rows(scraper):
+    NodeFactory(identity="gone", state="offline")
+    placement = registry().placement
+    placement.node_up(NodeSlot("n1", "node-a", ["m"], 4, 2048))
+    assert placement.choose("m", []) is not None  # one generation running there
+    cache.set(liveness_key("n1"), {"lanes_busy": 1, "lanes": 4, "kv_used": 300, "kv_total": 8192,
+                                   "tokens_per_s": 41.5}, 30)
+    got = scraper()
+    assert value(got, "fleet_node_up", node="node-a") == 1 and value(got, "fleet_node_up", node="gone") == 0
+    labels = {"model": "m", "node": "node-a"}
+    assert value(got, "fleet_lanes", **labels) == 4 and value(got, "fleet_lanes_busy", **labels) == 1
+    assert value(got, "fleet_generations_running", **labels) == 1
+    assert value(got, "fleet_node_kv_cache_used_tokens", **labels) == 300
+    assert value(got, "fleet_node_kv_cache_capacity_tokens", **labels) == 8192
+    assert value(got, "fleet_node_decode_tokens_per_second", **labels) == 41.5
+    assert value(got, "fleet_generations_waiting", model="m") == 0
+
+
+def test_waiting_generations_are_counted_per_model(scraper, monkeypatch):
+    from fleet import dispatch
+
+    monkeypatch.setattr(dispatch._waiters, "entries", [(1.0, "g1", "m"), (2.0, "g2", "m"), (1.0, "g3", "other")])
+    got = scraper()
+    assert value(got, "fleet_generations_waiting", model="m") == 2
+    assert value(got, "fleet_generations_waiting", model="other") == 1
+
+
+# --- several head processes -------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")
+def test_head_processes_add_to_the_same_counts_through_redis(monkeypatch):
+    """Two stores on one Redis prefix are two head processes: a scrape of either shows what both counted."""
+    prefix = f"fleet-metrics-{uuid.uuid4().hex[:8]}:"
+    one = metric_store.RedisStore(os.environ["REDIS_URL"], prefix=prefix, process="one")
+    two = metric_store.RedisStore(os.environ["REDIS_URL"], prefix=prefix, process="two")
+    try:
+        monkeypatch.setattr(metric_store, "local_waiting", lambda: {"m": 2})
+        one.add({"fleet_completion_tokens": {metrics.field_name(["m", "a"]): 5.0}})
+        one.flush()
+        monkeypatch.setattr(metric_store, "local_waiting", lambda: {"m": 1})
+        two.add({"fleet_completion_tokens": {metrics.field_name(["m", "a"]): 7.0}})
+        two.flush()
+        for store in (one, two):
+            assert store.totals(["fleet_completion_tokens"]) == {
+                "fleet_completion_tokens": {metrics.field_name(["m", "a"]): 12.0}}
+            assert store.waiting() == {"m": 3}
+        # A process that stops refreshing its waiting generations drops out when its key expires.
+        assert 0 < one.r.ttl(f"{prefix}metrics:waiting:one") <= metric_store.WAITING_TTL_S
+    finally:
+        one.clear()
+
+
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")
+def test_the_writer_thread_sends_counts_without_a_scrape(fresh_store):
+    fresh_store.add({"fleet_link_drops": {metrics.field_name(["a"]): 1.0}})
+    other = metric_store.RedisStore(os.environ["REDIS_URL"], prefix=fresh_store.p[: -len("metrics:")])
+    deadline = time.monotonic() + 10
+    while other.totals(["fleet_link_drops"])["fleet_link_drops"] != {metrics.field_name(["a"]): 1.0}:
+        assert time.monotonic() < deadline, "the writer thread never wrote the count"
+        time.sleep(0.05)
