@@ -142,8 +142,7 @@ class GenerationStream:
                 if attempt == MAX_ATTEMPTS:
                     raise GenerationError(failed.code, failed.message, status=502) from None
                 log.warning("fleet generation %s: %s on node %r; placing it again (attempt %d)",
-                            self.spec.gen_id, failed.code, choice.identity, attempt + 1,
-                            extra={"gen_id": self.spec.gen_id})
+                            self.spec.gen_id, failed.code, choice.identity, attempt + 1)
                 metrics.failover(model=self.spec.model, node=choice.identity, code=failed.code)
         raise GenerationError("node_unavailable", "no node could serve this generation", status=503)
 

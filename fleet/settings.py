@@ -8,6 +8,7 @@ placement state and Celery to Redis.
 
 import os
 import secrets
+import sys
 from pathlib import Path
 
 import dj_database_url
@@ -243,7 +244,11 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = FLEET_MAX_BODY_BYTES
 FLEET_METRICS_TOKEN = os.environ.get("FLEET_METRICS_TOKEN", "").strip()
 
 # plain, or json: one JSON object a line, with gen_id on every line about a generation (node_join honours it too).
-FLEET_LOG_FORMAT = log_format(os.environ.get("FLEET_LOG_FORMAT"))
+try:
+    FLEET_LOG_FORMAT = log_format(os.environ.get("FLEET_LOG_FORMAT"))
+except ValueError as exc:  # the head and every manage.py command stop here: one line, not a traceback
+    sys.stderr.write(f"fleet: {exc}\n")
+    sys.exit(2)
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

@@ -50,8 +50,9 @@ async def test_head_lines_about_a_generation_carry_its_id(bearer):
     assert ex.status == 200 and ex.headers["x-fleet-node"] == "steady-node"
     gen_id = ex.headers["x-fleet-generation"]
     about = [line for line in lines if gen_id in line["message"]]
-    failover = next(line for line in about if "placing it again" in line["message"])  # given with extra=
-    ended = next(line for line in about if line["message"].startswith("api: generation"))  # from the context
+    # Neither line passes the id along: the dispatcher's step and the record run in the generation's context.
+    failover = next(line for line in about if "placing it again" in line["message"])
+    ended = next(line for line in about if line["message"].startswith("api: generation"))
     assert failover["gen_id"] == ended["gen_id"] == gen_id
     assert ended["logger"] == "api" and ended["level"] == "INFO" and "done on steady-node" in ended["message"]
     assert all(line.get("gen_id") == gen_id for line in about)
@@ -112,3 +113,8 @@ def test_a_node_without_django_logs_json_and_refuses_an_unknown_format(tmp_path)
                            env={**nowhere.env, "FLEET_LOG_FORMAT": "xml"})
     assert bogus.returncode == 2
     assert bogus.stderr == "node_join: FLEET_LOG_FORMAT is 'xml'; set it to plain or json\n"
+    joining = subprocess.run([sys.executable, "manage.py", "node_join", nowhere.address, "--model", "smollm2",
+                              "--offline"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                             env={**nowhere.env, "FLEET_LOG_FORMAT": "xml"})
+    assert joining.returncode == 2
+    assert joining.stderr == "fleet: FLEET_LOG_FORMAT is 'xml'; set it to plain or json\n"

@@ -203,3 +203,24 @@ def test_the_writer_thread_sends_counts_without_a_scrape(fresh_store):
     while other.totals(["fleet_link_drops"])["fleet_link_drops"] != {metrics.field_name(["a"]): 1.0}:
         assert time.monotonic() < deadline, "the writer thread never wrote the count"
         time.sleep(0.05)
+
+
+def test_the_grafana_dashboard_queries_only_what_metrics_shows(scraper):
+    import json
+    import re
+    from pathlib import Path
+
+    outcome = Outcome(node="a", prompt_tokens=3, completion_tokens=2, started_at=1.0, first_token_at=1.5)
+    metrics.generation_ended(model="m", status="done", code="", outcome=outcome, finished_at=2.0)
+    metrics.placement_made(model="m", evidence={"node": "a", "candidates": 1})
+    metrics.failover(model="m", node="a", code="node_lost")
+    metrics.link_dropped(node="a")
+    metrics.link_refused(code=CloseCode.FLOOD)
+    registry().placement.node_up(NodeSlot("n1", "a", ["m"], 2, 2048))
+    cache.set(liveness_key("n1"), {"lanes_busy": 0, "kv_used": 0, "kv_total": 4096, "tokens_per_s": 0.0}, 30)
+    shown = {s.name for family in scraper().values() for s in family.samples}
+    dashboard = json.loads((Path(__file__).parent.parent / "docs" / "grafana-dashboard.json").read_text())
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    queries += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    used = set(re.findall(r"\bfleet_[a-z_]+", " ".join(queries)))
+    assert len(used) >= 15 and used <= shown, used - shown
