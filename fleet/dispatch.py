@@ -76,6 +76,7 @@ class Outcome:
     nodes_used: list[str] = field(default_factory=list)
     placement: dict[str, Any] = field(default_factory=dict)
     text: str = ""
+    ids: list[int] = field(default_factory=list)  # the token ids streamed so far: a resume continues from them
     completion_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -212,7 +213,8 @@ class GenerationStream:
 
         relay = reg.relays[relay_gen] = Relay(relay_gen)
         self._current = (link.node_id, link)
-        spec = GenerateSpec(**{**self.spec.__dict__, "resume_text": self.spec.resume_text + self.outcome.text})
+        spec = GenerateSpec(**{**self.spec.__dict__, "resume_text": self.spec.resume_text + self.outcome.text,
+                               "resume_ids": self.spec.resume_ids + self.outcome.ids})
         spec.max_tokens = max(self.spec.max_tokens - self.outcome.completion_tokens, 1)
         expected_seq = 1
         finished = False
@@ -284,6 +286,7 @@ class GenerationStream:
         self._seq += 1
         text = "".join(event.text)
         self.outcome.text += text
+        self.outcome.ids.extend(event.ids)
         self.outcome.completion_tokens += len(event.ids)
         return Tokens(self._seq, text, list(event.text), list(event.ids), event.logprobs)
 

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleet.links import registry
+from fleet.links import NodeLost, registry
 from nodes.link.messages import Accepted, Done, Error, TokenBatch
 from nodes.link.routing import NodeSlot
 
@@ -30,6 +30,8 @@ class Script:
     hang: bool = False  # after the tokens, run until cancelled
     prompt_tokens: int = 11
     cached_tokens: int = 3
+    lose_after: int | None = None  # the link drops once this many tokens are sent (a node killed mid-stream)
+    first_id: int = 100  # token ids count up from here
 
 
 class FakeLink:
@@ -84,9 +86,14 @@ class FakeLink:
                                                                       {"token": "x", "logprob": -2.0}]
                                  [: spec.get("top_logprobs", 0)]} for t in batch]
                 reg.relay_push(gen_id, TokenBatch(gen_id=gen_id, seq=seq, text=batch,
-                                                  ids=list(range(sent, sent + len(batch))), logprobs=logprobs))
+                                                  ids=list(range(script.first_id + sent,
+                                                                 script.first_id + sent + len(batch))),
+                                                  logprobs=logprobs))
                 seq += 1
                 sent += len(batch)
+                if script.lose_after is not None and sent >= script.lose_after:
+                    self._end(gen_id, NodeLost(self.node_id, "link closed"))
+                    return
             while script.hang:
                 await asyncio.sleep(0.05)
             reason = "length" if len(tokens) < len(script.tokens) else script.finish_reason

@@ -319,3 +319,24 @@ async def test_a_request_needing_a_capability_skips_nodes_without_it(bearer):
     able = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "full"), lanes=1)
     answer = await request("POST", CHAT, key=bearer, body=chat(response_format={"type": "json_object"}, logprobs=True))
     assert answer.status == 200 and len(able.specs) == 1 and not plain.specs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_node_lost_mid_stream_hands_the_next_node_exactly_what_was_streamed(bearer, stream):
+    first = add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "node-a",
+                                   script=Script(tokens=["One", ",", " two", ",", " three"], per_batch=1,
+                                                 lose_after=3)), lanes=4)
+    second = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "node-b",
+                                    script=Script(tokens=[",", " three", "."], first_id=500)), lanes=1)
+    answer = await request("POST", CHAT, key=bearer, body=chat(max_tokens=6, stream=stream))
+    assert answer.status == 200
+    if stream:
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in answer.data()[:-1] if c["choices"])
+    else:
+        text = answer.json()["choices"][0]["message"]["content"]
+    assert text == "One, two, three."  # no token lost or repeated across the two nodes
+    resumed = second.specs[0]
+    assert resumed["resume_text"] == "One, two" and resumed["resume_ids"] == [100, 101, 102]
+    assert resumed["max_tokens"] == 3 and first.specs[0]["resume_ids"] == []
+    record = (await generations())[0]
+    assert record["nodes_used"] == ["node-a", "node-b"] and record["completion_tokens"] == 6

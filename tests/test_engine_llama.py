@@ -293,6 +293,44 @@ def test_resume_text_continues_where_another_node_stopped(engine):
     assert streamed + resumed.text == base.text
 
 
+@pytest.fixture
+def other_node():
+    """A second engine on the same model, standing for the node a generation fails over to: nothing cached."""
+    from nodes.agent.engine.llama import LlamaEngine
+
+    config = EngineConfig(model_path=bundled_model_path(), model_name="smollm2", lanes=2, max_context=WINDOW)
+    engine = LlamaEngine(config)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 0},
+    {"temperature": 0.9, "seed": 1234},
+    {"temperature": 0.9, "seed": 99, "repeat_penalty": 1.3,
+     "json_schema": json.dumps({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})},
+], ids=["greedy", "seeded", "seeded-penalised-grammar"])
+def test_a_generation_resumed_from_its_token_ids_on_another_node_goes_on_token_for_token(engine, other_node,
+                                                                                        sampling):
+    question = "Invent a person and describe them: a name and a few words."
+    if "json_schema" not in sampling:
+        sampling = {**sampling, "ignore_eos": True}
+    base = one(engine, chat("whole", question, max_tokens=28, **sampling))
+    assert len(base.ids) >= 8, base.text
+    cut = len(base.ids) // 2
+    resumed = one(other_node, chat("rest", question, max_tokens=len(base.ids) - cut,
+                                   resume_text="".join(base.texts[:cut]), resume_ids=base.ids[:cut], **sampling))
+    assert resumed.accepted["cached_tokens"] == 0  # read from scratch, as on a node that never saw it
+    assert resumed.ids == base.ids[cut:]
+    assert "".join(base.texts[:cut]) + resumed.text == base.text
+
+
+def test_a_seeded_generation_repeats_and_another_seed_differs(engine):
+    runs = [one(engine, chat(f"s{i}", "Invent a word.", max_tokens=12, temperature=1.0, seed=seed))
+            for i, seed in enumerate((5, 5, 6))]
+    assert runs[0].ids == runs[1].ids != runs[2].ids
+
+
 def test_resume_text_advances_the_grammar(engine):
     schema = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
     out = one(engine, chat("rj", "Name a city as JSON.", json_schema=schema, resume_text='{"city": "', max_tokens=30))

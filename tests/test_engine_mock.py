@@ -306,3 +306,14 @@ def test_stats_and_state_ops():
     vectors = engine.state_op("embed", {"texts": ["a", "b"]})["embeddings"]
     assert len(vectors) == 2 and vectors[0] != vectors[1]
     assert engine.info()["engine"] == "mock"
+
+
+def test_a_resumed_run_completes_a_character_the_first_node_left_unfinished():
+    from nodes.agent.engine.runs import Run
+
+    star = "🌟".encode()
+    run = Run(spec=GenerateSpec(gen_id="g", prompt="x"), tokens=[1], submitted_at=0.0)
+    run.continue_after(b"Look: " + star[:2])  # the last streamed token held half of the emoji
+    run.add_token(7, star[2:], None, 0.0)
+    run.release_all(0.0)
+    assert run.take_batch(0.0, force=True)["text"] == ["🌟"]

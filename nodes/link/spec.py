@@ -14,8 +14,11 @@ class SpecError(ValueError):
 class GenerateSpec:
     """One generation. Exactly one of `prompt` (raw completion) or `messages` (chat) is set.
 
-    `resume_text` is text already streamed to the client by another node (failover): the node appends it
-    after the prompt (advancing the grammar over it) and goes on from there.
+    `resume_text` is text already streamed to the client by another node (failover), and `resume_ids` the
+    exact token ids it came from: the node appends those ids after the prompt (advancing the grammar and the
+    penalties over them; a seeded sampler draws by position, so it goes on with its own sequence) and continues
+    from there, token for token as the first node would have. Without ids (a client's own resume_text) the
+    text is tokenized.
     """
 
     gen_id: str
@@ -40,6 +43,7 @@ class GenerateSpec:
     logit_bias: dict[int, float] = field(default_factory=dict)
     deadline: float | None = None  # unix time (seconds); past it the node cancels the lane
     resume_text: str = ""
+    resume_ids: list[int] = field(default_factory=list)
     embedding: bool = False
     batch_invariant: bool = False  # run only where a greedy generation's tokens do not depend on its batch
 

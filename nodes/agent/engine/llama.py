@@ -161,7 +161,7 @@ class LlamaEngine(LaneEngine):
             prompt = self.model.tokenize(spec.prompt or "", True, True)
         if not prompt:
             raise EngineError(ERR_INVALID_REQUEST, "the prompt is empty")
-        resume = self.model.tokenize(spec.resume_text, False, False) if spec.resume_text else []
+        resume = self._resume_tokens(spec)
         tokens = prompt + resume
         if len(tokens) + 1 > self.window:
             extra = f" ({len(resume)} of them already generated)" if resume else ""
@@ -176,7 +176,18 @@ class LlamaEngine(LaneEngine):
         except EngineError:
             sampler.free()
             raise
-        return self._new_run(spec, tokens, submitted_at, sampler)
+        run = self._new_run(spec, tokens, submitted_at, sampler)
+        run.continue_after(b"".join(self.model.piece(t) for t in resume))
+        return run
+
+    def _resume_tokens(self, spec: GenerateSpec) -> list[int]:
+        """The tokens another node already generated: their exact ids when the head sends them, else the
+        resume text tokenized."""
+        if spec.resume_ids:
+            if not all(isinstance(t, int) and 0 <= t < self.model.n_vocab for t in spec.resume_ids):
+                raise EngineError(ERR_INVALID_REQUEST, "resume_ids holds a token id outside the vocabulary")
+            return list(spec.resume_ids)
+        return self.model.tokenize(spec.resume_text, False, False) if spec.resume_text else []
 
     def _release_run(self, run: Run) -> None:
         if isinstance(run.sampler, LaneSampler):

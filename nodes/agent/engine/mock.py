@@ -139,14 +139,16 @@ class MockEngine(LaneEngine):
         text = self.render(spec)
         if self.params.abort_on and self.params.abort_on in text:
             os.abort()
-        tokens = self.tokenize(text) + self.tokenize(spec.resume_text)
+        resume = list(spec.resume_ids) or self.tokenize(spec.resume_text)
+        tokens = self.tokenize(text) + resume
         if len(tokens) + 1 > self.window:
             raise EngineError(
                 ERR_CONTEXT_LENGTH,
                 f"the prompt is {len(tokens)} tokens and this model's context window is {self.window} tokens; "
                 "shorten the prompt",
             )
-        start = zlib.crc32(f"{spec.seed}|{text}".encode()) % len(self.params.words)
+        # a resumed generation goes on with the words after the ones another node already sent
+        start = (zlib.crc32(f"{spec.seed}|{text}".encode()) + len(resume)) % len(self.params.words)
         return self._new_run(spec, tokens, submitted_at, start)
 
     def _trim_lane(self, lane: Lane, keep: int) -> None:

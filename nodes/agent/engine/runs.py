@@ -70,6 +70,11 @@ class Run:
     def prompt_tokens(self) -> int:
         return len(self.tokens)
 
+    def continue_after(self, resumed: bytes) -> None:
+        """A generation resumed from another node's tokens: their bytes go through the decoder, so a character
+        they left unfinished is completed by this node's first token instead of turning into U+FFFD."""
+        self._decoder.decode(resumed)
+
     def add_token(self, token_id: int, piece: bytes, logprob: dict[str, Any] | None, now: float) -> bool:
         """Take one sampled token; returns True when a stop string ended the generation."""
         if self.first_token_at is None:

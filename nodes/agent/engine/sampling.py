@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,21 +29,57 @@ class LaneSampler:
     step of a small model, so (as llama.cpp's own common sampler does) the chain picks a token first and the
     grammar checks only that one; only when it refuses does the grammar filter every candidate and the chain
     pick again.
+
+    A sampled (not greedy) generation draws its token at position n with a generator seeded by (seed, n)
+    rather than from one running stream: a generation resumed on another node after n tokens then draws the
+    same numbers the first node would have, however many picks the grammar made it redo. The chain does
+    everything up to the pick (bias, penalties, truncation, temperature); `seed` is None for a greedy chain.
     """
 
     chain: Any
     grammar: Any = None  # owned here, not by the chain
     argmax: bool = False
-    _candidates: Any = None  # numpy llama_token_data[n_vocab], for grammar runs
+    seed: int | None = None
+    position: int = 0  # tokens accepted so far (resumed ones included): the next draw's index
+    _candidates: Any = None  # numpy llama_token_data[n_vocab]
     _probe: Any = None
 
     def sample(self, ctx: Any, index: int, n_vocab: int) -> int:
         if self.argmax:
             logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, index), shape=(n_vocab,))
+            self.position += 1
             return int(logits.argmax())
         if self.grammar is not None:
             return self._sample_checked(ctx, index, n_vocab)
-        return int(L.llama_sampler_sample(self.chain, ctx, index))
+        if self.seed is None:
+            self.position += 1
+            return int(L.llama_sampler_sample(self.chain, ctx, index))  # greedy chain; it accepts the token
+        array = self._candidates_from(ctx, index, n_vocab)
+        token_id = self._pick(array)
+        L.llama_sampler_accept(self.chain, token_id)
+        self.position += 1
+        return token_id
+
+    def _pick(self, array: Any) -> int:
+        """Run the chain over `array` and return the token it selects (-1 for none). A sampled chain stops
+        before the pick: the token is drawn here from the chain's probabilities with this position's generator."""
+        L.llama_sampler_apply(self.chain, ctypes.byref(array))
+        if self.seed is None:
+            return int(array.data[array.selected].id) if 0 <= array.selected < array.size else -1
+        if array.size == 0:
+            return -1
+        kept = np.ctypeslib.as_array(array.data, shape=(array.size,))
+        logits = kept["logit"].astype(np.float64)
+        allowed = np.isfinite(logits)
+        if not allowed.any():
+            return -1
+        weights = np.where(allowed, np.exp(logits - logits[allowed].max()), 0.0)
+        draw = np.random.Generator(np.random.PCG64([self.seed, self.position])).random() * weights.sum()
+        chosen = min(int(np.searchsorted(np.cumsum(weights), draw, side="right")), len(weights) - 1)
+        while not allowed[chosen]:  # a draw at the very top can land on a trailing forbidden entry
+            chosen -= 1
+        array.selected = chosen
+        return int(kept["id"][chosen])
 
     def _candidates_from(self, ctx: Any, index: int, n_vocab: int):
         if self._candidates is None:
@@ -67,23 +104,23 @@ class LaneSampler:
         """Pick with the chain, check the pick against the grammar, and filter everything only when it refuses.
         The pick is checked before the grammar accepts it: accepting a forbidden token aborts llama.cpp."""
         array = self._candidates_from(ctx, index, n_vocab)
-        L.llama_sampler_apply(self.chain, ctypes.byref(array))
-        token_id = int(array.data[array.selected].id) if 0 <= array.selected < array.size else -1
+        token_id = self._pick(array)
         if token_id < 0 or not self.allows(token_id):
             array = self._candidates_from(ctx, index, n_vocab)
             L.llama_sampler_apply(self.grammar, ctypes.byref(array))
-            L.llama_sampler_apply(self.chain, ctypes.byref(array))
+            token_id = self._pick(array)
             if not 0 <= array.selected < array.size or not math.isfinite(array.data[array.selected].logit):
                 raise EngineError(ERR_INVALID_GRAMMAR, "the grammar allows no further token; check that it can end")
-            token_id = int(array.data[array.selected].id)
         L.llama_sampler_accept(self.grammar, token_id)
         L.llama_sampler_accept(self.chain, token_id)
+        self.position += 1
         return token_id
 
     def accept(self, token_id: int) -> None:
         if self.grammar is not None:
             L.llama_sampler_accept(self.grammar, token_id)
         L.llama_sampler_accept(self.chain, token_id)
+        self.position += 1
 
     def free(self) -> None:
         if self.chain:
@@ -141,7 +178,8 @@ def build_sampler(model: LoadedModel, spec: GenerateSpec) -> LaneSampler:
     params = L.llama_sampler_chain_default_params()
     params.no_perf = True
     chain = L.llama_sampler_chain_init(params)
-    sampler = LaneSampler(chain, argmax=greedy and not biases and not penalised and gbnf is None)
+    seed = None if greedy else (secrets.randbits(32) if spec.seed is None else spec.seed & 0xFFFFFFFF)
+    sampler = LaneSampler(chain, argmax=greedy and not biases and not penalised and gbnf is None, seed=seed)
     try:
         _add_bias(chain, model.n_vocab, biases)
         if penalised:
@@ -187,8 +225,7 @@ def _add_pick(chain: Any, spec: GenerateSpec, greedy: bool) -> None:
     if spec.min_p > 0.0:
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(spec.min_p, 1))
     L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(spec.temperature))
-    seed = L.LLAMA_DEFAULT_SEED if spec.seed is None else spec.seed & 0xFFFFFFFF
-    L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
+    # no dist sampler: LaneSampler draws the token itself, by position
 
 
 def accept_resume(sampler: LaneSampler, tokens: list[int]) -> None:
