@@ -57,31 +57,50 @@ def generation_record(head, gen_id: str) -> dict:
     return response.json()
 
 
-def test_node_killed_mid_stream_the_stream_goes_on_on_another_node(head):
-    nodes = {name: start_node(head, "--max-batch", "2", identity=name) for name in ("node-a", "node-b")}
+def stream_text(client, kill=None, **request) -> tuple[str, str, object, str]:
+    """Stream one chat; with `kill`, SIGKILL the node serving it once 40 characters have arrived.
+    Returns (text, finish reason, usage, generation id)."""
+    stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **request)
+    text, first_node, killed, finish, usage, chunk_id = "", None, False, None, None, None
+    for chunk in stream:
+        chunk_id = chunk.id
+        if chunk.usage:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        first_node = first_node or chunk.system_fingerprint
+        text += chunk.choices[0].delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+        if kill is not None and not killed and len(text) > 40:
+            kill(first_node.removeprefix("fleet:"))
+            killed = True
+    assert kill is None or killed
+    return text, finish, usage, chunk_id.removeprefix("chatcmpl-")
+
+
+def test_node_killed_mid_stream_the_stream_goes_on_token_for_token(head):
+    """Greedy and seeded sampled generations whose node is killed mid-stream end exactly as uninterrupted runs
+    of the same requests do: the next node continues from the exact token ids already streamed."""
+    nodes = {name: start_node(head, "--max-batch", "2", identity=name) for name in ("node-a", "node-b", "node-c")}
+    seeded = {**LONG, "temperature": 0.8, "seed": 7, "max_tokens": 60,
+              "messages": [{"role": "user", "content": "Tell me about your favourite city."}]}
     try:
-        head.wait_nodes(2, timeout=240)
+        head.wait_nodes(3, timeout=240)
         client = OpenAI(base_url=f"{head.url}/v1", api_key=head.api_key, max_retries=0, timeout=120)
-        stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **LONG)
-        text, first_node, killed, finish, usage, chunk_id = "", None, False, None, None, None
-        for chunk in stream:
-            chunk_id = chunk.id
-            if chunk.usage:
-                usage = chunk.usage
-            if not chunk.choices:
-                continue
-            first_node = first_node or chunk.system_fingerprint
-            text += chunk.choices[0].delta.content or ""
-            finish = chunk.choices[0].finish_reason or finish
-            if not killed and len(text) > 40:
-                victim = first_node.removeprefix("fleet:")
-                nodes[victim].stop(signal.SIGKILL)
-                killed = True
-        assert killed and finish == "length"
-        assert usage.completion_tokens == LONG["max_tokens"]
-        record = generation_record(head, chunk_id.removeprefix("chatcmpl-"))
-        assert record["status"] == "done" and len(record["nodes_used"]) == 2
-        assert record["nodes_used"][0] == victim and record["nodes_used"][1] != victim
+        references = [stream_text(client, **request)[0] for request in (LONG, seeded)]
+        victims = []
+
+        def kill(name):
+            victims.append(name)
+            nodes[name].stop(signal.SIGKILL)
+
+        for request, reference in zip((LONG, seeded), references, strict=True):
+            text, finish, usage, gen_id = stream_text(client, kill=kill, **request)
+            assert finish == "length" and usage.completion_tokens == request["max_tokens"]
+            assert text == reference  # token for token: nothing lost, repeated or sampled differently
+            record = generation_record(head, gen_id)
+            assert record["status"] == "done" and len(record["nodes_used"]) == 2
+            assert record["nodes_used"][0] == victims[-1] and record["nodes_used"][1] != victims[-1]
         assert "Traceback" not in head.log()
     finally:
         for node in nodes.values():
