@@ -26,6 +26,9 @@ STUCK_AFTER_S = 300.0  # no frame at all from a node for this long, on a generat
 # Only a lost node is retried elsewhere. An engine that crashed on a generation is not: the same request could
 # crash every node it is sent to (llama.cpp aborts on some inputs), so it ends with a clear error instead.
 RETRYABLE_CODES = {"node_lost"}
+# Before its first token a generation is also placed again when the node's engine could not start it: a worker
+# restarting (engine_unavailable) or one that died before any token. After a token only a lost node is retried.
+RETRYABLE_BEFORE_FIRST_TOKEN = RETRYABLE_CODES | {"engine_unavailable", "engine_crashed"}
 # What a user can do when no node has a capability a request needs.
 CAPABILITY_HINTS = {
     "batch_invariant": "start a node with `manage.py node_join --batch-invariant` (greedy output then never depends "
@@ -248,7 +251,11 @@ class GenerationStream:
                     yield self._on_done(event, link)
                     return
                 elif isinstance(event, Error):
-                    if event.code in RETRYABLE_CODES:
+                    if event.code == "engine_unavailable":
+                        # its heartbeat puts it back once the engine is up; until then nothing more goes there
+                        reg.placement.set_schedulable(link.node_id, False)
+                    retryable = RETRYABLE_CODES if self.outcome.completion_tokens else RETRYABLE_BEFORE_FIRST_TOKEN
+                    if event.code in retryable:
                         raise _NodeFailed(event.code, event.message)
                     raise GenerationError(event.code, event.message, status=_status_for(event.code),
                                           param="messages" if event.code == "context_length_exceeded" else None)

@@ -154,6 +154,8 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         self.send_lock = asyncio.Lock()
         self.last_frame = time.monotonic()
         self.last_touch = 0.0
+        self.held = False  # drained or cordoned by the operator
+        self.engine_ready = True  # the node's engine worker is up (heartbeats say so)
         self.in_handshake = False
         self.closing = False
         self.watchdog: asyncio.Task | None = None
@@ -297,6 +299,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         if old is not None and old is not self:
             await old.close(code=1000)  # a rejoin while the old link had not noticed it was gone
         registry_.links[self.node_id] = self
+        self.held, self.engine_ready = not node.schedulable, True
         registry_.placement.node_up(
             NodeSlot(self.node_id, node.identity, list(reg.model_names), msg.lanes, msg.context_window,
                      schedulable=node.schedulable,
@@ -322,6 +325,11 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         placement.node_alive(self.node_id)
         if msg.cache_cleared:
             placement.forget_node(self.node_id)
+        # set on every heartbeat: it also undoes a head that stopped placing here on an engine_unavailable answer
+        changed, self.engine_ready = msg.engine_ready != self.engine_ready, msg.engine_ready
+        placement.set_schedulable(self.node_id, not self.held and self.engine_ready)
+        if changed:
+            registry().lanes.notify()
         stats = {"lanes_busy": msg.lanes_busy, "lanes": msg.lanes, "kv_used": msg.kv_used, "kv_total": msg.kv_total,
                  "tokens_per_s": msg.tokens_per_s, "replicas": msg.replicas, "at": time.time()}
         await database_sync_to_async(cache.set)(liveness_key(self.node_id), stats, settings.FLEET_NODE_TIMEOUT_S)
@@ -434,6 +442,11 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         await self._refuse(event["code"], event["reason"])
 
     async def node_hold(self, event: dict) -> None:
-        registry().placement.set_schedulable(self.node_id, event["schedulable"])
+        self.held = not event["schedulable"]
+        self._apply_schedulable()
+
+    def _apply_schedulable(self) -> None:
+        """Placement sends work here only while the operator does not hold the node and its engine is up."""
+        registry().placement.set_schedulable(self.node_id, not self.held and self.engine_ready)
         registry().lanes.notify()
 

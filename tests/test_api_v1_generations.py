@@ -340,3 +340,45 @@ async def test_a_node_lost_mid_stream_hands_the_next_node_exactly_what_was_strea
     assert resumed["max_tokens"] == 3 and first.specs[0]["resume_ids"] == []
     record = (await generations())[0]
     assert record["nodes_used"] == ["node-a", "node-b"] and record["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("code", ["engine_unavailable", "engine_crashed"])
+async def test_a_node_that_cannot_start_a_generation_hands_it_to_another_at_once(bearer, code):
+    from fleet.links import registry
+
+    broken = add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "restarting",
+                                    script=Script(error=(code, "the engine worker is not running"))), lanes=4)
+    able = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "able"), lanes=1)
+    answer = await request("POST", CHAT, key=bearer, body=chat())
+    assert answer.status == 200 and answer.json()["choices"][0]["message"]["content"] == "Hello, world!"
+    assert len(broken.specs) == 1 and len(able.specs) == 1
+    record = (await generations())[0]
+    assert record["status"] == "done" and record["nodes_used"] == ["restarting", "able"]
+    slots = {s.identity: s.schedulable for s in registry().placement.nodes()}
+    # a restarting engine gets nothing more until its heartbeat says it is back; a crash is for the heartbeat to say
+    assert slots["restarting"] is (code != "engine_unavailable")
+
+
+async def test_an_engine_that_dies_after_the_first_token_is_a_clear_error_not_a_retry(bearer):
+    def script(spec):
+        return Script(tokens=["Hi"], hang=True)
+
+    crashing = add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "crashing", script=script))
+    other = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "other"), lanes=1)
+    task = asyncio.ensure_future(request("POST", CHAT, key=bearer, body=chat(stream=True)))
+    for _ in range(100):
+        if crashing.specs or other.specs:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)
+    served_by = crashing if crashing.specs else other
+    gen_id = next(iter(served_by.running))
+    from fleet.links import registry
+    from nodes.link.messages import Error
+
+    served_by.running[gen_id].cancel()
+    registry().relay_push(gen_id, Error(gen_id=gen_id, code="engine_crashed", message="the engine worker died"))
+    answer = await task
+    data = answer.data()
+    assert data[-2]["error"]["code"] == "engine_crashed"
+    assert len(crashing.specs) + len(other.specs) == 1

@@ -353,3 +353,37 @@ async def test_an_embedded_head_finds_a_revocation_made_in_another_process(what,
         await sync_to_async(node_revoke)(node=await Node.objects.aget(identity="gpu-7"))
     expected = CloseCode.TOKEN_REVOKED if what == "token" else CloseCode.NODE_REVOKED
     assert await closed_with(comm) == expected
+
+
+async def _schedulable(node_id: str, want: bool) -> bool:
+    """Wait (briefly: heartbeats are handled in order) until placement shows the node as `want`."""
+    import asyncio
+
+    for _ in range(50):
+        slots = [s for s in registry().placement.nodes() if s.node_id == node_id]
+        if slots and slots[0].schedulable == want:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_a_node_whose_engine_is_restarting_gets_no_work_until_it_is_back():
+    from nodes.services import node_set_hold
+
+    comm, channel = await joined()
+    node = await Node.objects.aget(identity="gpu-7")
+    node_id = str(node.id)
+    await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=0, lanes=4, engine_ready=False)))
+    assert await _schedulable(node_id, False)
+    await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=0, lanes=4, engine_ready=True)))
+    assert await _schedulable(node_id, True)
+    # a head that stopped placing here (the node answered engine_unavailable) is undone by the next heartbeat
+    registry().placement.set_schedulable(node_id, False)
+    await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=0, lanes=4)))
+    assert await _schedulable(node_id, True)
+    # the engine coming back does not undo the operator's drain
+    await sync_to_async(node_set_hold)(node=node, hold=Node.Hold.DRAIN)
+    assert await _schedulable(node_id, False)
+    await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=0, lanes=4, engine_ready=True)))
+    await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=0, lanes=4, engine_ready=True)))
+    assert not await _schedulable(node_id, True)

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import random
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,7 @@ log = logging.getLogger("nodes.agent")
 
 BACKOFF_START_S = 2.0
 BACKOFF_MAX_S = 30.0
-ENGINE_WAIT_S = 30.0
+READY_POLL_S = 0.1  # how often the engine's liveness is looked at between heartbeats
 
 
 class Refused(Exception):
@@ -112,6 +113,7 @@ class NodeAgent:
         self.running: set[str] = set()
         self.cache_cleared = True
         self.heartbeat_s = 5.0
+        self.joined = False  # the current session registered
 
     def on_engine_event(self, event: dict[str, Any]) -> None:
         """Engine callback (on the loop): forward to the head while a link is up."""
@@ -129,15 +131,19 @@ class NodeAgent:
             if head is None:
                 log.warning("fleet node: no head found on the local network; retrying in %.0f s", delay)
             else:
+                self.joined = False
+                failure: Exception | None = None
                 try:
-                    served = await self._session(head)
+                    await self._session(head)
                 except Refused:
                     raise
                 except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, LinkError, TimeoutError) as exc:
-                    log.warning("fleet node: link to %s failed: %s; redialing in %.0f s", head, _describe(exc), delay)
-                    served = False
-                if served:
+                    failure = exc
+                if self.joined:  # a session that ran, however it ended: the backoff starts over
                     delay = self.config.backoff_start
+                if failure is not None:
+                    log.warning("fleet node: link to %s failed: %s; redialing in %.0f s", head, _describe(failure),
+                                delay)
             await asyncio.sleep(delay * (0.9 + 0.2 * random.random()))
             delay = min(delay * 2, self.config.backoff_max)
 
@@ -162,6 +168,7 @@ class NodeAgent:
                                       ping_timeout=20, close_timeout=2) as ws, _refusals():
             channel = await self._handshake(ws)
             registered = await self._register(ws, channel)
+            self.joined = True  # this session ran: whatever ends it, the backoff starts over
             log.info("fleet node %r joined %s as %s (%s)", self.config.identity, head,
                      ", ".join(registered.model_names), registered.node_id)
             for warning in registered.warnings:
@@ -240,12 +247,8 @@ class NodeAgent:
             self.outbox.put_nowait(Error(gen_id=msg.gen_id, code="invalid_request", message=str(exc)))
             return
         self.running.add(msg.gen_id)
-        # A worker restarting after a crash is back within its cooldown plus a model load: hold the generation
-        # for it rather than fail a request this node was chosen for.
-        for _ in range(int(ENGINE_WAIT_S / 0.1)):
-            if self.engine.alive:
-                break
-            await asyncio.sleep(0.1)
+        # A worker that is restarting answers engine_unavailable at once, and the head places the generation on
+        # another node (it stopped sending here when the heartbeat said the engine was not ready).
         await self.engine.submit(spec)
 
     async def _on_state_op(self, msg: StateOp) -> None:
@@ -263,16 +266,20 @@ class NodeAgent:
             await ws.send(channel.seal(msg))
 
     async def _heartbeat(self) -> None:
+        """A heartbeat every `heartbeat_s`, and one at once when the engine worker dies or comes back."""
         while True:
+            ready = self.engine.alive
             stats = self.engine.stats()
             cleared = bool(stats.pop("cache_cleared", False))
             self.outbox.put_nowait(Heartbeat(
                 lanes_busy=int(stats.get("lanes_busy", 0)), lanes=int(stats.get("lanes", 0)),
                 kv_used=int(stats.get("kv_used", 0)), kv_total=int(stats.get("kv_total", 0)),
                 tokens_per_s=float(stats.get("tokens_per_s", 0.0)), replicas=list(stats.get("replicas", [])),
-                cache_cleared=cleared,
+                cache_cleared=cleared, engine_ready=ready,
             ))
-            await asyncio.sleep(self.heartbeat_s)
+            due = time.monotonic() + self.heartbeat_s
+            while time.monotonic() < due and self.engine.alive == ready:
+                await asyncio.sleep(READY_POLL_S)
 
 
 @contextlib.asynccontextmanager

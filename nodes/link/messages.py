@@ -90,6 +90,9 @@ class Heartbeat(Message):
     tokens_per_s: float = 0.0
     replicas: list[dict[str, Any]] = field(default_factory=list)
     cache_cleared: bool = False
+    # False while the engine worker is restarting: the head places nothing here until a heartbeat says True
+    # (sent at once when it changes, not at the next interval)
+    engine_ready: bool = True
 
 
 @dataclass(slots=True)
