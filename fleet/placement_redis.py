@@ -107,7 +107,8 @@ class RedisPlacementState:
         self._evict = self.r.register_script(EVICT)
 
     # --- nodes ---
-    def node_up(self, slot: NodeSlot, *, cache_cleared: bool = True, channel: str = "") -> None:
+    def node_up(self, slot: NodeSlot, *, cache_cleared: bool = True, channel: str = "",
+                warm: list[str] | tuple[str, ...] = ()) -> None:
         key = f"{self.p}node:{slot.node_id}"
         routed = self.r.hget(key, "routed")
         if routed is not None and not cache_cleared:
@@ -122,16 +123,16 @@ class RedisPlacementState:
         pipe.sadd(f"{self.p}nodes", slot.node_id)
         pipe.execute()
         if cache_cleared:
-            self.forget_node(slot.node_id)
+            self.forget_node(slot.node_id, keep=warm)
 
     def node_alive(self, node_id: str) -> None:
         """Heartbeat: a node whose head process died drops out of placement after node_ttl_s."""
         self.r.expire(f"{self.p}node:{node_id}", self.node_ttl_s)
 
     def node_down(self, node_id: str) -> None:
+        """As in process: the slot goes, what the node held stays until it registers with its cache cleared."""
         self.r.srem(f"{self.p}nodes", node_id)
         self.r.delete(f"{self.p}node:{node_id}")
-        self.forget_node(node_id)
 
     def set_schedulable(self, node_id: str, schedulable: bool) -> None:
         key = f"{self.p}node:{node_id}"
@@ -214,14 +215,27 @@ class RedisPlacementState:
         if gen_ids:
             self._evict(args=[self.p, node_id, *gen_ids])
 
-    def forget_node(self, node_id: str) -> None:
+    def forget_node(self, node_id: str, keep: list[str] | tuple[str, ...] = ()) -> None:
+        """Forget what the node holds, except what the generations in `keep` put there."""
+        kept = {g: self.r.lrange(f"{self.p}gen:{node_id}:{g}", 0, -1) for g in keep}
+        counts: dict[str, int] = {}
+        for keys in kept.values():
+            for key in keys:
+                counts[key] = counts.get(key, 0) + 1
         held = self.r.smembers(f"{self.p}nk:{node_id}")
-        if held:
-            pipe = self.r.pipeline()
-            for key in held:
+        pipe = self.r.pipeline()
+        for key in held:
+            if key in counts:
+                pipe.hset(f"{self.p}k:{key}", node_id, counts[key])
+            else:
                 pipe.hdel(f"{self.p}k:{key}", node_id)
-            pipe.execute()
-        self.r.delete(f"{self.p}nk:{node_id}")
+        pipe.delete(f"{self.p}nk:{node_id}")
+        if counts:
+            pipe.sadd(f"{self.p}nk:{node_id}", *counts)
+        pipe.execute()
+        stale = [k for k in self.r.scan_iter(f"{self.p}gen:{node_id}:*") if k.rsplit(":", 1)[1] not in set(keep)]
+        if stale:
+            self.r.delete(*stale)
 
     def holders(self, key: str) -> set[str]:
         return set(self.r.hkeys(f"{self.p}k:{key}"))

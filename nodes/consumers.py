@@ -114,6 +114,8 @@ def _register_problem(msg: Register) -> str | None:
         return "lanes and context window must be from 0 to 2**31-1"
     if not all(isinstance(r, dict) for r in msg.replicas):
         return "every replica must be a map"
+    if not all(isinstance(g, str) and 0 < len(g) <= 64 for g in msg.warm) or len(msg.warm) > 64 * max(msg.lanes, 1):
+        return "warm must list generation ids (at most 64 per lane)"
     return _json_problem(models=msg.models, capabilities=msg.capabilities, labels=msg.labels, replicas=msg.replicas)
 
 
@@ -304,7 +306,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             NodeSlot(self.node_id, node.identity, list(reg.model_names), msg.lanes, msg.context_window,
                      schedulable=node.schedulable,
                      capabilities=sorted(k for k, v in (msg.capabilities or {}).items() if v is True)),
-            cache_cleared=msg.cache_cleared, channel=self.channel_name,
+            cache_cleared=msg.cache_cleared, channel=self.channel_name, warm=msg.warm,
         )
         await self.channel_layer.group_add(node_group(self.node_id), self.channel_name)
         await self._send(Registered(node_id=self.node_id, model_names=reg.model_names,

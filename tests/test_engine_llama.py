@@ -384,6 +384,7 @@ def test_park_saves_lanes_and_a_new_engine_starts_warm(tmp_path):
 
     second = LlamaEngine(config)
     assert second.info()["warm_lanes"] == 1
+    assert second.info()["warm_generations"] == ["cold"]  # what the node tells the head it still holds
     warm = one(second, GenerateSpec(gen_id="warm", messages=messages, max_tokens=4, temperature=0))
     second.close()
 

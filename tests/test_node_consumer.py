@@ -387,3 +387,31 @@ async def test_a_node_whose_engine_is_restarting_gets_no_work_until_it_is_back()
     await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=0, lanes=4, engine_ready=True)))
     await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=0, lanes=4, engine_ready=True)))
     assert not await _schedulable(node_id, True)
+
+
+async def test_a_node_that_restarts_warm_keeps_what_its_restored_lanes_hold_in_placement():
+    from dataclasses import replace
+
+    from nodes.link.prefix import prefix_keys
+
+    comm, channel = await joined()
+    node_id = str((await Node.objects.aget(identity="gpu-7")).id)
+    kept = prefix_keys(model="smollm2", prompt="k" * 600)
+    lost = prefix_keys(model="smollm2", prompt="l" * 600)
+    registry().placement.record(node_id, "g-parked", kept)
+    registry().placement.record(node_id, "g-gone", lost)
+    await comm.disconnect()
+
+    await joined(register=replace(REGISTER, cache_cleared=True, warm=["g-parked"]))
+    assert registry().placement.holders(kept[-1].key) == {node_id}
+    assert registry().placement.holders(lost[-1].key) == set()
+
+
+async def test_a_register_with_a_malformed_warm_list_is_refused():
+    from dataclasses import replace
+
+    comm = communicator()
+    assert (await comm.connect())[0]
+    channel = await handshake(comm)
+    await comm.send_to(bytes_data=channel.seal(replace(REGISTER, warm=["x" * 65])))
+    assert await closed_with(comm) == CloseCode.PROTOCOL

@@ -213,7 +213,7 @@ def test_a_reconnect_without_cache_loss_keeps_what_the_node_holds():
     assert state.choose(MODEL, keys).matched_tokens == keys[-1].tokens()
 
 
-def test_forget_node_and_node_down_drop_everything_the_node_held():
+def test_forget_node_drops_everything_the_node_held_and_node_down_only_its_slot():
     keys = prefix_keys(model=MODEL, prompt="f" * 512)
     state = fleet("a", "b")
     state.record("a", "g1", keys)
@@ -225,9 +225,29 @@ def test_forget_node_and_node_down_drop_everything_the_node_held():
     assert state.holders(keys[0].key) == {"b"}
 
     state.node_down("b")
-    assert state.holders(keys[0].key) == set()
     assert [s.node_id for s in state.nodes()] == ["a"]
-    assert state.choose(MODEL, keys).matched_tokens == 0
+    assert state.choose(MODEL, keys).matched_tokens == 0  # b is gone from placement
+    state.release("a")
+    state.node_up(slot("b"), cache_cleared=False)  # back with its cache (a link blip): placed by it at once
+    assert state.choose(MODEL, keys).node_id == "b"
+
+
+def test_a_parked_restart_keeps_exactly_what_its_restored_lanes_hold():
+    system = prefix_keys(model=MODEL, messages=chat("p" * 600, "question one"))
+    other = prefix_keys(model=MODEL, messages=chat("q" * 600, "question two"))
+    state = fleet("a", "b")
+    state.record("a", "g-restored", system)
+    state.record("a", "g-lost", other)
+    state.node_down("a")
+
+    state.node_up(slot("a"), cache_cleared=True, warm=["g-restored"])
+
+    assert state.holders(system[-1].key) == {"a"} and state.holders(other[-1].key) == set()
+    choice = state.choose(MODEL, system)
+    assert choice.node_id == "a" and choice.matched_tokens == system[-1].tokens()
+    state.release("a")
+    state.evict("a", ["g-restored"])  # and the kept generation can still be evicted as before
+    assert state.holders(system[-1].key) == set()
 
 
 def test_eviction_drops_only_the_keys_that_generation_put_there():
@@ -393,7 +413,28 @@ def test_evidence_names_the_choice_its_cost_and_the_runner_up():
         "prompt_tokens_estimate": 256,
         "runner_up": {"node": "node-a", "cost": 256, "matched_tokens": 0},
         "candidates": 3,
+        "ranking": [
+            {"node": "node-b", "node_id": "b", "cost": 64, "reread_tokens": 64, "load_tokens": 0, "matched_tokens": 192,
+             "running": 0},
+            {"node": "node-a", "node_id": "a", "cost": 256, "reread_tokens": 256, "load_tokens": 0, "matched_tokens": 0,
+             "running": 0},
+            {"node": "node-c", "node_id": "c", "cost": 256, "reread_tokens": 256, "load_tokens": 0, "matched_tokens": 0,
+             "running": 0},
+        ],
     }
+
+
+def test_evidence_splits_each_candidates_cost_into_tokens_to_read_again_and_load():
+    keys = prefix_keys(model=MODEL, prompt="w" * 1024)
+    state = fleet("a", "b", load_tokens=100)
+    state.record("a", "g1", keys)
+    state.choose(MODEL, keys)  # a: the whole prompt held, one running now
+
+    ranking = state.choose(MODEL, keys).evidence()["ranking"]
+
+    assert [(r["node"], r["reread_tokens"], r["load_tokens"], r["running"]) for r in ranking] == [
+        ("node-a", 0, 100, 1), ("node-b", 256, 0, 0)]
+    assert all(r["cost"] == r["reread_tokens"] + r["load_tokens"] for r in ranking)
 
 
 # --- prefix keys -------------------------------------------------------------------------------------------

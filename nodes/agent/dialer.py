@@ -201,6 +201,7 @@ class NodeAgent:
             lanes=info["lanes"], context_window=info["context_window"], capabilities=info["capabilities"],
             engine=info["engine"], engine_version=info["engine_version"], version=self.config.version,
             labels=self.config.labels, replicas=info.get("replicas", []), cache_cleared=self.cache_cleared,
+            warm=list(info.get("warm_generations", [])) if self.cache_cleared else [],
         )))
         reply = channel.open(await asyncio.wait_for(ws.recv(), 15))
         if not isinstance(reply, Registered):

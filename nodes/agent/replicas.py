@@ -80,7 +80,8 @@ class ReplicaSet:
             self.placement.node_up(NodeSlot(f"r{index}", f"replica-{index}", [self.model_name], infos[-1]["lanes"],
                                             infos[-1]["context_window"]))
         first = infos[0]
-        self._info = {**first, "lanes": sum(i["lanes"] for i in infos), "replicas": self._replica_states()}
+        self._info = {**first, "lanes": sum(i["lanes"] for i in infos), "replicas": self._replica_states(),
+                      "warm_generations": sorted({g for i in infos for g in i.get("warm_generations", [])})}
         return self._info
 
     def on_event(self, index: int, event: dict[str, Any]) -> dict[str, Any]:

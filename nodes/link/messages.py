@@ -65,6 +65,9 @@ class Register(Message):
     labels: dict[str, Any] = field(default_factory=dict)
     replicas: list[dict[str, Any]] = field(default_factory=list)
     cache_cleared: bool = True
+    # the generations whose prompt prefixes the engine restored at start (`--park`): with cache_cleared the head
+    # still counts what they put there, so a warm restart is placed by from its first request
+    warm: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

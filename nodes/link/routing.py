@@ -79,14 +79,17 @@ class PlacementState:
         self._by_gen: dict[tuple[str, str], list[str]] = {}
 
     # --- nodes ---
-    def node_up(self, slot: NodeSlot, *, cache_cleared: bool = True, channel: str = "") -> None:
+    def node_up(self, slot: NodeSlot, *, cache_cleared: bool = True, channel: str = "",
+                warm: list[str] | tuple[str, ...] = ()) -> None:
+        """A node (re)joined. With `cache_cleared` its engine started afresh: the index forgets what it held,
+        except what the generations in `warm` put there (lanes a `--park` node restored from disk)."""
         with self._lock:
             old = self._nodes.get(slot.node_id)
             if old is not None and not cache_cleared:
                 slot.routed = old.routed
             self._nodes[slot.node_id] = slot
             if cache_cleared:
-                self._forget_node_locked(slot.node_id)
+                self._forget_node_locked(slot.node_id, set(warm))
 
     def node_alive(self, node_id: str) -> None:
         """Liveness is the link itself in one process; the Redis state expires silent nodes instead."""
@@ -95,9 +98,10 @@ class PlacementState:
         return ""
 
     def node_down(self, node_id: str) -> None:
+        """The link is gone. What the node held stays in the index: a node that comes back with its cache
+        (a link blip, a parked restart) is placed by it at once, and one that cleared it says so at register."""
         with self._lock:
             self._nodes.pop(node_id, None)
-            self._forget_node_locked(node_id)
 
     def set_schedulable(self, node_id: str, schedulable: bool) -> None:
         with self._lock:
@@ -197,10 +201,14 @@ class PlacementState:
         with self._lock:
             self._forget_node_locked(node_id)
 
-    def _forget_node_locked(self, node_id: str) -> None:
+    def _forget_node_locked(self, node_id: str, keep: set[str] = frozenset()) -> None:
         for holders in self._index.values():
-            holders.by_node.pop(node_id, None)
-        for pair in [p for p in self._by_gen if p[0] == node_id]:
+            gens = holders.by_node.get(node_id)
+            if gens is not None:
+                gens &= keep
+                if not gens:
+                    del holders.by_node[node_id]
+        for pair in [p for p in self._by_gen if p[0] == node_id and p[1] not in keep]:
             del self._by_gen[pair]
 
     def holders(self, key: str) -> set[str]:

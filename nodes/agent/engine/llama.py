@@ -137,6 +137,8 @@ class LlamaEngine(LaneEngine):
             "flash_attn": {L.LLAMA_FLASH_ATTN_TYPE_AUTO: "auto", L.LLAMA_FLASH_ATTN_TYPE_DISABLED: "off"}.get(
                 self.settings["flash_attn"], "on"),
             "warm_lanes": self.warm_lanes,  # lanes restored from the park directory at start
+            # the generations whose prefixes those lanes hold (the head's index keeps what they put there)
+            "warm_generations": sorted({gen for lane in self.lanes for gen, _ in lane.holders}),
         }
 
     def close(self) -> None:
