@@ -340,6 +340,10 @@ async def test_a_node_lost_mid_stream_hands_the_next_node_exactly_what_was_strea
     assert resumed["max_tokens"] == 3 and first.specs[0]["resume_ids"] == []
     record = (await generations())[0]
     assert record["nodes_used"] == ["node-a", "node-b"] and record["completion_tokens"] == 6
+    # the placement evidence is stored with the record: the first choice, and the failover's
+    evidence = record["placement"]
+    assert evidence["node"] == "node-a" and evidence["candidates"] == 2 and "cost" in evidence
+    assert [f["node"] for f in evidence["failover"]] == ["node-b"]
 
 
 @pytest.mark.parametrize("code", ["engine_unavailable", "engine_crashed"])
@@ -382,3 +386,27 @@ async def test_an_engine_that_dies_after_the_first_token_is_a_clear_error_not_a_
     data = answer.data()
     assert data[-2]["error"]["code"] == "engine_crashed"
     assert len(crashing.specs) + len(other.specs) == 1
+
+
+async def test_waiting_generations_get_a_free_lane_in_deadline_order(bearer):
+    def script(spec):
+        content = spec["messages"][-1]["content"]
+        return Script(tokens=[content], hang=content == "blocker")
+
+    link = add_fake_node(FakeLink(script=script), lanes=1)
+
+    def ask(content, deadline_ms):
+        body = chat(messages=[{"role": "user", "content": content}], deadline_ms=deadline_ms)
+        return asyncio.ensure_future(request("POST", CHAT, key=bearer, body=body))
+
+    blocker = ask("blocker", 60_000)
+    while not link.running:
+        await asyncio.sleep(0.01)
+    late = ask("late", 50_000)  # asks first, but may wait longer
+    await asyncio.sleep(0.2)
+    early = ask("early", 20_000)
+    await asyncio.sleep(0.2)
+    assert len(link.specs) == 1  # both wait for the one lane
+    await link.send_cancel(next(iter(link.running)), "test")
+    await asyncio.gather(blocker, late, early)
+    assert [s["messages"][-1]["content"] for s in link.specs] == ["blocker", "early", "late"]
