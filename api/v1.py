@@ -30,6 +30,7 @@ from api.responses import shape_for
 from api.specs import GenerationRequest, chat_request, completion_request
 from api.sse import first_event, sse_response
 from fleet.links import registry
+from fleet.remote import remote_link
 from nodes import selectors as node_selectors
 from nodes.link.messages import LinkError
 
@@ -209,15 +210,20 @@ def _embedding_input(body: dict[str, Any]) -> tuple[str, list[str], str]:
 
 
 def _embedding_node(model: str) -> tuple[str, Any]:
-    """A linked node serving the model, the least busy first (an embedding takes no generation lane)."""
+    """A node serving the model, the least busy first (an embedding takes no generation lane); one linked to
+    this head process before one linked to another (which the request then reaches through the channel layer)."""
     reg = registry()
-    slots = [s for s in reg.placement.nodes() if model in s.models and s.node_id in reg.links]
+    slots = [s for s in reg.placement.nodes() if model in s.models and "embeddings" in s.capabilities]
     if not slots:
         served = ", ".join(reg.placement.models()) or "none"
-        raise OpenAIError(404, f"The model {model!r} is not served by any node (served: {served}).",
+        raise OpenAIError(404, f"The model {model!r} is not served by any node that embeds (served: {served}).",
                           code="model_not_found", param="model")
-    slot = min(slots, key=lambda s: (not s.schedulable, s.running - s.lanes, s.identity))
-    return slot.identity, reg.links[slot.node_id]
+    for slot in sorted(slots, key=lambda s: (s.node_id not in reg.links, not s.schedulable, s.running - s.lanes,
+                                             s.identity)):
+        link = reg.links.get(slot.node_id) or remote_link(slot.node_id)
+        if link is not None:
+            return slot.identity, link
+    raise OpenAIError(503, f"No node serving {model!r} can be reached now; retry shortly.", code="node_unavailable")
 
 
 def _encode(vector: list[float], encoding: str) -> list[float] | str:

@@ -1,4 +1,5 @@
-"""Generations whose node link lives in another head process: they ride the channel layer (Redis), in batches.
+"""Generations (and state operations) whose node link lives in another head process: they ride the channel
+layer (Redis), in batches.
 
 Each head process listens on one channel of its own. A generation placed on a node held by another process
 goes there as `link.generate` with this process's channel as `reply_to`; that process's link consumer sends the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from typing import Any
 
 from channels.layers import get_channel_layer
@@ -51,7 +53,16 @@ class ProcessChannel:
             deliver(message)
 
 
+# op_id -> the future a RemoteLink.state_op waits on, answered by the holding process's `state.result`
+_pending_ops: dict[str, asyncio.Future] = {}
+
+
 def deliver(message: dict[str, Any]) -> None:
+    if message.get("type") == "state.result":
+        future = _pending_ops.get(str(message.get("op_id", "")))
+        if future is not None and not future.done():
+            future.set_result(message)
+        return
     gen_id = message.get("gen_id", "")
     if message.get("type") == "relay.lost":
         registry().relay_push(gen_id, NodeLost(message.get("node_id", ""), message.get("reason", "link closed")))
@@ -80,7 +91,19 @@ class RemoteLink:
         await get_channel_layer().send(self.channel, {"type": "link.cancel", "gen_id": gen_id, "reason": reason})
 
     async def state_op(self, op: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
-        raise LinkError(f"node {self.identity!r} is linked to another head process; state operations go there")
+        """Run a state operation (embed, tokenize, ...) on the node through the process that holds its link."""
+        reply_to = await _process_channel.ensure()
+        op_id = uuid.uuid4().hex
+        future = _pending_ops[op_id] = asyncio.get_running_loop().create_future()
+        try:
+            await get_channel_layer().send(self.channel, {"type": "link.state_op", "op_id": op_id, "op": op,
+                                                          "args": args, "timeout": timeout, "reply_to": reply_to})
+            reply = await asyncio.wait_for(future, timeout)
+        finally:
+            _pending_ops.pop(op_id, None)
+        if not reply.get("ok"):
+            raise LinkError(reply.get("error") or f"{op} failed on node {self.identity!r}")
+        return reply.get("result") or {}
 
 
 def remote_link(node_id: str) -> RemoteLink | None:

@@ -436,6 +436,21 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             await self.channel_layer.send(event["reply_to"], {"type": "relay.lost", "gen_id": event["gen_id"],
                                                               "node_id": self.node_id, "reason": str(exc)})
 
+    async def link_state_op(self, event: dict) -> None:
+        """A state operation (an embedding, ...) from another head process; the answer goes back to it."""
+        asyncio.ensure_future(self._remote_state_op(event))
+
+    async def _remote_state_op(self, event: dict) -> None:
+        reply: dict[str, Any] = {"type": "state.result", "op_id": event["op_id"]}
+        try:
+            result = await self.state_op(event["op"], event["args"], float(event.get("timeout", 30)))
+            reply.update(ok=True, result=result)
+        except TimeoutError:
+            reply.update(ok=False, error=f"node {self.identity!r} did not answer")
+        except LinkError as exc:
+            reply.update(ok=False, error=str(exc))
+        await self.channel_layer.send(event["reply_to"], reply)
+
     async def link_cancel(self, event: dict) -> None:
         await self.send_cancel(event["gen_id"], event.get("reason", "cancelled"))
 

@@ -55,6 +55,12 @@ def test_a_conversation_goes_back_to_its_node_whichever_head_takes_the_turn(head
             assert answer
             messages.append({"role": "assistant", "content": answer})
         assert len(set(served)) == 1, served
+        # with its own node gone, the second head embeds on the first head's node, through the channel layer
+        nodes[1].stop()
+        local = clients[0].embeddings.create(model="smollm2", input=["a cat", "a stock market report"])
+        remote = clients[1].embeddings.create(model="smollm2", input=["a cat", "a stock market report"])
+        assert [d.embedding for d in remote.data] == [d.embedding for d in local.data]
+        assert len(remote.data[0].embedding) > 8
     finally:
         for node in nodes:
             node.stop()

@@ -415,3 +415,30 @@ async def test_a_register_with_a_malformed_warm_list_is_refused():
     channel = await handshake(comm)
     await comm.send_to(bytes_data=channel.seal(replace(REGISTER, warm=["x" * 65])))
     assert await closed_with(comm) == CloseCode.PROTOCOL
+
+
+async def test_a_state_operation_reaches_a_node_linked_to_another_head_process():
+    """The path /v1/embeddings takes from a head process that does not hold the node's link: over the channel
+    layer to the consumer that does, to the node, and the node's answer back."""
+    import asyncio
+
+    from fleet.remote import RemoteLink
+    from nodes.link.messages import StateOp, StateResult
+
+    comm, channel = await joined()
+    node_id = str((await Node.objects.aget(identity="gpu-7")).id)
+    holder = registry().links[node_id]
+    remote = RemoteLink(node_id, "gpu-7", holder.channel_name)
+    asked = asyncio.ensure_future(remote.state_op("embed", {"texts": ["a cat"]}, 5))
+    op = channel.open(await comm.receive_from(timeout=5))
+    assert isinstance(op, StateOp) and op.op == "embed" and op.args == {"texts": ["a cat"]}
+    await comm.send_to(bytes_data=channel.seal(StateResult(op_id=op.op_id, ok=True, result={"embeddings": [[0.5]]})))
+    assert await asyncio.wait_for(asked, 5) == {"embeddings": [[0.5]]}
+
+    failing = asyncio.ensure_future(remote.state_op("embed", {"texts": ["x"]}, 5))
+    op = channel.open(await comm.receive_from(timeout=5))
+    await comm.send_to(bytes_data=channel.seal(StateResult(op_id=op.op_id, ok=False, error="model cannot embed")))
+    from nodes.link.messages import LinkError
+
+    with pytest.raises(LinkError, match="model cannot embed"):
+        await asyncio.wait_for(failing, 5)
