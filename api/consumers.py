@@ -66,7 +66,7 @@ class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
             await self._refuse("missing API key: send Authorization: Bearer <key> or ?api_key=<key>")
         elif not (user.is_active and user.is_staff):
             await self._refuse("only staff users may use the websocket with a session; send an API key")
-        elif not _same_origin(self.scope):
+        elif not same_origin(self.scope):
             await self._refuse("a session-authenticated socket must come from this site's own pages (Origin)")
         else:
             self.user = user
@@ -204,7 +204,7 @@ class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
         await run.abandon(reason)
 
 
-def _same_origin(scope: dict) -> bool:
+def same_origin(scope: dict) -> bool:
     """The handshake's Origin is this host (or a CSRF-trusted origin), so another site cannot ride the cookie."""
     headers = {name.lower(): value.decode("latin1") for name, value in scope.get("headers") or []}
     origin, host = headers.get(b"origin", "").strip(), headers.get(b"host", "").strip().lower()

@@ -15,6 +15,7 @@ from typing import Any
 
 from fleet import metrics
 from fleet.links import NodeLost, registry
+from fleet.live import fleet_changed
 from nodes.link.messages import Accepted, Done, Error, TokenBatch
 from nodes.link.prefix import PrefixKey, prefix_keys
 from nodes.link.spec import GenerateSpec
@@ -126,6 +127,7 @@ class GenerationStream:
         self._seq = 0
         self._cancelled = False
         self._current: tuple[str, Any] | None = None  # (node_id, link)
+        self._failure: dict[str, Any] | None = None  # why the last attempt's node failed, for the next's evidence
 
     async def __aiter__(self):
         reg = registry()
@@ -143,6 +145,7 @@ class GenerationStream:
                 return
             except _NodeFailed as failed:
                 excluded.add(choice.node_id)
+                self._failure = {"code": failed.code, "message": failed.message, "at": time.time()}
                 if attempt == MAX_ATTEMPTS:
                     raise GenerationError(failed.code, failed.message, status=502) from None
                 log.warning("fleet generation %s: %s on node %r; placing it again (attempt %d)",
@@ -153,12 +156,14 @@ class GenerationStream:
     def _record_choice(self, choice, attempt: int) -> None:
         self.outcome.node_id, self.outcome.node = choice.node_id, choice.identity
         self.outcome.nodes_used.append(choice.identity)
-        evidence = choice.evidence()
+        # The timestamps make the generation page's timeline (queued, placed, failed over); kept in this JSON,
+        # written once at the end with the rest.
+        evidence = {**choice.evidence(), "placed_at": time.time()}
         metrics.placement_made(model=self.spec.model, evidence=evidence)
         if attempt == 1:
             self.outcome.placement = evidence
         else:
-            self.outcome.placement.setdefault("failover", []).append(evidence)
+            self.outcome.placement.setdefault("failover", []).append({**evidence, "after": self._failure})
 
     async def _place(self, excluded: set[str]):
         """Reserve a lane, waiting in deadline order; past the deadline, fail without ever starting."""
@@ -166,6 +171,7 @@ class GenerationStream:
         model = self.spec.model
         entry = (self.deadline, self.spec.gen_id, model)
         _waiters.entries.append(entry)
+        fleet_changed()
         try:
             while True:
                 if model not in reg.placement.models():
@@ -189,6 +195,7 @@ class GenerationStream:
         finally:
             _waiters.entries.remove(entry)
             reg.lanes.notify()
+            fleet_changed()  # placed (a lane taken), or gone from the queue
 
     def _unable(self, reg) -> set[str]:
         """The nodes serving the model that lack a capability this request needs (never placed there); a 400

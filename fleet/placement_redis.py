@@ -12,7 +12,7 @@ import json
 import redis
 
 from nodes.link.prefix import PrefixKey
-from nodes.link.routing import Choice, NodeSlot
+from nodes.link.routing import Choice, NodeSlot, ranking_row
 
 KEY_TTL_S = 24 * 3600
 
@@ -68,6 +68,8 @@ local out = {node_id = best[5], identity = best[4], cost = best[1], matched = be
 if #scored > 1 then
   out.runner_up = {node = scored[2][4], cost = scored[2][1], matched_tokens = scored[2][6]}
 end
+out.ranking = {}
+for i, r in ipairs(scored) do out.ranking[i] = {r[4], r[5], r[6], r[2]} end
 return cjson.encode(out)
 """
 
@@ -170,8 +172,11 @@ class RedisPlacementState:
         got = json.loads(raw)
         if keys:
             self.r.zadd(f"{self.p}lru", self._ticks(keys), xx=True)
-        return Choice(got["node_id"], got["identity"], int(got["cost"]), int(got["matched"]), int(got["total"]),
-                      got.get("runner_up"), int(got["candidates"]))
+        total = int(got["total"])
+        ranking = [ranking_row(identity, node_id, total=total, matched=int(matched), running=int(running),
+                               load_tokens=self.load_tokens) for identity, node_id, matched, running in got["ranking"]]
+        return Choice(got["node_id"], got["identity"], int(got["cost"]), int(got["matched"]), total,
+                      got.get("runner_up"), int(got["candidates"]), ranking)
 
     def release(self, node_id: str) -> None:
         self._release(args=[f"{self.p}node:{node_id}"])

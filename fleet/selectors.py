@@ -1,13 +1,14 @@
-"""Reads of the fleet: the overview (nodes with their live lanes, models served, recent generations) and a model's
-context window."""
+"""Reads of the fleet: the overview (nodes with their live lanes, models served, recent generations), the live
+page's pushed snapshot, and a model's context window."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from django.core.cache import cache
 from django.db.models import Avg, Count, Sum
+from django.urls import reverse
 from django.utils import timezone
 
 from fleet.links import registry
@@ -21,6 +22,7 @@ class NodeRow:
     lanes_busy: int | None
     tokens_per_s: float | None
     connected_here: bool
+    beat: dict = field(default_factory=dict)  # the last heartbeat: KV use, tokens/s history, replicas
 
 
 def fleet_overview() -> dict:
@@ -33,7 +35,7 @@ def fleet_overview() -> dict:
     rows = []
     for node in nodes:
         beat = beats.get(liveness_key(str(node.id))) or {}
-        rows.append(NodeRow(node, beat.get("lanes_busy"), beat.get("tokens_per_s"), str(node.id) in links))
+        rows.append(NodeRow(node, beat.get("lanes_busy"), beat.get("tokens_per_s"), str(node.id) in links, beat))
     since = timezone.now() - timedelta(hours=1)
     recent = Generation.objects.filter(created_at__gte=since)
     totals = recent.aggregate(
@@ -58,6 +60,39 @@ def fleet_overview() -> dict:
         "queue_length": queue_length(),
         "lanes_total": sum(n.lanes for n in nodes if n.state != Node.State.OFFLINE),
         "lanes_busy": sum(r.lanes_busy or 0 for r in rows if r.node.state != Node.State.OFFLINE),
+    }
+
+
+def fleet_live(*, waiting: dict[str, int]) -> dict:
+    """The live fleet page's snapshot as JSON: the overview's figures, each node's KV use, generations placed there
+    and tokens/s over the last minutes, and each model's lanes busy and generations waiting (`waiting`: summed
+    over every head process by the page's socket). Placement is read where it lives (Redis with REDIS_URL)."""
+    overview = fleet_overview()
+    placed = {slot.node_id: slot.running for slot in registry().placement.nodes()}
+    nodes = [_live_node(row, placed.get(str(row.node.id))) for row in overview["nodes"]]
+    serving = [n for n in nodes if n["state"] != "offline"]
+    models = [{**m, "busy": sum(n["placed"] or 0 for n in serving if m["name"] in n["models"]),
+               "waiting": waiting.get(m["name"], 0)} for m in overview["models"]]
+    hour = overview["last_hour"]
+    return {
+        "nodes": nodes, "models": models,
+        "totals": {"nodes": len(nodes), "online": sum(n["state"] != "offline" for n in nodes),
+                   "lanes_busy": overview["lanes_busy"], "lanes_total": overview["lanes_total"],
+                   "waiting": sum(waiting.values()), "generations": hour["count"] or 0,
+                   "completion_tokens": hour["completion_tokens"] or 0, "ttft_ms": hour["ttft_ms"],
+                   "by_status": hour["by_status"]},
+    }
+
+
+def _live_node(row: NodeRow, placed: int | None) -> dict:
+    node, beat = row.node, row.beat
+    return {
+        "id": str(node.id), "identity": node.identity, "state": node.state, "models": node.models_served,
+        "url": reverse("admin:nodes_node_change", args=[node.id]), "lanes": node.lanes, "lanes_busy": row.lanes_busy,
+        "placed": placed, "tokens_per_s": row.tokens_per_s, "kv_used": beat.get("kv_used"),
+        "kv_total": beat.get("kv_total"), "history": beat.get("history") or [], "context_window": node.context_window,
+        "address": node.address, "engine": node.engine,
+        "last_seen": node.last_seen_at.isoformat() if node.last_seen_at else None,
     }
 
 

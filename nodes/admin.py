@@ -25,6 +25,19 @@ class NodeAdmin(admin.ModelAdmin):
     def has_add_permission(self, request):
         return False  # nodes join with `manage.py node_join`
 
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        """The node's page: its models and replicas with their states, recent generations and link history."""
+        from nodes.selectors import node_link_history, node_replicas
+        from sessions.selectors import generation_list_recent
+
+        node = self.get_object(request, object_id)
+        if node is not None:
+            beat, replicas = node_replicas(node=node)
+            extra_context = {**(extra_context or {}), "beat": beat, "replicas": replicas,
+                             "generations": generation_list_recent(node_id=node.pk),
+                             "link_events": node_link_history(node=node)}
+        return super().change_view(request, object_id, form_url, extra_context)
+
     @admin.display(description="state", ordering="state")
     def state_badge(self, node):
         colour = {"online": "#2e7d32", "offline": "#999", "draining": "#e65100", "cordoned": "#e65100"}[node.state]

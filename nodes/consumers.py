@@ -13,6 +13,7 @@ import ipaddress
 import json
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from cachetools import TTLCache
@@ -24,6 +25,7 @@ from django.db import IntegrityError
 
 from fleet import metrics
 from fleet.links import NodeLost, registry
+from fleet.live import fleet_changed
 from nodes import services
 from nodes.link.channel import SecureChannel
 from nodes.link.codes import CloseCode
@@ -46,7 +48,7 @@ from nodes.link.messages import (
     encode,
 )
 from nodes.link.routing import NodeSlot
-from nodes.models import FleetToken, Node
+from nodes.models import FleetToken, LinkEvent, Node
 from nodes.services import JoinRefused, node_group, token_group
 
 log = logging.getLogger("fleet")
@@ -54,6 +56,7 @@ log = logging.getLogger("fleet")
 HANDSHAKE_TIMEOUT_S = 10
 REVOCATION_CHECK_S = 1
 TOUCH_EVERY_S = 30
+TOKENS_HISTORY_S = 600  # the fleet page's tokens/s chart: this much of each node's heartbeats, kept with them
 PROXY_HEADERS = {b"x-forwarded-for", b"forwarded", b"x-real-ip", b"x-forwarded-host"}
 
 _handshakes_in_progress = 0
@@ -158,6 +161,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         self.last_touch = 0.0
         self.held = False  # drained or cordoned by the operator
         self.engine_ready = True  # the node's engine worker is up (heartbeats say so)
+        self.tokens_history: deque = deque(maxlen=TOKENS_HISTORY_S // max(settings.FLEET_HEARTBEAT_S, 1) + 1)
         self.in_handshake = False
         self.closing = False
         self.watchdog: asyncio.Task | None = None
@@ -209,6 +213,9 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         metrics.link_refused(code=code)
         self._handshake_over()
         await self.close(code=int(code), reason=reason[:120])
+        await database_sync_to_async(services.link_event_record)(
+            kind=LinkEvent.Kind.REFUSED, node_id=self.node_id or None, identity=self.identity, peer=self.peer or "",
+            code=int(code), detail=reason)
 
     async def close(self, code: int | None = None, reason: str | None = None) -> None:
         self.closing = True
@@ -279,6 +286,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             reg = registry()
             reg.placement.release(self.node_id)
             reg.lanes.notify()
+            fleet_changed()
 
     async def _on_register(self, msg: Register) -> None:
         if problem := _register_problem(msg):
@@ -317,6 +325,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         for warning in reg.warnings:
             log.warning("fleet node %r: %s", node.identity, warning)
         registry_.lanes.notify()
+        fleet_changed()
 
     async def _on_heartbeat(self, msg: Heartbeat) -> None:
         if not self.node_id:
@@ -332,9 +341,13 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         placement.set_schedulable(self.node_id, not self.held and self.engine_ready)
         if changed:
             registry().lanes.notify()
+        now_s = time.time()
+        self.tokens_history.append((round(now_s, 1), round(msg.tokens_per_s, 1)))
         stats = {"lanes_busy": msg.lanes_busy, "lanes": msg.lanes, "kv_used": msg.kv_used, "kv_total": msg.kv_total,
-                 "tokens_per_s": msg.tokens_per_s, "replicas": msg.replicas, "at": time.time()}
+                 "tokens_per_s": msg.tokens_per_s, "replicas": msg.replicas, "at": now_s,
+                 "history": list(self.tokens_history)}
         await database_sync_to_async(cache.set)(liveness_key(self.node_id), stats, settings.FLEET_NODE_TIMEOUT_S)
+        fleet_changed()
         now = time.monotonic()
         if now - self.last_touch > TOUCH_EVERY_S:
             self.last_touch = now
@@ -376,9 +389,13 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             del reg.links[self.node_id]
             reg.placement.node_down(self.node_id)
             await database_sync_to_async(services.node_mark_offline)(node_id=self.node_id)
+            await database_sync_to_async(services.link_event_record)(
+                kind=LinkEvent.Kind.DROPPED, node_id=self.node_id, identity=self.identity, peer=self.peer or "",
+                code=code, detail=f"{len(self.running)} generation(s) running there")
             metrics.link_dropped(node=self.identity)
             log.warning("fleet node %r lost (link closed, code %s); %d generation(s) running there", self.identity,
                         code, len(self.running))
+            fleet_changed()
         for gen_id in list(self.running):
             reason = f"link closed (code {code})"
             reply_to = self.remote.pop(gen_id, None)
@@ -466,4 +483,5 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         """Placement sends work here only while the operator does not hold the node and its engine is up."""
         registry().placement.set_schedulable(self.node_id, not self.held and self.engine_ready)
         registry().lanes.notify()
+        fleet_changed()
 

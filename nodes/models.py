@@ -124,3 +124,35 @@ class FleetToken(models.Model):
     @property
     def is_active(self) -> bool:
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > timezone.now())
+
+
+class LinkEvent(models.Model):
+    """One moment of a node's link history for its admin page: it joined or rejoined, its link dropped, or the head
+    refused it (with the close code). Refusals before registration have no node, only what the peer claimed.
+
+    Written on transitions only, never per heartbeat; capped per node (and for node-less refusals) by
+    `nodes.services.link_event_record`, so a node that flaps or a peer that keeps failing the handshake cannot
+    grow the table.
+    """
+
+    class Kind(models.TextChoices):
+        JOINED = "joined", "joined"
+        REJOINED = "rejoined", "rejoined"
+        DROPPED = "dropped", "dropped"
+        REFUSED = "refused", "refused"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.CASCADE, related_name="link_events")
+    identity = models.CharField(max_length=200, blank=True)
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    peer = models.CharField(max_length=200, blank=True, help_text="The address the link came from.")
+    code = models.IntegerField(null=True, blank=True, help_text="The websocket close code, for drops and refusals.")
+    detail = models.CharField(max_length=300, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["node", "-created_at"], name="linkevent_node_recent")]
+
+    def __str__(self) -> str:
+        return f"{self.identity or 'node'} {self.kind}"

@@ -2,7 +2,7 @@
 
 from django.db.models import QuerySet
 
-from nodes.models import FleetToken, Node
+from nodes.models import FleetToken, LinkEvent, Node
 
 
 def node_list_serving(*, model: str) -> list[Node]:
@@ -20,3 +20,20 @@ def node_models_served() -> list[str]:
 
 def fleet_token_list() -> QuerySet[FleetToken]:
     return FleetToken.objects.order_by("-created_at")
+
+
+def node_replicas(*, node: Node) -> tuple[dict | None, list[dict]]:
+    """The node's last heartbeat (None when it is offline or has not beaten yet) and its replicas with their states:
+    from that heartbeat when there is one, else as the node registered them."""
+    from django.core.cache import cache
+
+    from nodes.consumers import liveness_key
+
+    beat = cache.get(liveness_key(str(node.pk)))
+    replicas = (beat or {}).get("replicas") or node.replicas or []
+    return beat, [{**r, "state": "alive" if r.get("alive", True) else "down"} for r in replicas]
+
+
+def node_link_history(*, node: Node, limit: int = 50) -> list[LinkEvent]:
+    """The node's newest link events: joins, drops, refusals (newest first)."""
+    return list(node.link_events.order_by("-created_at")[:limit])

@@ -9,13 +9,14 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Subquery
 from django.utils import timezone
 
 from fleet import secretbox
 from nodes.link.codes import CloseCode
 from nodes.link.handshake import LOCAL_TOKEN_ID, fingerprint, format_token, make_secret, parse_token
 from nodes.link.noise import generate_static, public_key
-from nodes.models import FleetToken, HeadKey, Node, RevokedNodeKey
+from nodes.models import FleetToken, HeadKey, LinkEvent, Node, RevokedNodeKey
 
 log = logging.getLogger("nodes")
 
@@ -239,6 +240,8 @@ def node_register(
     )
     node.joined_at = node.last_seen_at = now
     node.save()
+    link_event_record(kind=LinkEvent.Kind.REJOINED if rejoin else LinkEvent.Kind.JOINED, node_id=node.pk,
+                      identity=identity, peer=address, detail=", ".join(names))
     if token is not None:
         FleetToken.objects.filter(pk=token.pk).update(last_used_at=now)
     return Registration(node=node, rejoin=rejoin, model_names=names, warnings=warnings)
@@ -289,3 +292,20 @@ def node_sweep_lost(*, now=None) -> int:
         .filter(last_seen_at__lt=cutoff)
         .update(state=Node.State.OFFLINE, updated_at=now)
     )
+
+
+# --- link history ---------------------------------------------------------------------------------------------
+
+LINK_EVENTS_KEPT = 200
+
+
+def link_event_record(*, kind: str, node_id=None, identity: str = "", peer: str = "", code: int | None = None,
+                      detail: str = "") -> LinkEvent:
+    """Add one event to a node's link history (node-less for a refusal before it registered) and drop what is older
+    than the newest LINK_EVENTS_KEPT of the same node (or of the node-less ones): two statements, no read."""
+    event = LinkEvent.objects.create(node_id=node_id, identity=identity[:200], kind=kind, peer=(peer or "")[:200],
+                                     code=code, detail=detail[:300])
+    same = LinkEvent.objects.filter(node_id=node_id) if node_id else LinkEvent.objects.filter(node__isnull=True)
+    oldest_kept = same.order_by("-created_at").values("created_at")[LINK_EVENTS_KEPT - 1:LINK_EVENTS_KEPT]
+    same.filter(created_at__lt=Subquery(oldest_kept)).delete()
+    return event

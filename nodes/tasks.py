@@ -15,4 +15,7 @@ def node_sweep_lost_task() -> int:
     count = node_sweep_lost()
     if count:
         log.info("fleet marked %d node(s) offline after missed heartbeats", count)
+        from fleet.live import fleet_changed
+
+        fleet_changed()
     return count

@@ -44,6 +44,16 @@ class GenerationAdmin(ReadOnlyMixin, admin.ModelAdmin):
                        "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "duration_ms", "decode_tps",
                        "parameters", "placement", "error", "created_at", "finished_at")
 
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        """The generation's page: its timeline and the placement evidence of every attempt, above the record."""
+        from sessions.selectors import generation_attempts, generation_timeline
+
+        generation = self.get_object(request, object_id)
+        if generation is not None:
+            extra_context = {**(extra_context or {}), "timeline": generation_timeline(generation=generation),
+                             "attempts": generation_attempts(generation=generation)}
+        return super().change_view(request, object_id, form_url, extra_context)
+
 
 class FreeableAdmin(admin.ModelAdmin):
     actions = ("free",)

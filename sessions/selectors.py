@@ -7,6 +7,7 @@ keys and sessions); staff see everything.
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db.models import Q, QuerySet
@@ -121,3 +122,57 @@ def _active(queryset: QuerySet, handle_id: Any, what: str, where: str):
         raise HandleUnavailable(f"The {what} {handle_id!r} was freed at {handle.freed_at:%Y-%m-%d %H:%M:%S} UTC; "
                                 f"create a new one under {where}.")
     return handle
+
+
+# --- a generation's page in the admin -----------------------------------------------------------------------
+
+
+def generation_list_recent(*, node_id: Any, limit: int = 20) -> list[Generation]:
+    """The newest generations a node served (the node's admin page)."""
+    return list(Generation.objects.filter(node_id=node_id).order_by("-created_at")[:limit])
+
+
+def generation_attempts(*, generation: Generation) -> list[dict[str, Any]]:
+    """Each placement of the generation (the first, then one per failover) with its evidence: every candidate node
+    with its cost split into prompt tokens to read again and load, the chosen one marked. Records from before the
+    full ranking was kept show the chosen node and the runner-up."""
+    first = generation.placement or {}
+    attempts = [first, *first.get("failover", [])] if first else []
+    shaped = []
+    for number, attempt in enumerate(attempts, 1):
+        rows = attempt.get("ranking") or [r for r in (attempt, attempt.get("runner_up")) if r]
+        shaped.append({
+            "number": number, "node": attempt.get("node"), "after": attempt.get("after"),
+            "placed_at": _at(attempt.get("placed_at")), "cost": attempt.get("cost"),
+            "prompt_tokens_estimate": attempt.get("prompt_tokens_estimate"),
+            "candidates": attempt.get("candidates", len(rows)),
+            "rows": [{**r, "chosen": r.get("node") == attempt.get("node")} for r in rows],
+        })
+    return shaped
+
+
+def generation_timeline(*, generation: Generation) -> list[dict[str, Any]]:
+    """What happened to the generation, in order, each with its time and milliseconds since it was queued:
+    queued, placed, every failover, first token, and its end."""
+    start = generation.created_at
+    events = [("queued", start, f"{generation.kind} on {generation.model}")]
+    for attempt in generation_attempts(generation=generation):
+        if attempt["after"]:
+            after = attempt["after"]
+            events.append(("failed over", _at(after.get("at")), f"{after.get('code')}: {after.get('message')}"))
+        if attempt["placed_at"]:
+            events.append(("placed", attempt["placed_at"], f"on {attempt['node']} (cost {attempt['cost']} of "
+                                                          f"{attempt['candidates']} candidate(s))"))
+    if generation.ttft_ms is not None:
+        events.append(("first token", start + timedelta(milliseconds=generation.ttft_ms),
+                       f"{generation.prompt_tokens} prompt tokens, {generation.cached_tokens} cached"))
+    if generation.finished_at:
+        end = generation.finish_reason or generation.error or ""
+        events.append((generation.status, generation.finished_at, f"{generation.completion_tokens} tokens; {end}"))
+    events.sort(key=lambda e: e[1])
+    return [{"what": what, "at": at, "ms": (at - start).total_seconds() * 1000, "detail": detail}
+            for what, at, detail in events if at is not None]
+
+
+def _at(seconds: Any) -> datetime | None:
+    return datetime.fromtimestamp(seconds, UTC) if isinstance(seconds, int | float) else None

@@ -92,3 +92,58 @@ def test_revoke_token_action(staff_client):
 def test_non_staff_is_sent_to_login(client):
     response = client.get(reverse("fleet-overview"))
     assert response.status_code == 302 and "/admin/login/" in response["Location"]
+
+
+def _placed(node: Node, at: float, *, others: list[tuple[str, int, int]], after=None) -> dict:
+    rows = [{"node": node.identity, "node_id": str(node.pk), "cost": 40, "reread_tokens": 40, "load_tokens": 0,
+             "matched_tokens": 200, "running": 0}]
+    rows += [{"node": name, "node_id": name, "cost": reread + load, "reread_tokens": reread, "load_tokens": load,
+              "matched_tokens": 240 - reread, "running": load // 3000} for name, reread, load in others]
+    evidence = {"node": node.identity, "node_id": str(node.pk), "cost": 40, "matched_tokens": 200,
+                "prompt_tokens_estimate": 240, "runner_up": None, "candidates": len(rows), "ranking": rows,
+                "placed_at": at}
+    return {**evidence, "after": after} if after else evidence
+
+
+def test_a_generations_page_shows_its_timeline_and_every_candidates_cost(staff_client, django_assert_num_queries):
+    from datetime import UTC, datetime
+
+    first, second = NodeFactory(identity="gpu-lost"), NodeFactory(identity="gpu-took-over")
+    t0 = 1_800_000_000.0
+    placement = _placed(first, t0 + 0.002, others=[("gpu-busy", 240, 3000)])
+    lost = {"code": "node_lost", "message": "node 'gpu-lost' was lost", "at": t0 + 0.8}
+    placement["failover"] = [_placed(second, t0 + 0.9, others=[], after=lost)]
+    generation = GenerationFactory(node=second, nodes_used=["gpu-lost", "gpu-took-over"], placement=placement,
+                                   created_at=datetime.fromtimestamp(t0, UTC), ttft_ms=120.0,
+                                   finished_at=datetime.fromtimestamp(t0 + 1.5, UTC))
+    with django_assert_num_queries(6):  # session, user, the generation (the admin's and the page's), content type, node
+        response = staff_client.get(reverse("admin:inference_sessions_generation_change", args=[generation.pk]))
+    body = response.content.decode()
+    timeline = body[body.index('id="generation-timeline"'):body.index('id="placement-1"')]
+    steps = ["queued", "placed", "first token", "failed over", "node_lost: node &#x27;gpu-lost&#x27; was lost",
+             "placed", "on gpu-took-over", "done"]
+    positions = [timeline.index(step, timeline.index(steps[i - 1]) if i else 0) for i, step in enumerate(steps)]
+    assert positions == sorted(positions)
+    evidence = body[body.index('id="placement-1"'):body.index('id="placement-2"')]
+    assert '<tr class="chosen" style="font-weight: bold"><td>gpu-lost</td><td>40</td><td>40</td><td>0</td>' in evidence
+    assert "<td>gpu-busy</td><td>3240</td><td>240</td><td>3000</td>" in evidence
+    assert "Placement 2, after node_lost: gpu-took-over" in body
+
+
+def test_a_nodes_page_shows_its_models_replicas_generations_and_link_history(staff_client, django_assert_num_queries):
+    from nodes.models import LinkEvent
+    from nodes.services import link_event_record
+
+    node = NodeFactory(identity="gpu-page", replicas=[{"index": 0, "alive": True, "running": 0, "routed": 3},
+                                                      {"index": 1, "alive": False, "running": 0, "routed": 1}])
+    generation = GenerationFactory(node=node)
+    link_event_record(kind=LinkEvent.Kind.JOINED, node_id=node.pk, identity="gpu-page", peer="10.0.0.9")
+    link_event_record(kind=LinkEvent.Kind.DROPPED, node_id=node.pk, identity="gpu-page", code=1006)
+    with django_assert_num_queries(7):
+        response = staff_client.get(reverse("admin:nodes_node_change", args=[node.pk]))
+    body = response.content.decode()
+    replicas = body[body.index('id="node-replicas"'):body.index('id="node-generations"')]
+    assert "<td>0</td><td>alive</td>" in replicas and "<td>1</td><td>down</td>" in replicas
+    history = body[body.index('id="node-link-history"'):]
+    assert history.index("dropped") < history.index("joined") and "<td>1006</td>" in history
+    assert reverse("admin:inference_sessions_generation_change", args=[generation.pk]) in body

@@ -111,3 +111,17 @@ def test_sweep_marks_silent_nodes_offline_idempotently():
     stale.refresh_from_db()
     fresh.refresh_from_db()
     assert stale.state == Node.State.OFFLINE and fresh.state == Node.State.ONLINE
+
+
+def test_the_link_history_keeps_the_newest_events_per_node(monkeypatch):
+    from nodes.models import LinkEvent
+    from nodes.services import link_event_record
+
+    monkeypatch.setattr("nodes.services.LINK_EVENTS_KEPT", 3)
+    node = NodeFactory()
+    for i in range(5):
+        link_event_record(kind=LinkEvent.Kind.REFUSED, identity=f"peer-{i}", code=4001)
+        link_event_record(kind=LinkEvent.Kind.JOINED, node_id=node.pk, identity=f"join-{i}")
+    assert sorted(LinkEvent.objects.filter(node=None).values_list("identity", flat=True)) == ["peer-2", "peer-3",
+                                                                                              "peer-4"]
+    assert sorted(node.link_events.values_list("identity", flat=True)) == ["join-2", "join-3", "join-4"]

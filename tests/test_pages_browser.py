@@ -1,7 +1,11 @@
-"""The operator's pages in a real browser (headless Chromium): log in, the fleet page, a node action, API docs,
-the playground."""
+"""The operator's pages in a real browser (headless Chromium): log in, the fleet page (live: pushed over its
+websocket as nodes join and leave), a node action, a generation's and a node's pages, API docs, the playground.
+The pages' screenshots go to docs/screenshots/ (docs/operations.md shows them)."""
 
+import json
 import shutil
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +13,7 @@ pytestmark = pytest.mark.slow
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
+SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +110,83 @@ def test_the_playground_streams_an_answer_with_the_node_and_usage(browser, live_
     assert not browser.find_element(By.ID, "pg-error").text
     browser.save_screenshot(str(tmp_path / "playground.png"))
     assert (tmp_path / "playground.png").stat().st_size > 10_000
+
+
+def screenshot(browser, name: str) -> None:
+    SCREENSHOTS.mkdir(exist_ok=True)
+    path = SCREENSHOTS / name
+    browser.save_screenshot(str(path))
+    assert path.stat().st_size > 10_000
+
+
+def node_row_text(browser, identity: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    rows = browser.find_elements(By.CSS_SELECTOR, "#fleet-nodes tbody tr")
+    return next((r.text for r in rows if identity in r.text), "")
+
+
+def test_the_fleet_page_shows_a_node_join_and_leave_without_a_reload(browser, live_head):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.mock_node import start_mock_node
+
+    login(browser, live_head)
+    browser.find_element(By.LINK_TEXT, "Fleet overview").click()
+    WebDriverWait(browser, 15).until(lambda b: b.find_element(By.ID, "fleet-live").text == "live")
+    browser.execute_script("window.fleetPageMarker = 'set before the join';")
+    assert "node-live-page" not in browser.find_element(By.ID, "fleet-nodes").text
+
+    node = start_mock_node(live_head, "node-live-page", lanes=4)
+    try:
+        WebDriverWait(browser, 60).until(lambda b: "online" in node_row_text(b, "node-live-page"),
+                                         f"the joined node never showed: {node.log()}")
+        assert browser.execute_script("return window.fleetPageMarker") == "set before the join"
+        WebDriverWait(browser, 30).until(lambda b: "0 / 4" in node_row_text(b, "node-live-page"))  # its heartbeat
+        screenshot(browser, "fleet-live.png")
+    finally:
+        node.stop()
+    WebDriverWait(browser, 30).until(lambda b: "offline" in node_row_text(b, "node-live-page"))
+    assert browser.execute_script("return window.fleetPageMarker") == "set before the join"
+
+
+def test_a_generations_page_shows_its_timeline_and_placement_evidence(browser, live_head, live_node):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    body = json.dumps({"model": "smollm2", "max_tokens": 8, "temperature": 0,
+                       "messages": [{"role": "user", "content": "Name a colour."}]}).encode()
+    request = urllib.request.Request(f"{live_head.url}/v1/chat/completions", data=body, headers={  # noqa: S310
+        "Authorization": f"Bearer {live_head.api_key}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=180) as response:  # noqa: S310 - our own http URL
+        gen_id = json.loads(response.read())["id"].removeprefix("chatcmpl-")
+
+    login(browser, live_head)
+    url = f"{live_head.url}/admin/inference_sessions/generation/{gen_id}/change/"
+
+    def opened(b):
+        b.get(url)  # the record is written once, as the generation ends
+        return b.find_elements(By.ID, "generation-timeline")
+
+    WebDriverWait(browser, 30, poll_frequency=0.5).until(opened)
+    timeline = browser.find_element(By.ID, "generation-timeline").text
+    for step in ("queued", "placed", "first token", "done"):
+        assert step in timeline, timeline
+    chosen = browser.find_element(By.CSS_SELECTOR, "#placement-1 tr.chosen").text
+    assert chosen.startswith("node-a ") and chosen.endswith("chosen"), chosen
+    headers = browser.find_element(By.CSS_SELECTOR, "#placement-1 thead").text.lower()  # the admin capitalises
+    assert "tokens to read again" in headers and "load" in headers
+    screenshot(browser, "generation.png")
+
+
+def test_a_nodes_page_shows_its_models_replicas_generations_and_link_history(browser, live_head, live_node):
+    from selenium.webdriver.common.by import By
+
+    login(browser, live_head)
+    browser.get(f"{live_head.url}/admin/nodes/node/")
+    browser.find_element(By.LINK_TEXT, "node-a").click()
+    assert "smollm2" in browser.find_element(By.ID, "node-models").text
+    assert "joined" in browser.find_element(By.ID, "node-link-history").text
+    assert browser.find_elements(By.CSS_SELECTOR, "#node-replicas tbody tr")
+    screenshot(browser, "node.png")

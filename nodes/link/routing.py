@@ -47,6 +47,9 @@ class Choice:
     prompt_tokens_estimate: int
     runner_up: dict | None = None
     candidates: int = 0
+    # Every candidate, cheapest first (the chosen one leads): its cost split into the prompt tokens it would read
+    # again and the load penalty for the generations already running there.
+    ranking: list[dict] = field(default_factory=list)
 
     def evidence(self) -> dict:
         return {
@@ -57,7 +60,15 @@ class Choice:
             "prompt_tokens_estimate": self.prompt_tokens_estimate,
             "runner_up": self.runner_up,
             "candidates": self.candidates,
+            "ranking": self.ranking,
         }
+
+
+def ranking_row(identity: str, node_id: str, *, total: int, matched: int, running: int, load_tokens: int) -> dict:
+    """One candidate's line of placement evidence; its `cost` is `reread_tokens + load_tokens`."""
+    reread = max(total - matched, 0)
+    return {"node": identity, "node_id": node_id, "cost": reread + load_tokens * running, "reread_tokens": reread,
+            "load_tokens": load_tokens * running, "matched_tokens": matched, "running": running}
 
 
 @dataclass
@@ -140,10 +151,12 @@ class PlacementState:
             if len(scored) > 1:
                 r = scored[1]
                 runner_up = {"node": r[6].identity, "cost": r[0], "matched_tokens": r[1]}
+            ranking = [ranking_row(s.identity, s.node_id, total=t, matched=m, running=run, load_tokens=self.load_tokens)
+                       for _, m, t, run, _, _, s in scored]
             for k in keys:
                 if k.key in self._index:
                     self._index.move_to_end(k.key)
-            return Choice(best.node_id, best.identity, cost, matched, total, runner_up, len(candidates))
+            return Choice(best.node_id, best.identity, cost, matched, total, runner_up, len(candidates), ranking)
 
     def _cost_locked(self, slot: NodeSlot, keys: list[PrefixKey], chars_per_token: float) -> tuple[int, int, int]:
         total = keys[-1].tokens(chars_per_token) if keys else 0

@@ -1,0 +1,120 @@
+"""The live fleet page's socket (/ws/fleet/) and what feeds it: staff only, a snapshot on connect and after each
+change a node makes (join, heartbeat, leave), throttled pushes, and the link history those changes write."""
+
+import asyncio
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
+from channels.testing import WebsocketCommunicator
+
+from fleet import live
+from nodes.link.messages import Heartbeat
+from nodes.models import LinkEvent
+from nodes.services import fleet_token_create, fleet_token_revoke
+from tests.test_node_consumer import (  # noqa: F401 - the fixtures apply here too
+    LOCAL_TOKEN,
+    _disconnect_all,
+    _local_token,
+    _refused,
+    joined,
+)
+from tests.test_playground import session_cookie
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
+
+
+async def page_socket(cookie=None, origin="http://testserver") -> WebsocketCommunicator:
+    from fleet.asgi import application
+
+    headers = [(b"host", b"testserver")] + ([(b"cookie", cookie.encode())] if cookie else [])
+    headers += [(b"origin", origin.encode())] if origin else []
+    comm = WebsocketCommunicator(application, "/ws/fleet/", headers=headers)
+    assert (await comm.connect())[0]
+    return comm
+
+
+async def staff_page() -> WebsocketCommunicator:
+    return await page_socket(await sync_to_async(session_cookie)(is_staff=True))
+
+
+async def snapshot_where(comm, predicate, *, frames: int = 20) -> dict:
+    """The first pushed snapshot that satisfies `predicate` (earlier ones may predate the change)."""
+    for _ in range(frames):
+        frame = await comm.receive_json_from(timeout=5)
+        assert frame["type"] == "fleet", frame
+        if predicate(frame):
+            return frame
+    raise AssertionError("no pushed snapshot showed the change")
+
+
+def node_named(frame: dict, identity: str) -> dict | None:
+    return next((n for n in frame["nodes"] if n["identity"] == identity), None)
+
+
+@pytest.mark.parametrize("user_fields, origin, code, words", [
+    (None, "http://testserver", 4401, "log in"),
+    ({"is_staff": False}, "http://testserver", 4403, "only staff"),
+    ({"is_staff": True}, "http://evil.example", 4403, "this site's own pages"),
+])
+async def test_the_page_socket_takes_only_a_staff_session_from_this_site(user_fields, origin, code, words):
+    cookie = await sync_to_async(session_cookie)(**user_fields) if user_fields else None
+    comm = await page_socket(cookie, origin)
+    error = await comm.receive_json_from(timeout=3)
+    assert error["type"] == "error" and words in error["message"]
+    closed = await comm.receive_output(timeout=3)
+    assert closed == {"type": "websocket.close", "code": code, "reason": error["message"]}
+    await comm.disconnect()
+
+
+async def test_a_node_joining_heartbeating_and_leaving_is_pushed_to_an_open_page():
+    page = await staff_page()
+    first = await page.receive_json_from(timeout=5)
+    assert first["type"] == "fleet" and first["seq"] == 1 and first["nodes"] == []
+
+    node, channel = await joined()
+    frame = await snapshot_where(page, lambda f: node_named(f, "gpu-7"))
+    assert node_named(frame, "gpu-7")["state"] == "online"
+    assert frame["models"] == [{"name": "smollm2", "nodes": 1, "lanes": 4, "busy": 0, "waiting": 0}]
+
+    await node.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=3, lanes=4, kv_used=512, kv_total=2048,
+                                                         tokens_per_s=12.5)))
+    frame = await snapshot_where(page, lambda f: node_named(f, "gpu-7")["tokens_per_s"])
+    shown = node_named(frame, "gpu-7")
+    assert (shown["lanes_busy"], shown["kv_used"], shown["kv_total"]) == (3, 512, 2048)
+    assert [tps for _, tps in shown["history"]] == [12.5]
+
+    await node.disconnect()
+    frame = await snapshot_where(page, lambda f: node_named(f, "gpu-7")["state"] == "offline")
+    assert frame["models"] == [] and frame["totals"]["online"] == 0
+    assert [f["seq"] for f in (first, frame)] == sorted({first["seq"], frame["seq"]})
+    await page.disconnect()
+
+
+async def test_a_burst_of_changes_is_one_push_now_and_one_at_the_end_of_the_interval():
+    layer = get_channel_layer()
+    watcher = await layer.new_channel()
+    await layer.group_add(live.fleet_page_group(), watcher)
+    live.fleet_changed()
+    first = await asyncio.wait_for(layer.receive(watcher), 5)  # at once
+    for _ in range(100):  # within the interval that just began
+        live.fleet_changed()
+    second = await asyncio.wait_for(layer.receive(watcher), 5)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(layer.receive(watcher), live.PUSH_EVERY_S * 4)
+    assert first == second == {"type": "fleet.changed", "process": live.PROCESS_ID, "waiting": {}}
+    await layer.group_discard(live.fleet_page_group(), watcher)
+
+
+async def test_joins_refusals_and_drops_are_the_nodes_link_history():
+    token, secret = await sync_to_async(fleet_token_create)(name="history")
+    node, _ = await joined(token=secret)
+    await sync_to_async(fleet_token_revoke)(token=token)
+    await node.receive_output(timeout=5)  # the revocation closes the link
+    await node.disconnect()
+    assert await _refused(secret) == 4006
+    rows = await sync_to_async(lambda: list(LinkEvent.objects.order_by("created_at").values_list(
+        "identity", "kind", "code", "node__identity")))()
+    assert rows == [("gpu-7", "joined", None, "gpu-7"), ("gpu-7", "refused", 4006, "gpu-7"),
+                    ("gpu-7", "dropped", 1000, "gpu-7"), ("", "refused", 4006, None)]
+    assert LOCAL_TOKEN  # the local token fixture stays in force for joined()'s default
