@@ -12,7 +12,10 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
 from api.limits import body_limit  # noqa: E402
 from api.sse import sse_guard  # noqa: E402
+from fleet.discovery import announce_served_head  # noqa: E402
 from fleet.routing import websocket_urlpatterns  # noqa: E402
+
+announce_served_head()  # with FLEET_ANNOUNCE set, nodes started with no head address find this one
 
 application = ProtocolTypeRouter({
     "http": body_limit(sse_guard(django_app)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import socket
 
@@ -60,3 +61,21 @@ class Announcer:
             self._zc.unregister_all_services()
             self._zc.close()
             self._zc = None
+
+
+_served: Announcer | None = None
+
+
+def announce_served_head() -> Announcer | None:
+    """Announce this head process by mDNS when settings.FLEET_ANNOUNCE says where nodes should dial it (a head
+    served by daphne; `manage.py up` announces itself). Once per process; withdrawn at exit."""
+    global _served
+    from django.conf import settings
+
+    if _served is not None or not settings.FLEET_MDNS or not settings.FLEET_ANNOUNCE:
+        return _served
+    host, _, port = settings.FLEET_ANNOUNCE.rpartition(":")
+    _served = Announcer(int(port), host or None)
+    _served.start([])
+    atexit.register(_served.stop)
+    return _served

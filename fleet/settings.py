@@ -219,6 +219,12 @@ FLEET_HEARTBEAT_S = env_int("FLEET_HEARTBEAT_S", 5)
 FLEET_NODE_TIMEOUT_S = env_int("FLEET_NODE_TIMEOUT_S", 20)
 FLEET_MAX_HANDSHAKES = env_int("FLEET_MAX_HANDSHAKES", 8)
 FLEET_MDNS = env_bool("FLEET_MDNS", True)
+# A head served by daphne (not `manage.py up`) announces itself by mDNS when this names the address nodes should
+# dial: "host:port", or ":port" for this machine's LAN address.
+FLEET_ANNOUNCE = os.environ.get("FLEET_ANNOUNCE", "").strip()
+if FLEET_ANNOUNCE and not FLEET_ANNOUNCE.rpartition(":")[2].isdigit():
+    sys.stderr.write(f"fleet: FLEET_ANNOUNCE must be host:port or :port, not {FLEET_ANNOUNCE!r}\n")
+    sys.exit(2)
 # Per-API-key quotas (0: unlimited), counted in Redis when REDIS_URL is set so every head process counts together;
 # a key's own figures in the admin replace these. Tokens are uncached prompt tokens plus completion tokens.
 FLEET_QUOTA_REQUESTS_PER_MINUTE = env_int("FLEET_QUOTA_REQUESTS_PER_MINUTE", 600)

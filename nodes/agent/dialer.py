@@ -127,7 +127,8 @@ class NodeAgent:
         """Dial, serve, redial; returns only by raising Refused (or on cancellation)."""
         delay = self.config.backoff_start
         while True:
-            head = self.resolve_head()
+            # in a thread: finding the head by mDNS blocks, and zeroconf started on a running loop would wait on it
+            head = await asyncio.to_thread(self.resolve_head)
             if head is None:
                 log.warning("fleet node: no head found on the local network; retrying in %.0f s", delay)
             else:
@@ -151,7 +152,7 @@ class NodeAgent:
         """Handshake and ask whether this key may join under its identity before the model loads, so a refusal
         stops the node in seconds, not after a long load. A head that does not answer yet is no error: the agent
         keeps dialing it later."""
-        head = self.resolve_head()
+        head = await asyncio.to_thread(self.resolve_head)
         if head is None:
             return
         try:

@@ -38,7 +38,8 @@ class Command(BaseCommand):
         self._first_run(options)
         children = self._start(options)
         announcer = Announcer(options["port"], options["host"])
-        if settings.FLEET_MDNS and options["host"] not in {"127.0.0.1", "localhost", "::1"}:
+        if settings.FLEET_MDNS and not settings.FLEET_ANNOUNCE and options["host"] not in {"127.0.0.1", "localhost",
+                                                                                          "::1"}:
             announcer.start([options["model"]] if not options["no_node"] else [])
         self.stdout.write(f"Fleet is up: http://{options['host']}:{options['port']}/admin/  (Ctrl-C stops it)\n")
         self.stdout.flush()
