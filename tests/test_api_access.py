@@ -181,6 +181,7 @@ API_FRESH: dict[str, Callable[[World], Any]] = {
 
 NAMED: dict[str, list[Case]] = {
     "healthz": [Case("GET", PUBLIC)],
+    "metrics": [Case("GET", statuses(401, 401, 401, 200))],  # an API key is no scrape token; a staff session is
     "fleet-overview": [Case("GET", ADMIN)],
     "fleet-playground": [Case("GET", ADMIN)],
     "v1-openapi": [Case("GET", PUBLIC)],
