@@ -3,7 +3,8 @@
 from django.contrib import admin, messages
 from django.utils.html import format_html
 
-from api.models import ApiKey
+from api.batches import batch_ref, file_ref
+from api.models import ApiKey, Batch, BatchFile
 from api.services import api_key_create, api_key_revoke
 
 
@@ -42,3 +43,38 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def revoke(self, request, queryset):
         count = sum(api_key_revoke(key=k) for k in queryset)
         self.message_user(request, f"{count} key(s) revoked.", messages.SUCCESS)
+
+
+@admin.register(BatchFile)
+class BatchFileAdmin(admin.ModelAdmin):
+    list_display = ("file_id", "filename", "purpose", "owner", "bytes", "created_at")
+    list_filter = ("purpose",)
+    search_fields = ("filename", "owner__username")
+    list_select_related = ("owner",)
+    readonly_fields = ("owner", "filename", "purpose", "bytes", "created_at")
+    exclude = ("content",)
+
+    @admin.display(description="id")
+    def file_id(self, row):
+        return file_ref(row)
+
+
+@admin.register(Batch)
+class BatchAdmin(admin.ModelAdmin):
+    """Batches with their progress: lines answered of the total, and where they stand."""
+
+    list_display = ("batch_id", "owner", "endpoint", "status", "progress", "completed", "failed", "total",
+                    "created_at", "expires_at")
+    list_filter = ("status", "endpoint")
+    search_fields = ("owner__username", "input_file_ref")
+    list_select_related = ("owner",)
+    readonly_fields = [f.name for f in Batch._meta.fields]
+
+    @admin.display(description="id")
+    def batch_id(self, row):
+        return batch_ref(row)
+
+    @admin.display(description="progress")
+    def progress(self, row):
+        done = row.completed + row.failed
+        return f"{done}/{row.total} ({100 * done // row.total if row.total else 0}%)"

@@ -38,7 +38,7 @@ class Run:
         self.ticket = ticket  # the key's quota: settled with the tokens spent when the generation ends
         if ticket is not None:
             ticket.owned = True
-        self.stream = generation_stream(request.spec, deadline=request.deadline)
+        self.stream = generation_stream(request.spec, deadline=request.deadline, batch=request.batch)
         self._events = self.stream.__aiter__()
         self._next: asyncio.Future | None = None
         self.started: Started | None = None

@@ -25,7 +25,9 @@ def body_limit(app):
     """ASGI wrapper for the HTTP app: refuse bodies over FLEET_MAX_BODY_BYTES with a 413, else replay the body."""
 
     async def limited(scope, receive, send):
-        limit = settings.FLEET_MAX_BODY_BYTES
+        # An upload for /v1/batches may be larger than any one request (api.batches checks it against this).
+        limit = settings.FLEET_BATCH_FILE_MAX_BYTES + 65536 if scope.get("path") == "/v1/files" \
+            else settings.FLEET_MAX_BODY_BYTES
         if _declared_length(scope) > limit:
             await _refuse(scope, send, limit)
             return

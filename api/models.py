@@ -43,3 +43,112 @@ class ApiKey(models.Model):
     @property
     def is_active(self) -> bool:
         return self.revoked_at is None
+
+
+class BatchFile(models.Model):
+    """A file uploaded for /v1/batches (purpose `batch`), or a batch's output or error file. Its owner's only."""
+
+    class Purpose(models.TextChoices):
+        BATCH = "batch"
+        BATCH_OUTPUT = "batch_output"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="batch_files")
+    filename = models.CharField(max_length=255)
+    purpose = models.CharField(max_length=20, choices=Purpose.choices)
+    bytes = models.PositiveBigIntegerField(default=0)
+    content = models.BinaryField(editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "batch file"
+
+    def __str__(self) -> str:
+        return f"{self.filename} ({self.purpose})"
+
+
+class Batch(models.Model):
+    """A batch job: the lines of an input file run through the fleet by a Celery worker, below interactive
+    traffic. Counts move as lines finish (in the same transaction that marks each line done)."""
+
+    class Status(models.TextChoices):
+        VALIDATING = "validating"
+        FAILED = "failed"
+        IN_PROGRESS = "in_progress"
+        FINALIZING = "finalizing"
+        COMPLETED = "completed"
+        EXPIRED = "expired"
+        CANCELLING = "cancelling"
+        CANCELLED = "cancelled"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="batches")
+    # The key that created the batch: its lines are sent as that key (its quotas, its revocation). Never the secret.
+    api_key = models.ForeignKey(ApiKey, on_delete=models.SET_NULL, null=True, blank=True, related_name="batches")
+    endpoint = models.CharField(max_length=40)
+    completion_window = models.CharField(max_length=10)
+    input_file = models.ForeignKey(BatchFile, on_delete=models.SET_NULL, null=True, related_name="+")
+    input_file_ref = models.CharField(max_length=60, help_text="The input file's id as the client gave it.")
+    output_file = models.ForeignKey(BatchFile, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    error_file = models.ForeignKey(BatchFile, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.VALIDATING)
+    errors = models.JSONField(null=True, blank=True)
+    metadata = models.JSONField(null=True, blank=True)
+    total = models.PositiveIntegerField(default=0)
+    completed = models.PositiveIntegerField(default=0)
+    failed = models.PositiveIntegerField(default=0)
+    # The worker running it now, and when it last said so: a stale runner (killed) is taken over.
+    runner = models.CharField(max_length=40, blank=True)
+    runner_seen_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    expires_at = models.DateTimeField()
+    in_progress_at = models.DateTimeField(null=True, blank=True)
+    finalizing_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    failed_at = models.DateTimeField(null=True, blank=True)
+    expired_at = models.DateTimeField(null=True, blank=True)
+    cancelling_at = models.DateTimeField(null=True, blank=True)
+    cancelled_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name_plural = "batches"
+
+    def __str__(self) -> str:
+        return f"batch_{self.id.hex} ({self.status})"
+
+
+class BatchLine(models.Model):
+    """One input line of a batch and, once answered, its result. Answered exactly once: the result is written by
+    the conditional UPDATE that moves it from `running` (under its claim) to `done` or `failed`."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        RUNNING = "running"
+        DONE = "done"
+        FAILED = "failed"
+
+    batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="lines")
+    index = models.PositiveIntegerField()
+    custom_id = models.CharField(max_length=512, blank=True)
+    method = models.CharField(max_length=10, blank=True)
+    url = models.CharField(max_length=40, blank=True)
+    body = models.JSONField(null=True, blank=True)
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.PENDING)
+    claim = models.CharField(max_length=40, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    response = models.JSONField(null=True, blank=True)  # {"status_code", "request_id", "body"}
+    error = models.JSONField(null=True, blank=True)  # {"code", "message"}
+    request_id = models.CharField(max_length=64, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["batch", "index"]
+        constraints = [models.UniqueConstraint(fields=["batch", "index"], name="batch_line_index_unique")]
+        indexes = [models.Index(fields=["batch", "status"])]
+
+    def __str__(self) -> str:
+        return f"{self.batch_id} #{self.index} {self.custom_id}"

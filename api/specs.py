@@ -44,6 +44,7 @@ class GenerationRequest:
     session_id: str | None = None
     new_messages: list[dict[str, Any]] = field(default_factory=list)
     api_key: Any = None
+    batch: bool = False  # a batch line: placed below interactive generations (fleet.dispatch)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -4,7 +4,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView
 from rest_framework.routers import DefaultRouter
 
-from api import docs, openapi_v1, v1, views
+from api import docs, openapi_v1, v1, v1_batches, views
 
 # No `.json` suffix routes: `?format=` does the same, and the actions (drain, revoke, messages) take no `format`.
 router = DefaultRouter()
@@ -25,6 +25,12 @@ v1_patterns = [
     path("chat/completions", v1.chat_completions, name="v1-chat-completions"),
     path("completions", v1.completions, name="v1-completions"),
     path("embeddings", v1.embeddings, name="v1-embeddings"),
+    path("files", v1_batches.files, name="v1-files"),
+    path("files/<str:file_id>", v1_batches.file_detail, name="v1-file"),
+    path("files/<str:file_id>/content", v1_batches.file_content, name="v1-file-content"),
+    path("batches", v1_batches.batch_collection, name="v1-batches"),
+    path("batches/<str:batch_id>", v1_batches.batch_detail, name="v1-batch"),
+    path("batches/<str:batch_id>/cancel", v1_batches.batch_cancel, name="v1-batch-cancel"),
 ]
 
 urlpatterns = [

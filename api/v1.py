@@ -23,6 +23,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from api.auth import v1_authenticate_async
+from api.batches import BATCH_HEADER, batch_key_for
 from api.errors import OpenAIError, body_too_large, invalid, openai_error_response
 from api.generation import Run
 from api.quotas import Ticket, quota_admit
@@ -70,7 +71,7 @@ async def _serve_admitted(view, request: HttpRequest, methods, tokens: bool, str
         if request.method not in methods:
             raise OpenAIError(405, f"{request.method} is not allowed here; use {' or '.join(methods)}.",
                               code="method_not_allowed", headers={"Allow": ", ".join(methods)})
-        request.api_key = await v1_authenticate_async(request.headers.get("Authorization"))
+        request.api_key, request.batch_line = await _authenticate(request)
         request.quota = await quota_admit(request.api_key, tokens=tokens, stream=stream)
         return await view(request, *args, **kwargs)
     except OpenAIError as exc:
@@ -79,6 +80,19 @@ async def _serve_admitted(view, request: HttpRequest, methods, tokens: bool, str
         log.exception("api: %s %s failed", request.method, request.path)
         return openai_error_response(OpenAIError(500, "The head failed to serve this request; it has been "
                                                  "logged.", code="internal_error"))
+
+
+async def _authenticate(request: HttpRequest):
+    """The request's key, and whether it is a batch line: a worker's signed X-Fleet-Batch credential runs as the
+    key that created the batch, at batch priority; anything else authenticates with its bearer key."""
+    credential = request.headers.get(BATCH_HEADER)
+    if not credential:
+        return await v1_authenticate_async(request.headers.get("Authorization")), False
+    key = await sync_to_async(batch_key_for)(credential)
+    if key is None:
+        raise OpenAIError(401, f"The {BATCH_HEADER} credential is wrong, or its batch is over or its key revoked; "
+                          "only a Fleet worker sends it.", code="invalid_batch_credential")
+    return key, True
 
 
 def json_body(request: HttpRequest) -> dict[str, Any]:
@@ -143,6 +157,7 @@ async def serve(request: HttpRequest, parse: Callable[..., GenerationRequest]) -
     body = json_body(request)
     key = request.api_key
     gen = await sync_to_async(parse)(body, api_key=key, user=key.owner)
+    gen.batch = request.batch_line
     return await respond(gen, request.quota)
 
 

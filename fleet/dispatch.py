@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.conf import settings
+
 from fleet import metrics
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
@@ -92,16 +94,23 @@ class Outcome:
 
 
 class _Waiters:
-    """Generations waiting for a lane, so the earliest deadline gets the next free lane of its model."""
+    """Generations waiting for a lane, so the earliest deadline gets the next free lane of its model; every
+    interactive generation goes before every batch line (batch lines keep deadline order among themselves)."""
 
     def __init__(self) -> None:
-        self.entries: list[tuple[float, str, str]] = []  # (deadline, gen_id, model)
+        self.entries: list[tuple[float, str, str, bool]] = []  # (deadline, gen_id, model, batch)
 
-    def ahead_of(self, gen_id: str, model: str, deadline: float) -> int:
-        return sum(1 for d, g, m in self.entries if m == model and (d, g) < (deadline, gen_id))
+    def ahead_of(self, gen_id: str, model: str, deadline: float, batch: bool = False) -> int:
+        return sum(1 for d, g, m, b in self.entries if m == model and (b, d, g) < (batch, deadline, gen_id))
+
+    def interactive(self, model: str) -> int:
+        return sum(1 for _, _, m, b in self.entries if m == model and not b)
 
 
 _waiters = _Waiters()
+# Generations of this process placed and not yet over, per (model, batch): batch lines keep to their share of a
+# model's lanes while interactive ones run or wait.
+_running: dict[tuple[str, bool], int] = {}
 
 
 def queue_length() -> int:
@@ -111,7 +120,7 @@ def queue_length() -> int:
 def waiting_by_model() -> dict[str, int]:
     """This process's generations waiting for a lane, per model (the live fleet page sums every process's)."""
     counts: dict[str, int] = {}
-    for _, _, model in _waiters.entries:
+    for _, _, model, _ in _waiters.entries:
         counts[model] = counts.get(model, 0) + 1
     return counts
 
@@ -119,9 +128,11 @@ def waiting_by_model() -> dict[str, int]:
 class GenerationStream:
     """One generation's life on the head: placement, relay, failover. Iterate it once."""
 
-    def __init__(self, spec: GenerateSpec, *, deadline: float):
+    def __init__(self, spec: GenerateSpec, *, deadline: float, batch: bool = False):
         self.spec = spec
         self.deadline = deadline
+        self.batch = batch
+        self._counted = False  # counted in _running (from its first placement to its end)
         self.keys: list[PrefixKey] = prefix_keys(model=spec.model, prompt=spec.prompt, messages=spec.messages)
         self.outcome = Outcome()
         self._seq = 0
@@ -130,6 +141,15 @@ class GenerationStream:
         self._failure: dict[str, Any] | None = None  # why the last attempt's node failed, for the next's evidence
 
     async def __aiter__(self):
+        try:
+            async for event in self._attempts():
+                yield event
+        finally:
+            if self._counted:
+                _running[(self.spec.model, self.batch)] -= 1
+                registry().lanes.notify()  # a batch line waiting on the share may go now
+
+    async def _attempts(self):
         reg = registry()
         excluded: set[str] = set()
         for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -169,7 +189,7 @@ class GenerationStream:
         """Reserve a lane, waiting in deadline order; past the deadline, fail without ever starting."""
         reg = registry()
         model = self.spec.model
-        entry = (self.deadline, self.spec.gen_id, model)
+        entry = (self.deadline, self.spec.gen_id, model, self.batch)
         _waiters.entries.append(entry)
         fleet_changed()
         try:
@@ -179,12 +199,15 @@ class GenerationStream:
                     raise GenerationError("model_not_found", f"The model {model!r} is not served by any node "
                                           f"(served: {served}).", status=404, param="model")
                 unable = self._unable(reg)
-                ahead = _waiters.ahead_of(self.spec.gen_id, model, self.deadline)
-                if ahead < reg.placement.free_lanes(model):
+                ahead = _waiters.ahead_of(self.spec.gen_id, model, self.deadline, self.batch)
+                if ahead < reg.placement.free_lanes(model) and self._within_share(reg):
                     choice = reg.placement.choose(model, self.keys, exclude=excluded | unable)
                     if choice is None and excluded:
                         choice = reg.placement.choose(model, self.keys, exclude=unable)
                     if choice is not None:
+                        if not self._counted:
+                            self._counted = True
+                            _running[(model, self.batch)] = _running.get((model, self.batch), 0) + 1
                         return choice
                 left = self.deadline - time.time()
                 if left <= 0:
@@ -196,6 +219,15 @@ class GenerationStream:
             _waiters.entries.remove(entry)
             reg.lanes.notify()
             fleet_changed()  # placed (a lane taken), or gone from the queue
+
+    def _within_share(self, reg) -> bool:
+        """A batch line may take a lane while no interactive generation of its model runs or waits here, else only
+        while batch lines hold fewer than FLEET_BATCH_SHARE of the model's lanes (one at least)."""
+        model = self.spec.model
+        if not self.batch or not (_running.get((model, False), 0) + _waiters.interactive(model)):
+            return True
+        lanes = sum(s.lanes for s in reg.placement.nodes() if model in s.models)
+        return _running.get((model, True), 0) < max(1, int(lanes * settings.FLEET_BATCH_SHARE))
 
     def _unable(self, reg) -> set[str]:
         """The nodes serving the model that lack a capability this request needs (never placed there); a 400
@@ -363,5 +395,6 @@ def _status_for(code: str) -> int:
     }.get(code, 500)
 
 
-def generation_stream(spec: GenerateSpec, *, deadline: float) -> GenerationStream:
-    return GenerationStream(spec, deadline=deadline)
+def generation_stream(spec: GenerateSpec, *, deadline: float, batch: bool = False) -> GenerationStream:
+    """`batch`: a batch job's line, placed after every interactive generation and within its share of lanes."""
+    return GenerationStream(spec, deadline=deadline, batch=batch)

@@ -171,6 +171,7 @@ CELERY_TASK_TIME_LIMIT = 90
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE = {
     "sweep-lost-nodes": {"task": "nodes.tasks.node_sweep_lost", "schedule": 30.0},
+    "resume-batches": {"task": "api.tasks.batch_resume", "schedule": float(env_int("FLEET_BATCH_RESUME_S", 15))},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(FLEET_HOME / "celerybeat-schedule")
 
@@ -248,6 +249,15 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = FLEET_MAX_BODY_BYTES
 
 # /metrics answers a scraper that sends `Authorization: Bearer <this>` (or a staff session); unset: staff only.
 FLEET_METRICS_TOKEN = os.environ.get("FLEET_METRICS_TOKEN", "").strip()
+
+# Batches (/v1/batches): a Celery worker sends each line to a head process's /v1 at this address.
+FLEET_HEAD_URL = os.environ.get("FLEET_HEAD_URL", "http://127.0.0.1:8000").strip().rstrip("/")
+FLEET_BATCH_CONCURRENCY = env_int("FLEET_BATCH_CONCURRENCY", 8)  # lines one batch run sends at once
+FLEET_BATCH_SHARE = float(os.environ.get("FLEET_BATCH_SHARE", "0.5"))  # of a model's lanes, with interactive traffic
+FLEET_BATCH_FILE_MAX_BYTES = env_int("FLEET_BATCH_FILE_MAX_BYTES", 50 * 1024 * 1024)
+FLEET_BATCH_LINE_TIMEOUT_S = env_int("FLEET_BATCH_LINE_TIMEOUT_S", 600)
+FLEET_BATCH_SLICE_S = env_int("FLEET_BATCH_SLICE_S", 600)  # one task's run; the next slice is enqueued after it
+FLEET_BATCH_LEASE_S = env_int("FLEET_BATCH_LEASE_S", 30)  # a runner silent this long is taken for dead
 
 # plain, or json: one JSON object a line, with gen_id on every line about a generation (node_join honours it too).
 try:

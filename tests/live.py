@@ -139,8 +139,10 @@ def make_head(tmp: Path, *, extra_env: dict[str, str] | None = None, port: int |
     db = database_url or _fresh_database_url()
     if db:
         env["DATABASE_URL"] = db
+    port = port or free_port()
+    env["FLEET_HEAD_URL"] = f"http://127.0.0.1:{port}"  # where a Celery worker sends batch lines
     env.update(extra_env or {})
-    head = Head(home=home, port=port or free_port(), env=env)
+    head = Head(home=home, port=port, env=env)
     head.manage("migrate", "--noinput")
     head.manage("createsuperuser", "--noinput", "--username", "admin", "--email", "admin@example.com")
     out = head.manage("create_api_key", "--user", "admin", "--name", "tests").stdout

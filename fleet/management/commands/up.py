@@ -73,7 +73,10 @@ class Command(BaseCommand):
         # The local node's token, made for this run and known only to these children: the head takes it from
         # loopback only, never through a proxy; nothing else joins without a token from `manage.py fleet_token`.
         local_token = format_token(LOCAL_TOKEN_ID, make_secret())
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "FLEET_LOCAL_NODE_TOKEN": local_token}
+        # The Celery worker sends batch lines to this head's /v1 (api.batch_run).
+        head_host = "127.0.0.1" if options["host"] in {"0.0.0.0", "::"} else options["host"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "FLEET_LOCAL_NODE_TOKEN": local_token,
+               "FLEET_HEAD_URL": os.environ.get("FLEET_HEAD_URL") or f"http://{head_host}:{options['port']}"}
         commands = {
             "daphne": [python, "-m", "daphne", "-b", options["host"], "-p", str(options["port"]),
                        "fleet.asgi:application"],
