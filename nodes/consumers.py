@@ -142,6 +142,18 @@ class FrameBudget:
 class NodeLinkConsumer(AsyncWebsocketConsumer):
     """One connected node. Implements fleet.links.LinkHandle for the dispatcher."""
 
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:
+            # A head process shutting down (daphne on SIGTERM) cancels every connection with no disconnect event.
+            # Run it now: other head processes then get relay.lost for the generations they run on this node and
+            # stop placing there; else their clients waited for frames that never came (STUCK_AFTER_S, 300 s).
+            # Not re-raised: daphne gathers the cancelled connections and exits when the first one raises, which
+            # cut the other links' cleanup short.
+            if getattr(self, "node_id", "") and (registry().links.get(self.node_id) is self or self.running):
+                await self.disconnect(1001)
+
     async def connect(self) -> None:
         global _handshakes_in_progress
         self.peer = (self.scope.get("client") or [None])[0]
@@ -308,6 +320,10 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         old = registry_.links.get(self.node_id)
         if old is not None and old is not self:
             await old.close(code=1000)  # a rejoin while the old link had not noticed it was gone
+        # Registered goes out before the node is placeable: a generation placed in between went out first, and the
+        # node, waiting for Registered, dropped the link ("expected registered, got Generate") at every rejoin.
+        await self._send(Registered(node_id=self.node_id, model_names=reg.model_names,
+                                    heartbeat_s=float(settings.FLEET_HEARTBEAT_S), warnings=reg.warnings))
         registry_.links[self.node_id] = self
         self.held, self.engine_ready = not node.schedulable, True
         registry_.placement.node_up(
@@ -317,8 +333,6 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             cache_cleared=msg.cache_cleared, channel=self.channel_name, warm=msg.warm,
         )
         await self.channel_layer.group_add(node_group(self.node_id), self.channel_name)
-        await self._send(Registered(node_id=self.node_id, model_names=reg.model_names,
-                                    heartbeat_s=float(settings.FLEET_HEARTBEAT_S), warnings=reg.warnings))
         verb = "rejoined" if reg.rejoin else "joined"
         log.info("fleet node %r %s from %s: %s, context window %d tokens, %d lanes", node.identity, verb,
                  self.peer, ", ".join(reg.model_names) or "no model", msg.context_window, msg.lanes)
