@@ -26,6 +26,9 @@ log = logging.getLogger("fleet")
 
 MAX_ATTEMPTS = 3
 STUCK_AFTER_S = 300.0  # no frame at all from a node for this long, on a generation without a deadline
+# While a node is silent, this often the head checks that the link it sent the generation over is still the node's
+# (a link torn down and rebuilt, in this process or another, never delivers that generation's frames).
+LINK_CHECK_S = 5.0
 # Only a lost node is retried elsewhere. An engine that crashed on a generation is not: the same request could
 # crash every node it is sent to (llama.cpp aborts on some inputs), so it ends with a clear error instead.
 RETRYABLE_CODES = {"node_lost"}
@@ -253,7 +256,7 @@ class GenerationStream:
         relay_gen = self.spec.gen_id
         from fleet.links import Relay
 
-        relay = reg.relays[relay_gen] = Relay(relay_gen)
+        relay = reg.relays[relay_gen] = Relay(relay_gen, node_id=link.node_id)
         self._current = (link.node_id, link)
         spec = GenerateSpec(**{**self.spec.__dict__, "resume_text": self.spec.resume_text + self.outcome.text,
                                "resume_ids": self.spec.resume_ids + self.outcome.ids})
@@ -265,15 +268,7 @@ class GenerationStream:
             while True:
                 if relay.overflowed:
                     raise GenerationError("client_too_slow", "the client read tokens too slowly", status=500)
-                try:
-                    event = await relay.get(timeout=self._frame_timeout())
-                except TimeoutError:
-                    if self.spec.deadline is None:
-                        raise GenerationError("node_stuck", f"node {link.identity!r} sent nothing for "
-                                              f"{STUCK_AFTER_S:.0f} s; the generation was stopped", status=504,
-                                              kind="server_error") from None
-                    raise GenerationError("deadline_exceeded", "the generation passed its deadline",
-                                          status=504, kind="server_error") from None
+                event = await self._next_frame(relay, link)
                 if isinstance(event, Error | NodeLost):
                     finished = True
                 if isinstance(event, Accepted):
@@ -283,9 +278,15 @@ class GenerationStream:
                 elif isinstance(event, TokenBatch):
                     if event.seq < expected_seq:
                         continue  # a duplicate batch
+                    if event.seq > expected_seq:  # a batch lost on its way (the channel layer can drop one)
+                        raise _NodeFailed("node_lost", f"token batch {expected_seq} from node {link.identity!r} "
+                                                       "was lost in transit")
                     expected_seq = event.seq + 1
                     yield self._on_tokens(event)
                 elif isinstance(event, Done):
+                    if event.seq > expected_seq:
+                        raise _NodeFailed("node_lost", f"token batch {expected_seq} from node {link.identity!r} "
+                                                       "was lost in transit")
                     finished = True
                     yield self._on_done(event, link)
                     return
@@ -307,6 +308,26 @@ class GenerationStream:
                 # The client went away or failed mid-stream: free the node's lane now. Not awaited, because a
                 # generator closed by the garbage collector may not await in its finally.
                 asyncio.ensure_future(_cancel_quietly(link, relay_gen))
+
+    async def _next_frame(self, relay, link):
+        """The node's next frame. While it is silent, the link it was sent over is checked every LINK_CHECK_S:
+        a replaced link never delivers this generation's frames (lost node, placed again). Past the frame timeout,
+        a clear error."""
+        silent_until = time.monotonic() + self._frame_timeout()
+        while True:
+            try:
+                return await relay.get(timeout=max(min(silent_until - time.monotonic(), LINK_CHECK_S), 0.0))
+            except TimeoutError:
+                if time.monotonic() < silent_until:
+                    if _link_gone(link):
+                        raise _NodeFailed("node_lost", f"node {link.identity!r}'s link was replaced while it ran "
+                                                       "this generation") from None
+                    continue
+            if self.spec.deadline is None:
+                raise GenerationError("node_stuck", f"node {link.identity!r} sent nothing for {STUCK_AFTER_S:.0f} s; "
+                                      "the generation was stopped", status=504, kind="server_error")
+            raise GenerationError("deadline_exceeded", "the generation passed its deadline", status=504,
+                                  kind="server_error")
 
     def _frame_timeout(self) -> float:
         """How long to wait for the node's next frame: until the client's deadline (the node ends the generation
@@ -364,6 +385,17 @@ class GenerationStream:
                 await link.send_cancel(self.spec.gen_id, reason)
             except Exception:  # the link may be closing; its own teardown releases the lane
                 log.debug("cancel of %s on %s failed", self.spec.gen_id, node_id, exc_info=True)
+
+
+def _link_gone(link) -> bool:
+    """Whether the link a generation was sent over is no longer its node's: in this process, another link object
+    holds the node; for a node held by another process, its channel changed or it left placement."""
+    from fleet.remote import RemoteLink
+
+    reg = registry()
+    if isinstance(link, RemoteLink):
+        return reg.placement.channel_of(link.node_id) != link.channel
+    return reg.links.get(link.node_id) is not link
 
 
 def _remote_link(node_id: str):

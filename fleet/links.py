@@ -43,8 +43,9 @@ class NodeLost:
 class Relay:
     """The bounded queue between a node link (producer) and one generation's client stream (consumer)."""
 
-    def __init__(self, gen_id: str):
+    def __init__(self, gen_id: str, node_id: str = ""):
         self.gen_id = gen_id
+        self.node_id = node_id  # the node this attempt runs on: frames from another (an earlier attempt's) are dropped
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=RELAY_CAPACITY)
         self.overflowed = False
 
@@ -102,9 +103,9 @@ class Registry:
             self.placement = PlacementState(load_tokens=settings.FLEET_LOAD_TOKENS)
         self.lanes = LaneSignal()
 
-    def relay_push(self, gen_id: str, event: Any) -> bool:
+    def relay_push(self, gen_id: str, event: Any, node_id: str = "") -> bool:
         relay = self.relays.get(gen_id)
-        if relay is None:
+        if relay is None or (node_id and relay.node_id and node_id != relay.node_id):
             return False
         relay.push(event)
         return True

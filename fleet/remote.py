@@ -65,10 +65,11 @@ def deliver(message: dict[str, Any]) -> None:
         return
     gen_id = message.get("gen_id", "")
     if message.get("type") == "relay.lost":
-        registry().relay_push(gen_id, NodeLost(message.get("node_id", ""), message.get("reason", "link closed")))
+        registry().relay_push(gen_id, NodeLost(message.get("node_id", ""), message.get("reason", "link closed")),
+                              node_id=str(message.get("node_id", "")))
         return
     try:
-        registry().relay_push(gen_id, decode(message["frame"]))
+        registry().relay_push(gen_id, decode(message["frame"]), node_id=str(message.get("node_id", "")))
     except (LinkError, KeyError):
         log.warning("fleet head: dropped a malformed relay message for %s", gen_id)
 

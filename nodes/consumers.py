@@ -287,9 +287,10 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         """To the generation's client: in this process directly, else over the channel layer (one per batch)."""
         reply_to = self.remote.pop(msg.gen_id, None) if last else self.remote.get(msg.gen_id)
         if reply_to is None:
-            registry().relay_push(msg.gen_id, msg)
+            registry().relay_push(msg.gen_id, msg, node_id=self.node_id)
             return
-        await self.channel_layer.send(reply_to, {"type": "relay.frame", "gen_id": msg.gen_id, "frame": encode(msg)})
+        await self.channel_layer.send(reply_to, {"type": "relay.frame", "gen_id": msg.gen_id, "frame": encode(msg),
+                                                 "node_id": self.node_id})
 
     def _generation_ended(self, gen_id: str) -> None:
         if gen_id in self.running:
@@ -414,7 +415,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             reason = f"link closed (code {code})"
             reply_to = self.remote.pop(gen_id, None)
             if reply_to is None:
-                reg.relay_push(gen_id, NodeLost(self.node_id, reason))
+                reg.relay_push(gen_id, NodeLost(self.node_id, reason), node_id=self.node_id)
             else:
                 await self.channel_layer.send(reply_to, {"type": "relay.lost", "gen_id": gen_id,
                                                          "node_id": self.node_id, "reason": reason})

@@ -31,6 +31,7 @@ class Script:
     prompt_tokens: int = 11
     cached_tokens: int = 3
     lose_after: int | None = None  # the link drops once this many tokens are sent (a node killed mid-stream)
+    drop_seq: int | None = None  # this token batch is lost on its way to the head (the node goes on)
     first_id: int = 100  # token ids count up from here
 
 
@@ -85,10 +86,11 @@ class FakeLink:
                     logprobs = [{"token": t, "logprob": -0.5, "top": [{"token": t, "logprob": -0.5},
                                                                       {"token": "x", "logprob": -2.0}]
                                  [: spec.get("top_logprobs", 0)]} for t in batch]
-                reg.relay_push(gen_id, TokenBatch(gen_id=gen_id, seq=seq, text=batch,
-                                                  ids=list(range(script.first_id + sent,
-                                                                 script.first_id + sent + len(batch))),
-                                                  logprobs=logprobs))
+                if seq != script.drop_seq:
+                    reg.relay_push(gen_id, TokenBatch(gen_id=gen_id, seq=seq, text=batch,
+                                                      ids=list(range(script.first_id + sent,
+                                                                     script.first_id + sent + len(batch))),
+                                                      logprobs=logprobs), node_id=self.node_id)
                 seq += 1
                 sent += len(batch)
                 if script.lose_after is not None and sent >= script.lose_after:
@@ -108,7 +110,7 @@ class FakeLink:
         self.running.pop(gen_id, None)
         reg.placement.release(self.node_id)
         reg.lanes.notify()
-        reg.relay_push(gen_id, frame)
+        reg.relay_push(gen_id, frame, node_id=self.node_id)
 
 
 # What a default node reports as true (a llama.cpp engine without --batch-invariant).

@@ -410,3 +410,44 @@ async def test_waiting_generations_get_a_free_lane_in_deadline_order(bearer):
     await link.send_cancel(next(iter(link.running)), "test")
     await asyncio.gather(blocker, late, early)
     assert [s["messages"][-1]["content"] for s in link.specs] == ["blocker", "early", "late"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_token_batch_lost_in_transit_is_regenerated_elsewhere_not_skipped(bearer, stream):
+    """The channel layer between head processes can drop a message: a gap in a node's batch numbers is a lost
+    node, so the generation resumes on another from exactly what arrived (and the first node's later batches,
+    still coming, are not mixed in)."""
+    first = add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "node-a",
+                                   script=Script(tokens=["One", ",", " two", ",", " three", "."], per_batch=1,
+                                                 drop_seq=3, delay=0.05)), lanes=4)
+    second = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "node-b",
+                                    script=Script(tokens=[" two", ",", " three", "."], first_id=500,
+                                                  start_delay=0.2)), lanes=1)
+    answer = await request("POST", CHAT, key=bearer, body=chat(max_tokens=6, stream=stream))
+    assert answer.status == 200
+    if stream:
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in answer.data()[:-1] if c["choices"])
+    else:
+        text = answer.json()["choices"][0]["message"]["content"]
+    assert text == "One, two, three."
+    assert second.specs[0]["resume_ids"] == [100, 101] and second.specs[0]["resume_text"] == "One,"
+    assert (await generations())[0]["nodes_used"] == ["node-a", "node-b"]
+
+
+async def test_a_generation_whose_link_was_replaced_while_silent_is_placed_again(bearer, monkeypatch):
+    """A node that rejoined (a new link) never sends the frames of a generation sent over its old one."""
+    from fleet.links import registry
+
+    monkeypatch.setattr("fleet.dispatch.LINK_CHECK_S", 0.05)
+    stale = add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "node-a",
+                                   script=Script(tokens=["One"], hang=True)), lanes=4)
+    add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "node-b",
+                           script=Script(tokens=[",", " two"], first_id=500)), lanes=1)
+    task = asyncio.ensure_future(request("POST", CHAT, key=bearer, body=chat(max_tokens=3)))
+    while not stale.running:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)
+    registry().links[stale.node_id] = FakeLink(stale.node_id, "node-a")  # the node's new link
+    answer = await asyncio.wait_for(task, 10)
+    assert answer.status == 200 and answer.json()["choices"][0]["message"]["content"] == "One, two"
+    assert (await generations())[0]["nodes_used"] == ["node-a", "node-b"]
