@@ -432,6 +432,7 @@ async def test_a_token_batch_lost_in_transit_is_regenerated_elsewhere_not_skippe
     assert text == "One, two, three."
     assert second.specs[0]["resume_ids"] == [100, 101] and second.specs[0]["resume_text"] == "One,"
     assert (await generations())[0]["nodes_used"] == ["node-a", "node-b"]
+    assert first.cancelled  # the first node, still generating, was told to stop
 
 
 async def test_a_generation_whose_link_was_replaced_while_silent_is_placed_again(bearer, monkeypatch):
