@@ -15,6 +15,7 @@ import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -23,7 +24,10 @@ from django.contrib.auth.models import Group
 from django.contrib.contenttypes.models import ContentType
 from django.test import Client
 from django.urls import URLResolver, get_resolver, reverse
+from django.utils import timezone
 
+from api.batches import batch_ref, file_create, file_ref
+from api.models import Batch
 from api.services import api_key_create
 from nodes.services import fleet_token_create
 from sessions.models import InferenceSession
@@ -97,6 +101,8 @@ class World:
     bias: Any
     generation: Any
     group: Any
+    batch_file: Any = None
+    batch: Any = None
 
     def session_fresh(self):
         return SessionFactory(owner=self.owner, api_key=self.owner_key)
@@ -111,6 +117,7 @@ class World:
             "inference_sessions.grammarhandle": lambda: self.grammar,
             "inference_sessions.logitbiashandle": lambda: self.bias,
             "nodes.revokednodekey": lambda: model.objects.get_or_create(public_key="ab" * 32, identity="gone")[0],
+            "api.batchfile": lambda: self.batch_file, "api.batch": lambda: self.batch,
         }.get(label)
         if built is None:
             pytest.fail(f"the URL walk has no object of {label}: add one to World.object_of")
@@ -130,12 +137,17 @@ def world() -> World:
     _, other_secret = api_key_create(owner=UserFactory(is_staff=False, is_superuser=False), name="theirs")
     session = SessionFactory(owner=owner, api_key=owner_key)
     MessageFactory(session=session, index=0)
+    batch_file = file_create(owner=owner, filename="in.jsonl", purpose="batch", content=b'{"custom_id": "a"}\n')
+    batch = Batch.objects.create(owner=owner, api_key=owner_key, endpoint="/v1/chat/completions",
+                                 input_file=batch_file, input_file_ref=file_ref(batch_file), completion_window="24h",
+                                 expires_at=timezone.now() + timedelta(days=1))  # not enqueued: nothing runs it
     return World(
         owner=owner, owner_key=owner_key, owner_secret=owner_secret, other_secret=other_secret,
         staff=UserFactory(username="operator"), node=NodeFactory(), token=fleet_token_create(name="rack")[0],
         session=session, grammar=GrammarHandleFactory(owner=owner, api_key=owner_key),
         bias=LogitBiasHandleFactory(owner=owner, api_key=owner_key),
         generation=GenerationFactory(api_key=owner_key, session=session), group=Group.objects.create(name="ops"),
+        batch_file=batch_file, batch=batch,
     )
 
 
@@ -198,6 +210,13 @@ NAMED: dict[str, list[Case]] = {
              body=lambda w: {"model": "smollm2", "prompt": "Hi", "max_tokens": 2, "grammar": str(w.grammar.id)}),
     ],
     "v1-embeddings": [Case("POST", KEYS_ONLY, body=lambda w: {"model": "smollm2", "input": "Hi"})],
+    "v1-files": [Case("GET", KEYS_ONLY)],
+    "v1-file": [Case("GET", statuses(401, 200, 404, 401), kwargs=lambda w: {"file_id": file_ref(w.batch_file)})],
+    "v1-file-content": [Case("GET", statuses(401, 200, 404, 401),
+                             kwargs=lambda w: {"file_id": file_ref(w.batch_file)})],
+    "v1-batches": [Case("GET", KEYS_ONLY)],
+    "v1-batch": [Case("GET", statuses(401, 200, 404, 401), kwargs=lambda w: {"batch_id": batch_ref(w.batch)})],
+    "v1-batch-cancel": [Case("POST", statuses(401, 200, 404, 401), kwargs=lambda w: {"batch_id": batch_ref(w.batch)})],
     "api-fleet": [Case("GET", ANY_KEY)],
     "api-schema": [Case("GET", PUBLIC)],
     "api-docs": [Case("GET", PUBLIC)],

@@ -163,7 +163,8 @@ def test_live_gauges_come_from_placement_heartbeats_and_the_node_rows(scraper):
 def test_waiting_generations_are_counted_per_model(scraper, monkeypatch):
     from fleet import dispatch
 
-    monkeypatch.setattr(dispatch._waiters, "entries", [(1.0, "g1", "m"), (2.0, "g2", "m"), (1.0, "g3", "other")])
+    monkeypatch.setattr(dispatch._waiters, "entries", [(1.0, "g1", "m", False), (2.0, "g2", "m", True),
+                                                           (1.0, "g3", "other", False)])
     got = scraper()
     assert value(got, "fleet_generations_waiting", model="m") == 2
     assert value(got, "fleet_generations_waiting", model="other") == 1
