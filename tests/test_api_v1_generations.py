@@ -328,6 +328,7 @@ async def test_a_node_lost_mid_stream_hands_the_next_node_exactly_what_was_strea
                                                  lose_after=3)), lanes=4)
     second = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "node-b",
                                     script=Script(tokens=[",", " three", "."], first_id=500)), lanes=1)
+    holds_the_prompt(first)
     answer = await request("POST", CHAT, key=bearer, body=chat(max_tokens=6, stream=stream))
     assert answer.status == 200
     if stream:
@@ -346,6 +347,15 @@ async def test_a_node_lost_mid_stream_hands_the_next_node_exactly_what_was_strea
     assert [f["node"] for f in evidence["failover"]] == ["node-b"]
 
 
+def holds_the_prompt(link, messages=None):
+    """Placement believes `link`'s node holds this chat's prompt, making it the cheapest choice for it."""
+    from fleet.links import registry
+    from nodes.link.prefix import prefix_keys
+
+    keys = prefix_keys(model="smollm2", messages=messages or chat()["messages"])
+    registry().placement.record(link.node_id, "earlier-generation", keys, prompt_tokens=5)
+
+
 @pytest.mark.parametrize("code", ["engine_unavailable", "engine_crashed"])
 async def test_a_node_that_cannot_start_a_generation_hands_it_to_another_at_once(bearer, code):
     from fleet.links import registry
@@ -353,6 +363,7 @@ async def test_a_node_that_cannot_start_a_generation_hands_it_to_another_at_once
     broken = add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "restarting",
                                     script=Script(error=(code, "the engine worker is not running"))), lanes=4)
     able = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "able"), lanes=1)
+    holds_the_prompt(broken)  # so placement tries the broken node first
     answer = await request("POST", CHAT, key=bearer, body=chat())
     assert answer.status == 200 and answer.json()["choices"][0]["message"]["content"] == "Hello, world!"
     assert len(broken.specs) == 1 and len(able.specs) == 1
@@ -423,6 +434,7 @@ async def test_a_token_batch_lost_in_transit_is_regenerated_elsewhere_not_skippe
     second = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "node-b",
                                     script=Script(tokens=[" two", ",", " three", "."], first_id=500,
                                                   start_delay=0.2)), lanes=1)
+    holds_the_prompt(first)
     answer = await request("POST", CHAT, key=bearer, body=chat(max_tokens=6, stream=stream))
     assert answer.status == 200
     if stream:
@@ -444,6 +456,7 @@ async def test_a_generation_whose_link_was_replaced_while_silent_is_placed_again
                                    script=Script(tokens=["One"], hang=True)), lanes=4)
     add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "node-b",
                            script=Script(tokens=[",", " two"], first_id=500)), lanes=1)
+    holds_the_prompt(stale)
     task = asyncio.ensure_future(request("POST", CHAT, key=bearer, body=chat(max_tokens=3)))
     while not stale.running:
         await asyncio.sleep(0.01)
