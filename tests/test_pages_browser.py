@@ -38,13 +38,17 @@ def browser():
 
 def login(browser, head):
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
 
     browser.delete_all_cookies()
     browser.get(f"{head.url}/admin/login/")
     browser.find_element(By.NAME, "username").send_keys("admin")
     browser.find_element(By.NAME, "password").send_keys("test-password-1")
     browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
-    assert "Fleet administration" in browser.page_source
+    # the login page carries the site header too: wait until the browser has left it for the admin index
+    WebDriverWait(browser, 20).until(lambda b: "/admin/login/" not in b.current_url
+                                     and b.execute_script("return document.readyState") == "complete")
+    assert "Fleet administration" in browser.page_source and "Log out" in browser.page_source
 
 
 def test_fleet_page_shows_the_live_node(browser, live_head, live_node, tmp_path):
