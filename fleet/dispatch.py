@@ -169,6 +169,10 @@ class GenerationStream:
             except _NodeFailed as failed:
                 excluded.add(choice.node_id)
                 self._failure = {"code": failed.code, "message": failed.message, "at": time.time()}
+                if self.outcome.completion_tokens >= self.spec.max_tokens:
+                    # every token the client asked for had arrived when the node was lost: nothing to resume
+                    yield self._finished_by_length(choice.identity)
+                    return
                 if attempt == MAX_ATTEMPTS:
                     raise GenerationError(failed.code, failed.message, status=502) from None
                 log.warning("fleet generation %s: %s on node %r; placing it again (attempt %d)",
@@ -374,6 +378,13 @@ class GenerationStream:
         }
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return Finished(event.finish_reason, usage, self.outcome.timings, link.identity)
+
+    def _finished_by_length(self, node: str) -> Finished:
+        self.outcome.finish_reason = "length"
+        usage = {"prompt_tokens": self.outcome.prompt_tokens, "completion_tokens": self.outcome.completion_tokens,
+                 "cached_tokens": self.outcome.cached_tokens}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return Finished("length", usage, self.outcome.timings, node)
 
     async def cancel(self, reason: str = "cancelled") -> None:
         """The client went away (or asked): stop the node's lane now."""

@@ -465,3 +465,18 @@ async def test_a_generation_whose_link_was_replaced_while_silent_is_placed_again
     answer = await asyncio.wait_for(task, 10)
     assert answer.status == 200 and answer.json()["choices"][0]["message"]["content"] == "One, two"
     assert (await generations())[0]["nodes_used"] == ["node-a", "node-b"]
+
+
+async def test_a_node_lost_after_the_last_asked_for_token_ends_the_answer_without_one_more(bearer):
+    """Lost between its last token and its done: the answer is complete (finish reason length), and no other node
+    is asked for a token the client did not ask for."""
+    first = add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "node-a",
+                                   script=Script(tokens=["One", ",", " two"], per_batch=1, lose_after=3)), lanes=4)
+    second = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "node-b",
+                                    script=Script(tokens=[" extra"])), lanes=1)
+    holds_the_prompt(first)
+    answer = await request("POST", CHAT, key=bearer, body=chat(max_tokens=3))
+    body = answer.json()
+    assert answer.status == 200 and body["choices"][0]["message"]["content"] == "One, two"
+    assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 3
+    assert not second.specs
