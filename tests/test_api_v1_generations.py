@@ -331,10 +331,7 @@ async def test_a_node_lost_mid_stream_hands_the_next_node_exactly_what_was_strea
     holds_the_prompt(first)
     answer = await request("POST", CHAT, key=bearer, body=chat(max_tokens=6, stream=stream))
     assert answer.status == 200
-    if stream:
-        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in answer.data()[:-1] if c["choices"])
-    else:
-        text = answer.json()["choices"][0]["message"]["content"]
+    text = answer_text(answer, stream)
     assert text == "One, two, three."  # no token lost or repeated across the two nodes
     resumed = second.specs[0]
     assert resumed["resume_text"] == "One, two" and resumed["resume_ids"] == [100, 101, 102]
@@ -345,6 +342,13 @@ async def test_a_node_lost_mid_stream_hands_the_next_node_exactly_what_was_strea
     evidence = record["placement"]
     assert evidence["node"] == "node-a" and evidence["candidates"] == 2 and "cost" in evidence
     assert [f["node"] for f in evidence["failover"]] == ["node-b"]
+
+
+def answer_text(answer, stream: bool) -> str:
+    """The assistant's text of a chat answer, streamed (SSE chunks) or not."""
+    if stream:
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in answer.data()[:-1] if c["choices"])
+    return answer.json()["choices"][0]["message"]["content"]
 
 
 def holds_the_prompt(link, messages=None):
@@ -437,10 +441,7 @@ async def test_a_token_batch_lost_in_transit_is_regenerated_elsewhere_not_skippe
     holds_the_prompt(first)
     answer = await request("POST", CHAT, key=bearer, body=chat(max_tokens=6, stream=stream))
     assert answer.status == 200
-    if stream:
-        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in answer.data()[:-1] if c["choices"])
-    else:
-        text = answer.json()["choices"][0]["message"]["content"]
+    text = answer_text(answer, stream)
     assert text == "One, two, three."
     assert second.specs[0]["resume_ids"] == [100, 101] and second.specs[0]["resume_text"] == "One,"
     assert (await generations())[0]["nodes_used"] == ["node-a", "node-b"]
