@@ -7,7 +7,7 @@ a cached prefix between lanes, free in the mock, as the llama engine does with s
 asyncio loop: conversations send each turn with the whole history, a generation waits in one FIFO queue until
 some lane is free, and the policy picks the node:
 
-- cache_aware:  nodes.link.routing.PlacementState as fleet/dispatch.py drives it (choose with the prompt's
+- cache_aware:  nodes.link.placement.PlacementState as fleet/dispatch.py drives it (choose with the prompt's
                 prefix keys; at accepted, evict what the node reports its lane choice discarded; at done, record
                 the prompt's and the answer's keys and evict what the node reports again);
 - round_robin:  the next node in turn that has a free lane;
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nodes.agent.engine.base import EngineConfig  # noqa: E402
 from nodes.agent.engine.mock import MockEngine  # noqa: E402
 from nodes.link.prefix import PrefixKey, prefix_keys  # noqa: E402
-from nodes.link.routing import NodeSlot, PlacementState  # noqa: E402
+from nodes.link.placement import NodeSlot, PlacementState  # noqa: E402
 from nodes.link.spec import GenerateSpec  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "routing.json"

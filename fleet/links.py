@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from django.conf import settings
 
-from nodes.link.routing import PlacementState
+from nodes.link.placement import PlacementState
 
 log = logging.getLogger("fleet")
 

@@ -1,6 +1,6 @@
 """The placement state in Redis, so several head processes place consistently (used when REDIS_URL is set).
 
-The same interface and the same rule as nodes.link.routing.PlacementState. `choose` runs as one Lua script,
+The same interface and the same rule as nodes.link.placement.PlacementState. `choose` runs as one Lua script,
 so two heads cannot both take a node's last free lane. Calls are synchronous: each is one round trip on
 loopback (well under a millisecond) and happens a few times per generation, never per token.
 """
@@ -12,7 +12,7 @@ import json
 import redis
 
 from nodes.link.prefix import PrefixKey
-from nodes.link.routing import Choice, NodeSlot, ranking_row
+from nodes.link.placement import Choice, NodeSlot, ranking_row
 
 KEY_TTL_S = 24 * 3600
 

@@ -47,7 +47,7 @@ from nodes.link.messages import (
     TokenBatch,
     encode,
 )
-from nodes.link.routing import NodeSlot
+from nodes.link.placement import NodeSlot
 from nodes.models import FleetToken, LinkEvent, Node
 from nodes.services import JoinRefused, node_group, token_group
 

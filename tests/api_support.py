@@ -14,7 +14,7 @@ from typing import Any
 
 from fleet.links import NodeLost, registry
 from nodes.link.messages import Accepted, Done, Error, TokenBatch
-from nodes.link.routing import NodeSlot
+from nodes.link.placement import NodeSlot
 
 
 @dataclass

@@ -14,7 +14,7 @@ from fleet.dispatch import Outcome
 from fleet.links import registry
 from nodes.consumers import liveness_key
 from nodes.link.codes import CloseCode
-from nodes.link.routing import NodeSlot
+from nodes.link.placement import NodeSlot
 from tests.factories import NodeFactory, UserFactory
 
 pytestmark = pytest.mark.django_db

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from nodes.link.prefix import prefix_keys
-from nodes.link.routing import NodeSlot, PlacementState
+from nodes.link.placement import NodeSlot, PlacementState
 from nodes.link.spec import GenerateSpec
 
 

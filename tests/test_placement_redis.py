@@ -5,8 +5,8 @@ import uuid
 
 import pytest
 
-import tests.test_routing as base
-from tests.test_routing import *  # noqa: F403 - the same tests, collected here against Redis
+import tests.test_placement as base
+from tests.test_placement import *  # noqa: F403 - the same tests, collected here against Redis
 
 pytestmark = pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")
 

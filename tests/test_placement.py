@@ -1,4 +1,4 @@
-"""Placement (the replica rule) and prefix keys: nodes.link.routing.PlacementState and nodes.link.prefix.
+"""Placement (the replica rule) and prefix keys: nodes.link.placement.PlacementState and nodes.link.prefix.
 
 No database, no Django: the placement state is plain in-process Python shared by the head and by replicas.
 """
@@ -6,7 +6,7 @@ No database, no Django: the placement state is plain in-process Python shared by
 from __future__ import annotations
 
 from nodes.link.prefix import BLOCK_CHARS, prefix_keys
-from nodes.link.routing import NodeSlot, PlacementState
+from nodes.link.placement import NodeSlot, PlacementState
 
 MODEL = "m"
 
