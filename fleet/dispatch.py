@@ -18,8 +18,9 @@ from django.conf import settings
 from fleet import metrics
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
+from nodes.link.lifecycle import placement_keys
 from nodes.link.messages import Accepted, Done, Error, TokenBatch
-from nodes.link.prefix import PrefixKey, prefix_keys
+from nodes.link.prefix import PrefixKey
 from nodes.link.spec import GenerateSpec
 
 log = logging.getLogger("fleet")
@@ -136,7 +137,7 @@ class GenerationStream:
         self.deadline = deadline
         self.batch = batch
         self._counted = False  # counted in _running (from its first placement to its end)
-        self.keys: list[PrefixKey] = prefix_keys(model=spec.model, prompt=spec.prompt, messages=spec.messages)
+        self.keys: list[PrefixKey] = placement_keys(spec)
         self.outcome = Outcome()
         self._seq = 0
         self._cancelled = False
@@ -159,7 +160,7 @@ class GenerationStream:
             choice = await self._place(excluded)
             link = reg.links.get(choice.node_id) or _remote_link(choice.node_id)
             if link is None:  # the node left between choosing and sending
-                reg.placement.release(choice.node_id)
+                reg.lifecycle.ended(choice.node_id, self.spec.gen_id)
                 continue
             self._record_choice(choice, attempt)
             try:
@@ -167,6 +168,7 @@ class GenerationStream:
                     yield event
                 return
             except _NodeFailed as failed:
+                reg.lifecycle.lost(choice.node_id, self.spec.gen_id)
                 excluded.add(choice.node_id)
                 self._failure = {"code": failed.code, "message": failed.message, "at": time.time()}
                 if self.outcome.completion_tokens >= self.spec.max_tokens:
@@ -208,9 +210,9 @@ class GenerationStream:
                 unable = self._unable(reg)
                 ahead = _waiters.ahead_of(self.spec.gen_id, model, self.deadline, self.batch)
                 if ahead < reg.placement.free_lanes(model) and self._within_share(reg):
-                    choice = reg.placement.choose(model, self.keys, exclude=excluded | unable)
+                    choice = reg.lifecycle.choose(self.spec, self.keys, exclude=excluded | unable)
                     if choice is None and excluded:
-                        choice = reg.placement.choose(model, self.keys, exclude=unable)
+                        choice = reg.lifecycle.choose(self.spec, self.keys, exclude=unable)
                     if choice is not None:
                         if not self._counted:
                             self._counted = True
@@ -295,6 +297,7 @@ class GenerationStream:
                     yield self._on_done(event, link)
                     return
                 elif isinstance(event, Error):
+                    reg.lifecycle.ended(link.node_id, self.spec.gen_id)
                     if event.code == "engine_unavailable":
                         # its heartbeat puts it back once the engine is up; until then nothing more goes there
                         reg.placement.set_schedulable(link.node_id, False)
@@ -341,10 +344,7 @@ class GenerationStream:
         return STUCK_AFTER_S
 
     def _on_accepted(self, event: Accepted, link) -> Started | None:
-        if event.evicted:
-            # The node threw these caches away to admit this generation: forget them now, not a generation later
-            # at done (which evicts them again, harmlessly, in case a done recorded them after this).
-            registry().placement.evict(link.node_id, list(event.evicted))
+        registry().lifecycle.accepted(link.node_id, event.evicted)
         resumed = bool(self.outcome.completion_tokens)
         if not resumed:
             self.outcome.prompt_tokens, self.outcome.cached_tokens = event.prompt_tokens, event.cached_tokens
@@ -362,13 +362,8 @@ class GenerationStream:
         return Tokens(self._seq, text, list(event.text), list(event.ids), event.logprobs)
 
     def _on_done(self, event: Done, link) -> Finished:
-        reg = registry()
-        answer = [{"role": "assistant", "content": self.outcome.text}]
-        held = self.keys + (prefix_keys(model=self.spec.model, messages=(self.spec.messages or []) + answer)
-                            if self.spec.messages is not None else [])
-        reg.placement.record(link.node_id, self.spec.gen_id, held, prompt_tokens=event.usage.get("prompt_tokens", 0))
-        if event.evicted:
-            reg.placement.evict(link.node_id, list(event.evicted))
+        registry().lifecycle.done(link.node_id, self.spec, self.keys, answer=self.outcome.text, usage=event.usage,
+                                  evicted=event.evicted)
         self.outcome.finish_reason = event.finish_reason
         self.outcome.timings = dict(event.timings)
         usage = {

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from django.conf import settings
 
+from nodes.link.lifecycle import PlacementLifecycle
 from nodes.link.placement import PlacementState
 
 log = logging.getLogger("fleet")
@@ -102,6 +103,11 @@ class Registry:
         else:
             self.placement = PlacementState(load_tokens=settings.FLEET_LOAD_TOKENS)
         self.lanes = LaneSignal()
+
+    @property
+    def lifecycle(self) -> PlacementLifecycle:
+        """Every placement step goes through this (over whichever state this process uses, even one a test set)."""
+        return PlacementLifecycle(self.placement)
 
     def relay_push(self, gen_id: str, event: Any, node_id: str = "") -> bool:
         relay = self.relays.get(gen_id)

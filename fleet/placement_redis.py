@@ -1,8 +1,8 @@
 """The placement state in Redis, so several head processes place consistently (used when REDIS_URL is set).
 
-The same interface and the same rule as nodes.link.placement.PlacementState. `choose` runs as one Lua script,
-so two heads cannot both take a node's last free lane. Calls are synchronous: each is one round trip on
-loopback (well under a millisecond) and happens a few times per generation, never per token.
+The same interface and the same rule (each node's learned load included) as nodes.link.placement.PlacementState.
+`choose` runs as one Lua script, so two heads cannot both take a node's last free lane. Calls are synchronous: each
+is one round trip on loopback (well under a millisecond) and happens a few times per generation, never per token.
 """
 
 from __future__ import annotations
@@ -11,19 +11,20 @@ import json
 
 import redis
 
+from nodes.link.placement import Choice, NodeSlot, learn_answer_tokens, ranking_row
 from nodes.link.prefix import PrefixKey
-from nodes.link.placement import Choice, NodeSlot, ranking_row
 
 KEY_TTL_S = 24 * 3600
 
-# KEYS: none (names are built from the prefix). ARGV: prefix, model, load_tokens, n_keys, key..., chars...,
-# then excluded node ids. Returns a JSON object with the choice and the runner-up, or nil.
+# KEYS: none (names are built from the prefix). ARGV: prefix, model, load_tokens ('' for each node's learned load),
+# gen_id, n_keys, key..., chars..., then excluded node ids. Returns a JSON object with the choice and the runner-up,
+# or nil.
 CHOOSE = """
-local p, model, load = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local n = tonumber(ARGV[4])
+local p, model, fixed_load, gen = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local n = tonumber(ARGV[5])
 local keys, chars, excluded = {}, {}, {}
-for i = 1, n do keys[i] = ARGV[4 + i]; chars[i] = tonumber(ARGV[4 + n + i]) end
-for i = 5 + 2 * n, #ARGV do excluded[ARGV[i]] = true end
+for i = 1, n do keys[i] = ARGV[5 + i]; chars[i] = tonumber(ARGV[5 + n + i]) end
+for i = 6 + 2 * n, #ARGV do excluded[ARGV[i]] = true end
 local candidates, cpt_sum = {}, 0
 for _, id in ipairs(redis.call('SMEMBERS', p .. 'nodes')) do
   local h = redis.call('HGETALL', p .. 'node:' .. id)
@@ -53,15 +54,21 @@ for _, s in ipairs(candidates) do
     matched = math.floor(chars[i] / cpt)
   end
   local running = tonumber(s.running)
+  -- as nodes.link.placement.learned_load_tokens
+  local load = fixed_load or math.floor(tonumber(s.ptps or 0) * tonumber(s.dslow or 0) / 1000 * tonumber(s.ans or 0)
+                                        + 0.5)
   local cost = math.max(total - matched, 0) + load * running
-  table.insert(scored, {cost, running, tonumber(s.routed), s.identity, s.id, matched})
+  table.insert(scored, {cost, running, tonumber(s.routed), s.identity, s.id, matched, load})
 end
 table.sort(scored, function(a, b)
   for i = 1, 4 do if a[i] ~= b[i] then return a[i] < b[i] end end
   return false
 end)
 local best = scored[1]
-redis.call('HINCRBY', p .. 'node:' .. best[5], 'running', 1)
+if gen == '' or redis.call('SADD', p .. 'run:' .. best[5], gen) == 1 then
+  redis.call('HINCRBY', p .. 'node:' .. best[5], 'running', 1)
+end
+redis.call('EXPIRE', p .. 'run:' .. best[5], 86400)
 redis.call('HINCRBY', p .. 'node:' .. best[5], 'routed', 1)
 local out = {node_id = best[5], identity = best[4], cost = best[1], matched = best[6], total = total,
              candidates = #scored}
@@ -69,7 +76,7 @@ if #scored > 1 then
   out.runner_up = {node = scored[2][4], cost = scored[2][1], matched_tokens = scored[2][6]}
 end
 out.ranking = {}
-for i, r in ipairs(scored) do out.ranking[i] = {r[4], r[5], r[6], r[2]} end
+for i, r in ipairs(scored) do out.ranking[i] = {r[4], r[5], r[6], r[2], r[7]} end
 return cjson.encode(out)
 """
 
@@ -87,8 +94,10 @@ end
 return 1
 """
 
+# ARGV: the node's key, its set of placed generations, the generation ('' for none): a lane is freed once.
 RELEASE = """
-local key = ARGV[1]
+local key, gen = ARGV[1], ARGV[3]
+if gen ~= '' and redis.call('SREM', ARGV[2], gen) == 0 then return 0 end
 if redis.call('EXISTS', key) == 1 and tonumber(redis.call('HGET', key, 'running')) > 0 then
   redis.call('HINCRBY', key, 'running', -1)
 end
@@ -99,7 +108,7 @@ return 1
 class RedisPlacementState:
     """Placement state shared by every head process through Redis."""
 
-    def __init__(self, url: str, *, prefix: str = "fleet:", load_tokens: int = 3000, max_keys: int = 200_000,
+    def __init__(self, url: str, *, prefix: str = "fleet:", load_tokens: int | None = None, max_keys: int = 200_000,
                  node_ttl_s: int = 60):
         self.r = redis.Redis.from_url(url, decode_responses=True)
         self.p = f"{prefix}pl:"
@@ -120,7 +129,9 @@ class RedisPlacementState:
             "identity": slot.identity, "models": json.dumps(slot.models), "lanes": slot.lanes, "running": slot.running,
             "routed": slot.routed, "schedulable": int(slot.schedulable), "cpt": slot.chars_per_token,
             "ctx": slot.context_window, "channel": channel, "caps": json.dumps(slot.capabilities),
+            "ptps": slot.prefill_tps, "dslow": slot.decode_slowdown_ms, "ans": slot.answer_tokens,
         })
+        pipe.delete(f"{self.p}run:{slot.node_id}")
         pipe.expire(key, self.node_ttl_s)
         pipe.sadd(f"{self.p}nodes", slot.node_id)
         pipe.execute()
@@ -151,8 +162,17 @@ class RedisPlacementState:
             if h:
                 slots.append(NodeSlot(node_id, h["identity"], json.loads(h["models"]), int(h["lanes"]),
                                       int(h.get("ctx", 0)), int(h["running"]), int(h["routed"]),
-                                      h["schedulable"] == "1", float(h["cpt"]), json.loads(h.get("caps", "[]"))))
+                                      h["schedulable"] == "1", float(h["cpt"]), json.loads(h.get("caps", "[]")),
+                                      float(h.get("ptps", 0)), float(h.get("dslow", 0)), float(h.get("ans", 0))))
         return slots
+
+    def measured(self, node_id: str, *, prefill_tps: float, decode_slowdown_ms: float) -> None:
+        key = f"{self.p}node:{node_id}"
+        if self.r.exists(key):
+            self.r.hset(key, mapping={"ptps": prefill_tps, "dslow": decode_slowdown_ms})
+
+    def load_of(self, slot: NodeSlot) -> int:
+        return slot.learned_load_tokens if self.load_tokens is None else self.load_tokens
 
     def channel_of(self, node_id: str) -> str:
         return self.r.hget(f"{self.p}node:{node_id}", "channel") or ""
@@ -164,8 +184,10 @@ class RedisPlacementState:
         return sum(s.free for s in self.nodes() if model in s.models and s.schedulable)
 
     # --- placing ---
-    def choose(self, model: str, keys: list[PrefixKey], *, exclude: set[str] = frozenset()) -> Choice | None:
-        args = [self.p, model, self.load_tokens, len(keys), *[k.key for k in keys], *[k.chars for k in keys], *exclude]
+    def choose(self, model: str, keys: list[PrefixKey], *, exclude: set[str] = frozenset(),
+               gen_id: str = "") -> Choice | None:
+        fixed = "" if self.load_tokens is None else self.load_tokens
+        args = [self.p, model, fixed, gen_id, len(keys), *[k.key for k in keys], *[k.chars for k in keys], *exclude]
         raw = self._choose(args=args)
         if raw is None:
             return None
@@ -174,17 +196,24 @@ class RedisPlacementState:
             self.r.zadd(f"{self.p}lru", self._ticks(keys), xx=True)
         total = int(got["total"])
         ranking = [ranking_row(identity, node_id, total=total, matched=int(matched), running=int(running),
-                               load_tokens=self.load_tokens) for identity, node_id, matched, running in got["ranking"]]
+                               load_tokens=int(load)) for identity, node_id, matched, running, load in got["ranking"]]
         return Choice(got["node_id"], got["identity"], int(got["cost"]), int(got["matched"]), total,
                       got.get("runner_up"), int(got["candidates"]), ranking)
 
-    def release(self, node_id: str) -> None:
-        self._release(args=[f"{self.p}node:{node_id}"])
+    def release(self, node_id: str, gen_id: str = "") -> None:
+        """Free the lane `gen_id` held; once only, so the link and the dispatcher may both report its end."""
+        self._release(args=[f"{self.p}node:{node_id}", f"{self.p}run:{node_id}", gen_id])
 
     # --- the prefix index ---
-    def record(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, prompt_tokens: int = 0) -> None:
+    def record(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, prompt_tokens: int = 0,
+               completion_tokens: int = 0) -> None:
         node_key = f"{self.p}node:{node_id}"
-        if not keys or not self.r.exists(node_key):
+        if not self.r.exists(node_key):
+            return
+        if completion_tokens > 0:
+            learned = learn_answer_tokens(float(self.r.hget(node_key, "ans") or 0), completion_tokens)
+            self.r.hset(node_key, "ans", learned)
+        if not keys:
             return
         if prompt_tokens > 0:
             cpt = float(self.r.hget(node_key, "cpt") or 4.0)

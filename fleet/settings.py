@@ -214,7 +214,9 @@ SPECTACULAR_SETTINGS = {
 }
 
 # The fleet's own knobs.
-FLEET_LOAD_TOKENS = env_int("FLEET_LOAD_TOKENS", 3000)
+# Unset: each node's learned load cost (the prompt tokens it reads in the time one more running generation costs,
+# from what its engine measures; nodes/link/placement.py). A number fixes it for every node.
+FLEET_LOAD_TOKENS = env_int("FLEET_LOAD_TOKENS", None)
 FLEET_DEFAULT_DEADLINE_MS = env_int("FLEET_DEFAULT_DEADLINE_MS", 60_000)
 FLEET_HEARTBEAT_S = env_int("FLEET_HEARTBEAT_S", 5)
 FLEET_NODE_TIMEOUT_S = env_int("FLEET_NODE_TIMEOUT_S", 20)

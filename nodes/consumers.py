@@ -297,7 +297,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             self.running.discard(gen_id)
             self.ended[gen_id] = True
             reg = registry()
-            reg.placement.release(self.node_id)
+            reg.lifecycle.ended(self.node_id, gen_id)  # a no-op when its dispatcher already reported the end
             reg.lanes.notify()
             fleet_changed()
 
@@ -349,6 +349,8 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             raise LinkError("heartbeat: every replica must be a map of plain JSON")
         placement = registry().placement
         placement.node_alive(self.node_id)
+        registry().lifecycle.measured(self.node_id, {"prefill_tps": msg.prefill_tps,
+                                                    "decode_slowdown_ms": msg.decode_slowdown_ms})
         if msg.cache_cleared:
             placement.forget_node(self.node_id)
         # set on every heartbeat: it also undoes a head that stopped placing here on an engine_unavailable answer

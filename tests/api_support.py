@@ -108,7 +108,7 @@ class FakeLink:
     def _end(self, gen_id: str, frame: Any) -> None:
         reg = registry()
         self.running.pop(gen_id, None)
-        reg.placement.release(self.node_id)
+        reg.lifecycle.ended(self.node_id, gen_id)  # as the link consumer reports every end
         reg.lanes.notify()
         reg.relay_push(gen_id, frame, node_id=self.node_id)
 

@@ -389,6 +389,21 @@ async def test_a_node_whose_engine_is_restarting_gets_no_work_until_it_is_back()
     assert not await _schedulable(node_id, True)
 
 
+async def test_a_heartbeats_measured_speed_reaches_placement_as_the_nodes_load_cost():
+    import asyncio
+
+    comm, channel = await joined()
+    node_id = str((await Node.objects.aget(identity="gpu-7")).id)
+    await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=0, lanes=4, prefill_tps=400.0,
+                                                         decode_slowdown_ms=5.0)))
+    for _ in range(50):
+        slot = next(s for s in registry().placement.nodes() if s.node_id == node_id)
+        if slot.prefill_tps:
+            break
+        await asyncio.sleep(0.02)
+    assert (slot.prefill_tps, slot.decode_slowdown_ms) == (400.0, 5.0)
+
+
 async def test_a_node_that_restarts_warm_keeps_what_its_restored_lanes_hold_in_placement():
     from dataclasses import replace
 

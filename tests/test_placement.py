@@ -1,12 +1,15 @@
-"""Placement (the replica rule) and prefix keys: nodes.link.placement.PlacementState and nodes.link.prefix.
+"""Placement (the replica rule), its lifecycle and prefix keys: nodes.link.placement.PlacementState,
+nodes.link.lifecycle.PlacementLifecycle and nodes.link.prefix. test_placement_redis.py runs them all again on Redis.
 
 No database, no Django: the placement state is plain in-process Python shared by the head and by replicas.
 """
 
 from __future__ import annotations
 
-from nodes.link.prefix import BLOCK_CHARS, prefix_keys
+from nodes.link.lifecycle import PlacementLifecycle, placement_keys
 from nodes.link.placement import NodeSlot, PlacementState
+from nodes.link.prefix import BLOCK_CHARS, prefix_keys
+from nodes.link.spec import GenerateSpec
 
 MODEL = "m"
 
@@ -415,11 +418,11 @@ def test_evidence_names_the_choice_its_cost_and_the_runner_up():
         "candidates": 3,
         "ranking": [
             {"node": "node-b", "node_id": "b", "cost": 64, "reread_tokens": 64, "load_tokens": 0, "matched_tokens": 192,
-             "running": 0},
+             "running": 0, "load_per_generation": 1000},
             {"node": "node-a", "node_id": "a", "cost": 256, "reread_tokens": 256, "load_tokens": 0, "matched_tokens": 0,
-             "running": 0},
+             "running": 0, "load_per_generation": 1000},
             {"node": "node-c", "node_id": "c", "cost": 256, "reread_tokens": 256, "load_tokens": 0, "matched_tokens": 0,
-             "running": 0},
+             "running": 0, "load_per_generation": 1000},
         ],
     }
 
@@ -435,6 +438,118 @@ def test_evidence_splits_each_candidates_cost_into_tokens_to_read_again_and_load
     assert [(r["node"], r["reread_tokens"], r["load_tokens"], r["running"]) for r in ranking] == [
         ("node-a", 0, 100, 1), ("node-b", 256, 0, 0)]
     assert all(r["cost"] == r["reread_tokens"] + r["load_tokens"] for r in ranking)
+
+
+# --- the placement lifecycle (what dispatch, replicas and bench/routing.py all go through) ---------------
+
+
+def test_done_records_the_prompt_and_the_answer_so_the_next_turn_matches_all_of_it_and_frees_the_lane():
+    system = "You are a careful assistant for the fleet. " * 20
+    state = fleet("a", "b", load_tokens=0)
+    lifecycle = PlacementLifecycle(state)
+    turn1 = GenerateSpec(gen_id="g1", model=MODEL, messages=chat(system, "Hello?"))
+    first = lifecycle.choose(turn1, placement_keys(turn1))
+    assert running(state)[first.node_id] == 1
+
+    lifecycle.done(first.node_id, turn1, placement_keys(turn1), answer=" Hi, I am the fleet.",
+                   usage={"completion_tokens": 7})
+
+    assert running(state) == {"a": 0, "b": 0}
+    # the client sends the answer back trimmed: the whole conversation so far is held where it ran
+    turn2 = GenerateSpec(gen_id="g2", model=MODEL, messages=chat(system, "Hello?", "Hi, I am the fleet.", "More?"))
+    keys2 = placement_keys(turn2)
+    again = lifecycle.choose(turn2, keys2)
+    assert (again.node_id, again.matched_tokens) == (first.node_id, keys2[-2].tokens())
+
+
+def test_a_lane_is_freed_once_however_many_ends_are_reported():
+    state = fleet("a", lanes=4)
+    lifecycle = PlacementLifecycle(state)
+    specs = [GenerateSpec(gen_id=f"g{i}", model=MODEL, prompt="p") for i in range(3)]
+    for spec in specs:
+        lifecycle.choose(spec, [])
+    assert running(state) == {"a": 3}
+
+    lifecycle.done("a", specs[0], [], answer="x", usage={})
+    lifecycle.ended("a", "g0")  # the link reports the same end as the dispatcher
+    lifecycle.ended("a", "g1")
+    lifecycle.lost("a", "g1")
+    lifecycle.ended("a", "never-placed")
+
+    assert running(state) == {"a": 1}
+
+
+def test_accepted_forgets_what_the_nodes_lane_choice_evicted():
+    keys = prefix_keys(model=MODEL, prompt="q" * 1024)
+    state = fleet("a", load_tokens=0)
+    state.record("a", "g-old", keys)
+    PlacementLifecycle(state).accepted("a", ["g-old"])
+    assert state.holders(keys[-1].key) == set()
+
+
+def test_a_lost_engine_forgets_its_cache_and_a_lost_link_keeps_it():
+    keys = prefix_keys(model=MODEL, prompt="z" * 1024)
+    state = fleet("a", "b", load_tokens=0)
+    lifecycle = PlacementLifecycle(state)
+    state.record("a", "g0", keys)
+    lifecycle.lost("a", "g1")
+    assert state.holders(keys[-1].key) == {"a"}
+    lifecycle.lost("a", "g1", cache_gone=True)
+    assert state.holders(keys[-1].key) == set()
+
+
+# --- the learned load cost ---------------------------------------------------------------------------------
+
+
+def measured_fleet(figures: dict[str, tuple[float, float]], *, answer_tokens: int = 100,
+                   load_tokens: int | None = None) -> PlacementState:
+    """Nodes that measured (prefill tokens/s, decode slowdown ms) and finished one answer of `answer_tokens`."""
+    state = PlacementState(load_tokens=load_tokens)
+    lifecycle = PlacementLifecycle(state)
+    for node_id, (prefill_tps, slowdown_ms) in figures.items():
+        state.node_up(slot(node_id))
+        lifecycle.measured(node_id, {"prefill_tps": prefill_tps, "decode_slowdown_ms": slowdown_ms})
+        spec = GenerateSpec(gen_id=f"warm-{node_id}", model=MODEL, prompt="w")
+        lifecycle.done(node_id, spec, [], answer="", usage={"completion_tokens": answer_tokens})
+    return state
+
+
+def test_the_load_cost_is_what_the_node_could_read_in_the_time_one_more_generation_costs():
+    # a reads 500 tokens/s and each running generation adds 8 ms to its steps: over a 100-token answer that is
+    # 0.8 s, 400 prompt tokens; b reads 10,000 tokens/s and is slowed 0.5 ms a step: 0.05 s, 500 tokens
+    state = measured_fleet({"a": (500.0, 8.0), "b": (10_000.0, 0.5)})
+    state.choose(MODEL, [], exclude={"b"})
+    state.choose(MODEL, [], exclude={"a"})
+
+    ranking = state.choose(MODEL, []).evidence()["ranking"]
+
+    assert sorted((r["node"], r["load_per_generation"], r["load_tokens"]) for r in ranking) == [
+        ("node-a", 400, 400), ("node-b", 500, 500)]
+    assert ranking[0]["node"] == "node-a"
+
+
+def test_a_node_slowed_more_by_load_gives_up_a_held_prompt_sooner():
+    keys = prefix_keys(model=MODEL, prompt="k" * 2048)  # 512 tokens
+    for slowdown_ms, goes_to in ((2.0, "a"), (20.0, "b")):  # 100 or 1000 tokens a running generation
+        state = measured_fleet({"a": (500.0, slowdown_ms), "b": (500.0, slowdown_ms)})
+        state.record("a", "g1", keys)
+        state.choose(MODEL, [], exclude={"b"})
+        assert state.choose(MODEL, keys).node_id == goes_to
+
+
+def test_the_answer_length_is_learned_from_what_nodes_finish():
+    state = measured_fleet({"a": (1000.0, 1.0)}, answer_tokens=100)
+    assert [state.load_of(s) for s in state.nodes()] == [100]
+    PlacementLifecycle(state).done("a", GenerateSpec(gen_id="g2", model=MODEL, prompt="x"), [], answer="",
+                                   usage={"completion_tokens": 300})
+    assert [state.load_of(s) for s in state.nodes()] == [140]  # a moving mean: 0.8 x 100 + 0.2 x 300
+
+
+def test_a_node_that_measured_nothing_costs_no_load_and_a_setting_overrides_what_was_learned():
+    assert [s.learned_load_tokens for s in fleet("a").nodes()] == [0]
+    state = measured_fleet({"a": (500.0, 8.0)}, load_tokens=50)
+    state.choose(MODEL, [])
+    assert state.choose(MODEL, []).evidence()["ranking"][0]["load_tokens"] == 50
 
 
 # --- prefix keys -------------------------------------------------------------------------------------------

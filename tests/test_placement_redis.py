@@ -1,4 +1,4 @@
-"""The routing tests again, on the placement state several head processes share through Redis."""
+"""The placement and lifecycle tests again, on the placement state several head processes share through Redis."""
 
 import os
 import uuid
@@ -17,7 +17,7 @@ def redis_placement(monkeypatch):
 
     made = []
 
-    def factory(load_tokens: int = 3000, max_keys: int = 200_000):
+    def factory(load_tokens: int | None = None, max_keys: int = 200_000):
         state = RedisPlacementState(os.environ["REDIS_URL"], prefix=f"fleet-rt-{uuid.uuid4().hex[:8]}:",
                                     load_tokens=load_tokens, max_keys=max_keys)
         made.append(state)

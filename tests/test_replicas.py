@@ -3,6 +3,7 @@
 import asyncio
 
 from nodes.agent.replicas import ReplicaSet
+from nodes.link.prefix import prefix_keys
 from nodes.link.spec import GenerateSpec
 
 SYSTEM = {"role": "system", "content": "You answer questions about bicycles. " * 20}
@@ -13,6 +14,7 @@ class StandInWorker:
 
     def __init__(self, lanes: int = 2):
         self.lanes, self.alive, self.pid, self.submitted = lanes, True, 1, []
+        self.figures: dict = {}  # what its engine measured of its speed
 
     async def start(self, on_progress=None):
         return {"model_name": "m", "context_window": 2048, "lanes": self.lanes, "capabilities": {},
@@ -22,7 +24,7 @@ class StandInWorker:
         self.submitted.append(spec.gen_id)
 
     def stats(self):
-        return {"lanes_busy": 0, "lanes": self.lanes}
+        return {"lanes_busy": 0, "lanes": self.lanes, **self.figures}
 
 
 def spec(gen_id: str, *turns: str) -> GenerateSpec:
@@ -59,3 +61,33 @@ def test_a_dead_replica_takes_no_work():
     for i in range(3):
         asyncio.run(replicas.submit(spec(f"g{i}", f"question {i}")))
     assert workers[0].submitted == [] and len(workers[1].submitted) == 3
+
+
+def test_a_replica_holds_the_answer_too_so_the_next_turn_matches_the_whole_conversation():
+    workers = [StandInWorker(), StandInWorker()]
+    replicas = ReplicaSet(workers, model_name="m")
+    asyncio.run(replicas.start())
+    asyncio.run(replicas.submit(spec("g1", "hi")))
+    first = 0 if workers[0].submitted else 1
+    replicas.on_event(first, {"type": "tokens", "gen_id": "g1", "seq": 1, "text": [" Hello", " rider"], "ids": [1, 2]})
+    replicas.on_event(first, {"type": "done", "gen_id": "g1", "usage": {"completion_tokens": 2}, "evicted": []})
+
+    answered = [SYSTEM, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello rider"}]
+    key = prefix_keys(model="m", messages=answered)[-1].key
+    assert replicas.placement.holders(key) == {f"r{first}"}
+    assert [s.running for s in replicas.placement.nodes()] == [0, 0]
+
+
+def test_each_replicas_measured_speed_reaches_its_placement_and_the_nodes_heartbeat():
+    workers = [StandInWorker(), StandInWorker()]
+    workers[0].figures = {"prefill_tps": 500.0, "decode_slowdown_ms": 8.0}
+    replicas = ReplicaSet(workers, model_name="m")
+    asyncio.run(replicas.start())
+    asyncio.run(replicas.submit(spec("g1", "hi")))
+    index = 0 if workers[0].submitted else 1
+    replicas.on_event(index, {"type": "done", "gen_id": "g1", "usage": {"completion_tokens": 100}, "evicted": []})
+    asyncio.run(replicas.submit(spec("g2", "hello")))  # the figures go to placement as each generation is placed
+
+    slots = {s.node_id: s for s in replicas.placement.nodes()}
+    assert (slots["r0"].prefill_tps, slots["r0"].decode_slowdown_ms) == (500.0, 8.0)
+    assert replicas.stats()["prefill_tps"] == 500.0  # the node's heartbeat: the mean of the replicas that measured

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nodes.link.prefix import prefix_keys
+from nodes.link.lifecycle import PlacementLifecycle, placement_keys
 from nodes.link.placement import NodeSlot, PlacementState
 from nodes.link.spec import GenerateSpec
 
@@ -57,12 +57,15 @@ def cpu_groups(replicas: int, cpus: list[int] | None = None) -> list[list[int]]:
 class ReplicaSet:
     """Presents N EngineWorkers as one engine: the same interface, routed by prompt tokens to re-read + load."""
 
-    def __init__(self, workers: list, *, model_name: str, load_tokens: int = 3000):
+    def __init__(self, workers: list, *, model_name: str, load_tokens: int | None = None):
         self.workers = workers
         self.model_name = model_name
         self.placement = PlacementState(load_tokens=load_tokens)
+        self.lifecycle = PlacementLifecycle(self.placement)
         self.where: dict[str, int] = {}  # gen_id -> replica index
         self.keys: dict[str, list] = {}
+        self.specs: dict[str, GenerateSpec] = {}
+        self.answers: dict[str, list[str]] = {}  # gen_id -> the answer's pieces so far (its keys are recorded at done)
         self.routed = [0] * len(workers)
         self._info: dict[str, Any] = {}
 
@@ -85,33 +88,36 @@ class ReplicaSet:
         return self._info
 
     def on_event(self, index: int, event: dict[str, Any]) -> dict[str, Any]:
-        """Called by each worker's event hook: tags the replica and keeps the routing state right."""
+        """Called by each worker's event hook: tags the replica and takes the placement through its lifecycle."""
         event = {**event, "replica": index}
-        gen_id = event.get("gen_id")
-        if event["type"] == "accepted" and event.get("evicted"):
-            self.placement.evict(f"r{index}", list(event["evicted"]))
-        if event["type"] in {"done", "error"} and self.where.pop(gen_id, None) is not None:
-            self.placement.release(f"r{index}")
-            keys = self.keys.pop(gen_id, [])
-            if event["type"] == "done":
-                self.placement.record(f"r{index}", gen_id, keys, prompt_tokens=event["usage"].get("prompt_tokens", 0))
-                self.placement.evict(f"r{index}", list(event.get("evicted", [])))
-        if event["type"] == "error" and event.get("code") == "engine_crashed":
-            self.placement.forget_node(f"r{index}")
+        gen_id, kind, replica = event.get("gen_id"), event["type"], f"r{index}"
+        if kind == "accepted":
+            self.lifecycle.accepted(replica, event.get("evicted", []))
+        elif kind == "tokens" and gen_id in self.answers:
+            self.answers[gen_id].extend(event["text"])
+        elif kind in {"done", "error"} and self.where.pop(gen_id, None) is not None:
+            spec, keys, answer = self.specs.pop(gen_id), self.keys.pop(gen_id), "".join(self.answers.pop(gen_id))
+            if kind == "done":
+                self.lifecycle.done(replica, spec, keys, answer=answer, usage=event["usage"],
+                                    evicted=event.get("evicted", []))
+            else:
+                self.lifecycle.lost(replica, gen_id, cache_gone=event.get("code") == "engine_crashed")
         return event
 
     async def submit(self, spec: GenerateSpec) -> None:
-        keys = prefix_keys(model=spec.model, prompt=spec.prompt, messages=spec.messages)
+        keys = placement_keys(spec)
         for index, worker in enumerate(self.workers):
             self.placement.set_schedulable(f"r{index}", worker.alive)
-        choice = self.placement.choose(self.model_name, keys)
+            self.lifecycle.measured(f"r{index}", worker.stats())
+        choice = self.lifecycle.choose(spec, keys, model=self.model_name)
         if choice is not None:
             index = int(choice.node_id[1:])
         else:  # every live lane is busy: queue in the engine of the least-routed live replica, never a dead one
             alive = [i for i, w in enumerate(self.workers) if w.alive] or list(range(len(self.workers)))
             index = min(alive, key=lambda i: self.routed[i])
         self.routed[index] += 1
-        self.where[spec.gen_id], self.keys[spec.gen_id] = index, keys
+        self.where[spec.gen_id], self.keys[spec.gen_id], self.specs[spec.gen_id] = index, keys, spec
+        self.answers[spec.gen_id] = []
         await self.workers[index].submit(spec)
 
     async def cancel(self, gen_id: str) -> None:
@@ -135,6 +141,9 @@ class ReplicaSet:
         per = [w.stats() for w in self.workers]
         fields = ("lanes_busy", "lanes", "kv_used", "kv_total", "tokens_per_s")
         total = {k: sum(p.get(k, 0) for p in per) for k in fields}
+        for figure in ("prefill_tps", "decode_slowdown_ms"):  # each replica's own: the mean of those measured
+            measured = [p[figure] for p in per if p.get(figure)]
+            total[figure] = sum(measured) / len(measured) if measured else 0.0
         total["cache_cleared"] = any(p.get("cache_cleared") for p in per)
         total["replicas"] = self._replica_states()
         return total

@@ -96,6 +96,10 @@ class Heartbeat(Message):
     # False while the engine worker is restarting: the head places nothing here until a heartbeat says True
     # (sent at once when it changes, not at the next interval)
     engine_ready: bool = True
+    # What the engine measured (0: not yet): prompt tokens read a second, and the milliseconds each running
+    # generation adds to a decode step. The head's load cost for this node comes from them (nodes/link/placement.py).
+    prefill_tps: float = 0.0
+    decode_slowdown_ms: float = 0.0
 
 
 @dataclass(slots=True)

@@ -1,7 +1,13 @@
 """Placement: which node a generation goes to (the replica rule).
 
-cost(node) = prompt tokens the node would have to read again + LOAD_TOKENS x generations running there.
+cost(node) = prompt tokens the node would have to read again + load_tokens(node) x generations running there.
 A tie goes to the least loaded node, then the least routed one, so idle nodes share the work.
+
+load_tokens(node) is learned per node, with nothing to tune: the prompt tokens that node could read in the time an
+extra running generation costs, prefill_tps x decode_slowdown_s x answer_tokens (what the node's engine measures and
+reports in its heartbeat: its prefill rate and how much each running generation slows a decode step; and the
+mean answer length of the generations done there). A node that has not measured them yet costs no load (ties still
+go to the least loaded). A fixed `load_tokens` given to the state (FLEET_LOAD_TOKENS) overrides the learned one.
 
 The index maps each prefix key to the nodes that hold it (and the generation that put it there), LRU-capped.
 Nodes report what they evict (the generations whose lane another one took) and when their cache was
@@ -32,10 +38,29 @@ class NodeSlot:
     schedulable: bool = True
     chars_per_token: float = 4.0
     capabilities: list[str] = field(default_factory=list)  # the capabilities the node reports as true
+    prefill_tps: float = 0.0  # prompt tokens a second its engine reads (0: not measured yet)
+    decode_slowdown_ms: float = 0.0  # what each running generation adds to one of its decode steps
+    answer_tokens: float = 0.0  # mean completion tokens of the generations done there (learned at done)
 
     @property
     def free(self) -> int:
         return max(self.lanes - self.running, 0)
+
+    @property
+    def learned_load_tokens(self) -> int:
+        return learned_load_tokens(self.prefill_tps, self.decode_slowdown_ms, self.answer_tokens)
+
+
+def learned_load_tokens(prefill_tps: float, decode_slowdown_ms: float, answer_tokens: float) -> int:
+    """The prompt tokens a node reads in the time one more running generation costs a generation placed there:
+    each of its decode steps is slower by decode_slowdown_ms, over answer_tokens steps. (The Redis state's Lua
+    script computes the same.)"""
+    return int(prefill_tps * decode_slowdown_ms / 1000 * answer_tokens + 0.5)
+
+
+def learn_answer_tokens(old: float, completion_tokens: int) -> float:
+    """A moving mean of answer lengths: the first answer sets it."""
+    return float(completion_tokens) if old <= 0 else 0.8 * old + 0.2 * completion_tokens
 
 
 @dataclass
@@ -65,10 +90,12 @@ class Choice:
 
 
 def ranking_row(identity: str, node_id: str, *, total: int, matched: int, running: int, load_tokens: int) -> dict:
-    """One candidate's line of placement evidence; its `cost` is `reread_tokens + load_tokens`."""
+    """One candidate's line of placement evidence; its `cost` is `reread_tokens + load_tokens` (`load_tokens` is
+    the node's load per running generation times `running`)."""
     reread = max(total - matched, 0)
     return {"node": identity, "node_id": node_id, "cost": reread + load_tokens * running, "reread_tokens": reread,
-            "load_tokens": load_tokens * running, "matched_tokens": matched, "running": running}
+            "load_tokens": load_tokens * running, "load_per_generation": load_tokens, "matched_tokens": matched,
+            "running": running}
 
 
 @dataclass
@@ -81,11 +108,12 @@ class _Holders:
 class PlacementState:
     """In-process placement state: nodes, their load, and the prefix index. Thread-safe (one lock)."""
 
-    def __init__(self, *, load_tokens: int = 3000, max_keys: int = 200_000):
-        self.load_tokens = load_tokens
+    def __init__(self, *, load_tokens: int | None = None, max_keys: int = 200_000):
+        self.load_tokens = load_tokens  # None: each node's learned load
         self.max_keys = max_keys
         self._lock = threading.Lock()
         self._nodes: dict[str, NodeSlot] = {}
+        self._placed: dict[str, set[str]] = {}  # node_id -> the generations holding a lane there
         self._index: OrderedDict[str, _Holders] = OrderedDict()
         self._by_gen: dict[tuple[str, str], list[str]] = {}
 
@@ -99,6 +127,7 @@ class PlacementState:
             if old is not None and not cache_cleared:
                 slot.routed = old.routed
             self._nodes[slot.node_id] = slot
+            self._placed[slot.node_id] = set()
             if cache_cleared:
                 self._forget_node_locked(slot.node_id, set(warm))
 
@@ -123,13 +152,24 @@ class PlacementState:
         with self._lock:
             return [NodeSlot(**{**vars(s), "capabilities": list(s.capabilities)}) for s in self._nodes.values()]
 
+    def measured(self, node_id: str, *, prefill_tps: float, decode_slowdown_ms: float) -> None:
+        """What the node's engine measured (its heartbeat): the figures its load per running generation comes from."""
+        with self._lock:
+            slot = self._nodes.get(node_id)
+            if slot is not None:
+                slot.prefill_tps, slot.decode_slowdown_ms = prefill_tps, decode_slowdown_ms
+
+    def load_of(self, slot: NodeSlot) -> int:
+        return slot.learned_load_tokens if self.load_tokens is None else self.load_tokens
+
     def models(self) -> list[str]:
         with self._lock:
             return sorted({m for s in self._nodes.values() for m in s.models})
 
     # --- placing ---
-    def choose(self, model: str, keys: list[PrefixKey], *, exclude: set[str] = frozenset()) -> Choice | None:
-        """Pick and reserve a lane on the cheapest node serving `model`; None when no lane is free."""
+    def choose(self, model: str, keys: list[PrefixKey], *, exclude: set[str] = frozenset(),
+               gen_id: str = "") -> Choice | None:
+        """Pick and reserve a lane on the cheapest node serving `model` for `gen_id`; None when no lane is free."""
         with self._lock:
             candidates = [
                 s for s in self._nodes.values()
@@ -145,13 +185,16 @@ class PlacementState:
                 key=lambda row: row[:5],
             )
             cost, matched, total, _, _, _, best = scored[0]
-            best.running += 1
+            placed = self._placed.setdefault(best.node_id, set())
+            if not gen_id or gen_id not in placed:
+                best.running += 1
+            placed.add(gen_id)
             best.routed += 1
             runner_up = None
             if len(scored) > 1:
                 r = scored[1]
                 runner_up = {"node": r[6].identity, "cost": r[0], "matched_tokens": r[1]}
-            ranking = [ranking_row(s.identity, s.node_id, total=t, matched=m, running=run, load_tokens=self.load_tokens)
+            ranking = [ranking_row(s.identity, s.node_id, total=t, matched=m, running=run, load_tokens=self.load_of(s))
                        for _, m, t, run, _, _, s in scored]
             for k in keys:
                 if k.key in self._index:
@@ -166,11 +209,16 @@ class PlacementState:
             if holders is None or slot.node_id not in holders.by_node:
                 break
             matched = k.tokens(chars_per_token)
-        return (max(total - matched, 0) + self.load_tokens * slot.running, matched, total)
+        return (max(total - matched, 0) + self.load_of(slot) * slot.running, matched, total)
 
-    def release(self, node_id: str) -> None:
+    def release(self, node_id: str, gen_id: str = "") -> None:
+        """Free the lane `gen_id` held; once only, so the link and the dispatcher may both report its end."""
         with self._lock:
             slot = self._nodes.get(node_id)
+            placed = self._placed.get(node_id, set())
+            if gen_id and gen_id not in placed:
+                return
+            placed.discard(gen_id)
             if slot is not None and slot.running > 0:
                 slot.running -= 1
 
@@ -179,12 +227,15 @@ class PlacementState:
             return sum(s.free for s in self._nodes.values() if model in s.models and s.schedulable)
 
     # --- the prefix index ---
-    def record(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, prompt_tokens: int = 0) -> None:
+    def record(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, prompt_tokens: int = 0,
+               completion_tokens: int = 0) -> None:
         """A generation finished on a node: the node now holds these keys (its prompt and answer)."""
         with self._lock:
             slot = self._nodes.get(node_id)
             if slot is None:
                 return
+            if completion_tokens > 0:
+                slot.answer_tokens = learn_answer_tokens(slot.answer_tokens, completion_tokens)
             if prompt_tokens > 0 and keys:
                 # Learn this node's text-to-token ratio from what it really read.
                 slot.chars_per_token = 0.8 * slot.chars_per_token + 0.2 * max(keys[-1].chars / prompt_tokens, 1.0)

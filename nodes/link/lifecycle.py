@@ -1,0 +1,78 @@
+"""One placement's life, owned in one place: choose, accepted, done, ended or lost.
+
+The head (placing generations on nodes: fleet/dispatch.py and the link consumer), a node with replicas (placing on
+its engine workers: nodes/agent/replicas.py) and the routing benchmark all drive placement through this object,
+so none of them spells the steps out again (three copies had drifted: replicas recorded only the prompt's keys).
+It works over either placement state, in process (nodes.link.placement.PlacementState) or in Redis
+(fleet.placement_redis.RedisPlacementState). Django-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from nodes.link.placement import Choice
+from nodes.link.prefix import PrefixKey, prefix_keys
+from nodes.link.spec import GenerateSpec
+
+
+def placement_keys(spec: GenerateSpec) -> list[PrefixKey]:
+    """The prompt's prefix keys: what placement matches against what nodes hold."""
+    return prefix_keys(model=spec.model, prompt=spec.prompt, messages=spec.messages)
+
+
+def held_keys(spec: GenerateSpec, keys: list[PrefixKey], answer: str) -> list[PrefixKey]:
+    """What a node holds once `spec` is done there: the prompt's keys and, for a chat, the conversation with the
+    answer appended (its next turn starts with it)."""
+    if spec.messages is None:
+        return list(keys)
+    return keys + prefix_keys(model=spec.model, messages=[*spec.messages, {"role": "assistant", "content": answer}])
+
+
+class PlacementLifecycle:
+    """The steps of one generation's placement, over a placement state.
+
+    - `choose`: reserve a lane on the cheapest node (None: no lane free);
+    - `accepted`: the node admitted it; forget what its lane choice evicted, now rather than at done;
+    - `done`: record the prompt's and the answer's keys, forget what the node evicted, free the lane;
+    - `ended`: it ended without a done to record (an error, a cancel, the link's own report); free the lane;
+    - `lost`: the node (or its engine) was lost with it; free the lane, and forget the node's cache when it is gone.
+
+    Freeing a lane is once per generation and node, so the link and the dispatcher may both report an end.
+    `measured` takes what a node's engine measured (its heartbeat), which its learned load cost comes from.
+    """
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def choose(self, spec: GenerateSpec, keys: list[PrefixKey], *, exclude: set[str] = frozenset(),
+               model: str | None = None) -> Choice | None:
+        """`model`: the name the slots serve it under, when not the spec's own (a node's replicas)."""
+        return self.state.choose(model or spec.model, keys, exclude=exclude, gen_id=spec.gen_id)
+
+    def accepted(self, node_id: str, evicted: Sequence[str]) -> None:
+        if evicted:
+            self.state.evict(node_id, list(evicted))
+
+    def done(self, node_id: str, spec: GenerateSpec, keys: list[PrefixKey], *, answer: str, usage: dict[str, Any],
+             evicted: Sequence[str] = ()) -> None:
+        self.state.record(node_id, spec.gen_id, held_keys(spec, keys, answer),
+                          prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                          completion_tokens=int(usage.get("completion_tokens") or 0))
+        # evicted again in case a done recorded them after the accepted that reported them (harmless otherwise)
+        self.accepted(node_id, evicted)
+        self.state.release(node_id, spec.gen_id)
+
+    def ended(self, node_id: str, gen_id: str) -> None:
+        self.state.release(node_id, gen_id)
+
+    def lost(self, node_id: str, gen_id: str, *, cache_gone: bool = False) -> None:
+        self.state.release(node_id, gen_id)
+        if cache_gone:
+            self.state.forget_node(node_id)
+
+    def measured(self, node_id: str, figures: dict[str, Any]) -> None:
+        """`figures`: a heartbeat's or an engine's stats (prefill_tps, decode_slowdown_ms; absent: not measured)."""
+        self.state.measured(node_id, prefill_tps=float(figures.get("prefill_tps") or 0.0),
+                            decode_slowdown_ms=float(figures.get("decode_slowdown_ms") or 0.0))
