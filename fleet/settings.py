@@ -251,6 +251,9 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = FLEET_MAX_BODY_BYTES
 
 # /metrics answers a scraper that sends `Authorization: Bearer <this>` (or a staff session); unset: staff only.
 FLEET_METRICS_TOKEN = os.environ.get("FLEET_METRICS_TOKEN", "").strip()
+# The model registry (files in FLEET_HOME/blobs/): a node's grant to pull a model lasts this many seconds (a pull that
+# needs longer asks for another); uploads come in parts of at most FLEET_MAX_BODY_BYTES, one request each.
+FLEET_PULL_GRANT_S = env_int("FLEET_PULL_GRANT_S", 900)
 
 # Batches (/v1/batches): a Celery worker sends each line to a head process's /v1 at this address.
 FLEET_HEAD_URL = os.environ.get("FLEET_HEAD_URL", "http://127.0.0.1:8000").strip().rstrip("/")

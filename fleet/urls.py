@@ -4,6 +4,7 @@ from django.contrib import admin
 from django.urls import include, path
 
 from fleet import metrics, views
+from nodes import views as node_views
 
 admin.site.site_header = "Fleet administration"
 admin.site.site_title = "Fleet"
@@ -19,5 +20,6 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("healthz", views.healthz, name="healthz"),
     path("metrics", metrics.metrics_view, name="metrics"),
+    path("models/blobs/<str:sha256>", node_views.model_blob, name="model-blob"),
     path("", include("api.urls")),
 ]

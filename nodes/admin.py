@@ -3,7 +3,8 @@
 from django.contrib import admin, messages
 from django.utils.html import format_html
 
-from nodes.models import FleetToken, Node, RevokedNodeKey
+from nodes.models import FleetToken, Model, Node, RevokedNodeKey
+from nodes.registry import model_delete
 from nodes.services import fleet_token_create, fleet_token_revoke, node_release_key, node_revoke, node_set_hold
 
 
@@ -154,3 +155,41 @@ class RevokedNodeKeyAdmin(admin.ModelAdmin):
         from nodes.link.handshake import fingerprint
 
         return fingerprint(bytes.fromhex(row.public_key))
+
+
+@admin.register(Model)
+class ModelAdmin(admin.ModelAdmin):
+    """The model registry. Adding uploads the file in parts through /api/models/ (see the add page's script), so the
+    head never holds more than one part in memory; every figure comes from the file's own metadata."""
+
+    list_display = ("name", "architecture", "quantization", "size_mb", "context_length", "kv_bytes_per_token",
+                    "sha256_short", "created_at")
+    search_fields = ("name", "sha256", "architecture")
+    readonly_fields = ("id", "name", "sha256", "size", "architecture", "quantization", "context_length",
+                       "kv_bytes_per_token", "chat_template", "created_at", "updated_at")
+
+    def add_view(self, request, form_url="", extra_context=None):
+        from django.conf import settings
+        from django.template.response import TemplateResponse
+
+        context = {**self.admin_site.each_context(request), "opts": self.model._meta, "title": "Add a model",
+                   "part_bytes": settings.FLEET_MAX_BODY_BYTES, "has_view_permission": True}
+        return TemplateResponse(request, "admin/nodes/model/upload.html", context)
+
+    def has_change_permission(self, request, obj=None):
+        return False  # nothing to edit: every field is read from the file
+
+    def delete_model(self, request, obj):
+        model_delete(model=obj)
+
+    def delete_queryset(self, request, queryset):
+        for model in queryset:
+            model_delete(model=model)
+
+    @admin.display(description="size (MB)", ordering="size")
+    def size_mb(self, model):
+        return f"{model.size / 1e6:,.1f}"
+
+    @admin.display(description="sha256")
+    def sha256_short(self, model):
+        return f"{model.sha256[:12]}…"

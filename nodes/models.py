@@ -156,3 +156,30 @@ class LinkEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.identity or 'node'} {self.kind}"
+
+
+class Model(models.Model):
+    """A GGUF model in the head's registry, stored once by content hash under `$FLEET_HOME/blobs/`.
+
+    Every figure is read from the file's own metadata when it is added (`nodes.registry.model_add`), never typed by
+    hand. Several names may share one file; the blob goes when the last of them is deleted.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=64, unique=True, help_text="The name nodes pull and clients ask for.")
+    sha256 = models.CharField(max_length=64, db_index=True, editable=False)
+    size = models.PositiveBigIntegerField(editable=False, help_text="Bytes.")
+    architecture = models.CharField(max_length=64, editable=False)
+    quantization = models.CharField(max_length=32, editable=False)
+    context_length = models.PositiveIntegerField(editable=False, help_text="The context the model was trained for.")
+    kv_bytes_per_token = models.PositiveBigIntegerField(
+        editable=False, help_text="KV cache bytes of one token in every layer (K and V, f16).")
+    chat_template = models.TextField(blank=True, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name

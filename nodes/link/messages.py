@@ -40,6 +40,8 @@ class MessageType(StrEnum):
     ERROR = "error"
     BYE = "bye"
     CHECK = "check"
+    PULL = "pull"
+    PULL_GRANT = "pull_grant"
 
 
 class Message:
@@ -217,6 +219,34 @@ class Check(Message):
     identity: str
 
 
+@dataclass(slots=True)
+class Pull(Message):
+    """node -> head, instead of Register: may this key join under `identity`, and where does it pull `model` from?
+    The head answers PullGrant and closes the link (1000), or closes with the refusal code as for Check."""
+
+    TYPE: ClassVar[MessageType] = MessageType.PULL
+    identity: str
+    model: str
+
+
+@dataclass(slots=True)
+class PullGrant(Message):
+    """head -> node: the registry's file for `model` and a short-lived grant to fetch it over HTTP.
+
+    The node sends `grant` in an `Authorization: Fleet-Grant <grant>` header on `GET <path>` (Range requests), never
+    in a URL. `error` (and nothing else) when the head has no model of that name.
+    """
+
+    TYPE: ClassVar[MessageType] = MessageType.PULL_GRANT
+    model: str
+    sha256: str = ""
+    size: int = 0
+    path: str = ""
+    grant: str = ""
+    expires_s: float = 0.0
+    error: str = ""
+
+
 REGISTRY: dict[str, type[Message]] = {
     cls.TYPE.value: cls
     for cls in (
@@ -233,6 +263,8 @@ REGISTRY: dict[str, type[Message]] = {
         Error,
         Bye,
         Check,
+        Pull,
+        PullGrant,
     )
 }
 

@@ -1,0 +1,103 @@
+"""`/api/models/`: the model registry over the management API (staff only).
+
+A file of any size is uploaded in parts, one request each (at most FLEET_MAX_BODY_BYTES): start an upload, PUT its
+parts in order at their offsets, then create the model from it. The head never holds more than one part in memory,
+and a client that lost its place asks for it (a part at the wrong offset is a 409 that names the right one).
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.parsers import BaseParser
+from rest_framework.response import Response
+
+from api.views import IsStaff
+from nodes import registry
+from nodes.models import Model
+
+
+class ModelSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Model
+        fields = ["id", "name", "sha256", "size", "architecture", "quantization", "context_length",
+                  "kv_bytes_per_token", "chat_template", "created_at", "updated_at"]
+        read_only_fields = fields
+
+
+class ModelCreateSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=64, help_text="The model's name on the fleet (nodes pull it by this).")
+    upload = serializers.CharField(help_text="The id of a finished upload (POST /api/models/uploads/).")
+
+
+class UploadSerializer(serializers.Serializer):
+    upload = serializers.CharField(help_text="The upload's id.")
+    offset = serializers.IntegerField(help_text="Bytes received so far: where the next part goes.")
+    part_max_bytes = serializers.IntegerField(help_text="The most one part may hold (FLEET_MAX_BODY_BYTES).")
+
+
+class PartParser(BaseParser):
+    """A part's raw bytes: the view copies the stream to disk without reading it into a Python object."""
+
+    media_type = "application/octet-stream"
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        return stream
+
+
+def _upload_body(upload_id: str, offset: int) -> dict:
+    return {"upload": upload_id, "offset": offset, "part_max_bytes": settings.FLEET_MAX_BODY_BYTES}
+
+
+@extend_schema_view(list=extend_schema(summary="List the registry's models"),
+                    retrieve=extend_schema(summary="A registry model"))
+class ModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin,
+                   viewsets.GenericViewSet):
+    """GGUF models on the head (staff only); every figure is read from the file's own metadata."""
+
+    queryset = Model.objects.all()
+    serializer_class = ModelSerializer
+    permission_classes = [IsStaff]
+
+    @extend_schema(request=ModelCreateSerializer, responses={201: ModelSerializer},
+                   summary="Add the model in a finished upload")
+    def create(self, request, *args, **kwargs):
+        form = ModelCreateSerializer(data=request.data)
+        form.is_valid(raise_exception=True)
+        try:
+            model = registry.model_upload_finish(upload_id=form.validated_data["upload"],
+                                                 name=form.validated_data["name"])
+        except registry.RegistryError as exc:
+            raise ValidationError({"detail": str(exc)}) from None
+        return Response(ModelSerializer(model).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(summary="Delete (its file goes when no other name uses it)")
+    def destroy(self, request, *args, **kwargs):
+        registry.model_delete(model=self.get_object())
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(request=None, responses={201: UploadSerializer}, summary="Start an upload")
+    @action(detail=False, methods=["post"], url_path="uploads")
+    def upload_start(self, request):
+        return Response(_upload_body(registry.model_upload_start(), 0), status=status.HTTP_201_CREATED)
+
+    @extend_schema(request={"application/octet-stream": bytes}, responses={200: UploadSerializer},
+                   parameters=[OpenApiParameter("offset", int, required=True,
+                                                description="Where this part goes: the bytes received so far.")],
+                   summary="Append a part")
+    @action(detail=False, methods=["put"], url_path=r"uploads/(?P<upload_id>[^/.]+)", parser_classes=[PartParser])
+    def upload_part(self, request, upload_id=None):
+        try:
+            offset = int(request.query_params.get("offset", ""))
+        except ValueError:
+            raise ValidationError({"offset": ["give the part's offset as a whole number (?offset=N)"]}) from None
+        try:
+            size = registry.model_upload_append(upload_id=upload_id, offset=offset, source=request.data)
+        except registry.UploadUnknown as exc:
+            raise NotFound(str(exc)) from None
+        except registry.UploadOffset as exc:
+            return Response({"detail": str(exc), **_upload_body(upload_id, exc.size)}, status=status.HTTP_409_CONFLICT)
+        return Response(_upload_body(upload_id, size))

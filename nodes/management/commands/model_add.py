@@ -1,0 +1,23 @@
+"""`manage.py model_add PATH --name NAME`: add a GGUF file on the head to the model registry."""
+
+from django.core.management.base import BaseCommand, CommandError
+
+from nodes.registry import RegistryError, model_add
+
+
+class Command(BaseCommand):
+    help = "Add a GGUF model file to the head's registry; nodes then pull it with `node_join --model NAME`."
+
+    def add_arguments(self, parser):
+        parser.add_argument("path", help="the .gguf file on this machine (copied into $FLEET_HOME/blobs/)")
+        parser.add_argument("--name", required=True, help="the model's name on the fleet")
+
+    def handle(self, *args, **options):
+        try:
+            model = model_add(path=options["path"], name=options["name"])
+        except (RegistryError, OSError) as exc:
+            raise CommandError(str(exc), returncode=2) from None
+        self.stdout.write(
+            f"Model {model.name!r} added: {model.architecture}, {model.quantization}, {model.size:,} bytes, "
+            f"trained context {model.context_length:,} tokens, {model.kv_bytes_per_token:,} KV bytes a token, "
+            f"sha256 {model.sha256}.\nOn a node: python manage.py node_join <head> --model {model.name}\n")

@@ -1,0 +1,205 @@
+"""The model registry's services: add a GGUF file (from a path or an upload in parts), delete it, and grant nodes a
+short-lived right to pull it.
+
+Files live once by content hash in `$FLEET_HOME/blobs/<sha256>`; uploads grow in `$FLEET_HOME/blobs/uploads/` and
+are hashed and checked when they finish. Nothing here holds more than one chunk of a file in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+import shutil
+import uuid
+from pathlib import Path
+from typing import BinaryIO
+
+from django.conf import settings
+from django.core import signing
+from django.db import IntegrityError, transaction
+
+from nodes.agent.gguf_info import GgufError, read_gguf
+from nodes.link.messages import PullGrant
+from nodes.models import Model
+
+CHUNK = 1 << 20
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+UPLOAD_RE = re.compile(r"[0-9a-f]{32}")
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
+GRANT_SALT = "fleet.model-pull"
+
+
+class RegistryError(Exception):
+    """A model the registry refuses (a bad name, a taken name, a file that is not a GGUF model); says what to do."""
+
+
+class UploadUnknown(RegistryError):
+    """No upload has this id (never started, or already finished)."""
+
+
+class UploadOffset(RegistryError):
+    """A part sent for another offset than the upload's size so far; `size` is where the next part goes."""
+
+    def __init__(self, message: str, size: int) -> None:
+        super().__init__(message)
+        self.size = size
+
+
+class GrantRefused(Exception):
+    """A pull whose grant is missing, forged, expired, or for another file."""
+
+
+def blob_dir() -> Path:
+    return Path(settings.FLEET_HOME) / "blobs"
+
+
+def blob_path(sha256: str) -> Path:
+    return blob_dir() / sha256
+
+
+def _uploads() -> Path:
+    path = blob_dir() / "uploads"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _check_name(name: str) -> str:
+    name = (name or "").strip()
+    if not NAME_RE.fullmatch(name):
+        raise RegistryError(f"model name {name!r} is not valid: use 1-64 letters, digits, '.', '_' or '-', "
+                            "starting with a letter or digit")
+    if Model.objects.filter(name=name).exists():
+        raise RegistryError(f"a model named {name!r} is already in the registry; delete it first or pick another name")
+    return name
+
+
+def _hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _copy_hashing(source: BinaryIO, target: Path) -> str:
+    digest = hashlib.sha256()
+    with open(target, "wb") as out:
+        while chunk := source.read(CHUNK):
+            digest.update(chunk)
+            out.write(chunk)
+    return digest.hexdigest()
+
+
+def _store(staged: Path, sha256: str, name: str) -> Model:
+    """Check the staged file is a GGUF model, keep it under its hash (once), and record it as `name`."""
+    try:
+        info = read_gguf(staged)
+    except GgufError as exc:
+        staged.unlink(missing_ok=True)
+        raise RegistryError(f"the file is refused: {exc}") from None
+    target = blob_path(sha256)
+    if target.exists():
+        staged.unlink()  # the same file under another name: stored once
+    else:
+        os.replace(staged, target)
+    try:
+        with transaction.atomic():
+            return Model.objects.create(
+                name=name, sha256=sha256, size=info.size, architecture=info.architecture,
+                quantization=info.quantization, context_length=info.context_length,
+                kv_bytes_per_token=info.kv_bytes_per_token, chat_template=info.chat_template)
+    except IntegrityError:
+        raise RegistryError(f"a model named {name!r} was added meanwhile; pick another name") from None
+
+
+def model_add(*, path: str | os.PathLike, name: str) -> Model:
+    """Add the GGUF file at `path` (on the head) as `name`: copied into the blobs while it is hashed."""
+    name = _check_name(name)
+    source = Path(path)
+    if not source.is_file():
+        raise RegistryError(f"no file at {str(source)!r}")
+    staged = _uploads() / f"add-{uuid.uuid4().hex}"
+    try:
+        with open(source, "rb") as handle:
+            sha256 = _copy_hashing(handle, staged)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
+    return _store(staged, sha256, name)
+
+
+# --- uploads in parts ---------------------------------------------------------------------------------------
+
+
+def model_upload_start() -> str:
+    """A new, empty upload; its id is what the parts and the finish name."""
+    upload_id = secrets.token_hex(16)
+    (_uploads() / f"{upload_id}.part").touch()
+    return upload_id
+
+
+def _upload_file(upload_id: str) -> Path:
+    path = _uploads() / f"{upload_id}.part"
+    if not UPLOAD_RE.fullmatch(upload_id or "") or not path.exists():
+        raise UploadUnknown(f"no upload {upload_id!r}: start one first")
+    return path
+
+
+def model_upload_append(*, upload_id: str, offset: int, source: BinaryIO) -> int:
+    """Append a part at `offset`, which must be the upload's size so far (a resent part is refused, not doubled).
+    Returns the new size."""
+    path = _upload_file(upload_id)
+    size = path.stat().st_size
+    if offset != size:
+        raise UploadOffset(f"upload {upload_id} has {size} bytes; send the part at offset {size}, not {offset}", size)
+    with open(path, "ab") as out:
+        shutil.copyfileobj(source, out, CHUNK)
+    return path.stat().st_size
+
+
+def model_upload_finish(*, upload_id: str, name: str) -> Model:
+    """Hash the uploaded file, check it is a GGUF model and record it as `name`."""
+    name = _check_name(name)
+    path = _upload_file(upload_id)
+    return _store(path, _hash_file(path), name)
+
+
+def model_delete(*, model: Model) -> None:
+    """Delete the entry, and its file when no other name uses it."""
+    sha256 = model.sha256
+    model.delete()
+    if not Model.objects.filter(sha256=sha256).exists():
+        blob_path(sha256).unlink(missing_ok=True)
+
+
+# --- pulling ------------------------------------------------------------------------------------------------
+
+
+def blob_url_path(sha256: str) -> str:
+    return f"/models/blobs/{sha256}"
+
+
+def model_grant(*, name: str, identity: str) -> PullGrant:
+    """The link message that lets node `identity` pull model `name` for FLEET_PULL_GRANT_S seconds."""
+    model = Model.objects.filter(name=name).first()
+    if model is None:
+        return PullGrant(model=name, error=f"the head has no model named {name!r}; add it on the head "
+                                           "(`manage.py model_add PATH --name NAME`, the admin or /api/models/)")
+    grant = signing.TimestampSigner(salt=GRANT_SALT).sign_object({"sha256": model.sha256, "node": identity})
+    return PullGrant(model=name, sha256=model.sha256, size=model.size, path=blob_url_path(model.sha256),
+                     grant=grant, expires_s=float(settings.FLEET_PULL_GRANT_S))
+
+
+def model_grant_open(*, grant: str, sha256: str) -> Path:
+    """The blob a grant allows pulling. Raises GrantRefused with the reason."""
+    try:
+        granted = signing.TimestampSigner(salt=GRANT_SALT).unsign_object(grant, max_age=settings.FLEET_PULL_GRANT_S)
+    except signing.SignatureExpired:
+        raise GrantRefused("the pull grant has expired; the node asks the head for a new one") from None
+    except signing.BadSignature:
+        raise GrantRefused("the pull grant is not one this head signed") from None
+    if not SHA256_RE.fullmatch(sha256) or granted.get("sha256") != sha256:
+        raise GrantRefused("the pull grant is for another file")
+    return blob_path(sha256)
