@@ -1,11 +1,13 @@
 """Admin for API keys: created here, shown once, revoked with an action; their quotas set here."""
 
+from django.conf import settings
 from django.contrib import admin, messages
 from django.utils.html import format_html
 
 from api.batches import batch_ref, file_ref
 from api.models import ApiKey, Batch, BatchFile
 from api.services import api_key_create, api_key_revoke
+from sessions.selectors import expires_at
 
 
 @admin.register(ApiKey)
@@ -47,12 +49,16 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
 @admin.register(BatchFile)
 class BatchFileAdmin(admin.ModelAdmin):
-    list_display = ("file_id", "filename", "purpose", "owner", "bytes", "created_at")
+    list_display = ("file_id", "filename", "purpose", "owner", "bytes", "created_at", "purged")
     list_filter = ("purpose",)
     search_fields = ("filename", "owner__username")
     list_select_related = ("owner",)
-    readonly_fields = ("owner", "filename", "purpose", "bytes", "created_at")
+    readonly_fields = ("owner", "filename", "purpose", "bytes", "created_at", "purged")
     exclude = ("content",)
+
+    @admin.display(description="purged at (later while a batch uses it)")
+    def purged(self, row):
+        return expires_at(row.created_at, settings.FLEET_FILE_RETENTION_DAYS) or "never"
 
     @admin.display(description="id")
     def file_id(self, row):

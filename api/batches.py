@@ -89,6 +89,17 @@ def file_delete(*, owner, ref: str) -> dict[str, Any]:
     return {"id": ref, "object": "file", "deleted": True}
 
 
+def file_purge(*, retention_days: int) -> int:
+    """Delete the batch files older than `retention_days` (0: keep them), except those a batch not yet over reads or
+    writes; a finished batch keeps its counts, its file ids then answer 404. Returns how many went."""
+    if retention_days <= 0:
+        return 0
+    live = Batch.objects.filter(status__in=ACTIVE)
+    keep = {pk for row in live.values_list("input_file_id", "output_file_id", "error_file_id") for pk in row if pk}
+    old = BatchFile.objects.filter(created_at__lt=timezone.now() - timedelta(days=retention_days)).exclude(pk__in=keep)
+    return old.delete()[1].get(BatchFile._meta.label, 0)
+
+
 def _page(rows, limit: int, after, shape) -> dict[str, Any]:
     if after is not None:
         rows = rows.filter(created_at__lte=after.created_at).exclude(pk=after.pk).exclude(

@@ -11,7 +11,7 @@ from api.grammars import JSON_GBNF
 from api.tools import ToolPlan
 from nodes.link.spec import GenerateSpec
 from sessions import selectors
-from sessions.services import gbnf_problem, json_schema_problem
+from sessions.services import gbnf_problem, handle_used, json_schema_problem
 
 
 def apply_constraints(spec: GenerateSpec, body: dict[str, Any], plan: ToolPlan | None, user) -> None:
@@ -39,6 +39,7 @@ def apply_constraints(spec: GenerateSpec, body: dict[str, Any], plan: ToolPlan |
             handle = selectors.logit_bias_handle_get_active(user=user, handle_id=body["logit_bias_handle"])
         except selectors.HandleUnavailable as exc:
             raise invalid(str(exc), param="logit_bias_handle", code="handle_unavailable") from None
+        handle_used(handle=handle)
         spec.logit_bias = {**{int(k): float(v) for k, v in handle.bias.items()}, **spec.logit_bias}
 
 
@@ -72,6 +73,7 @@ def _grammar(grammar: Any, user) -> tuple[str, str]:
             handle = selectors.grammar_handle_get_active(user=user, handle_id=grammar.strip())
         except selectors.HandleUnavailable as exc:
             raise invalid(str(exc), param="grammar", code="handle_unavailable") from None
+        handle_used(handle=handle)
         return ("gbnf" if handle.kind == "gbnf" else "json_schema", handle.source)
     problem = gbnf_problem(grammar)
     if problem:

@@ -10,6 +10,7 @@ from django.conf import settings
 from django.db import OperationalError
 
 from api.batch_run import batch_run, batches_stale
+from api.batches import file_purge
 
 log = logging.getLogger("api")
 
@@ -37,3 +38,13 @@ def batch_resume_task() -> int:
     if stale:
         log.info("batches resumed: %s", ", ".join(stale))
     return len(stale)
+
+
+@shared_task(name="api.tasks.file_purge", soft_time_limit=120, time_limit=180, ignore_result=False,
+             autoretry_for=(OperationalError,), retry_backoff=5, max_retries=3)
+def file_purge_task() -> int:
+    """Delete batch files past FLEET_FILE_RETENTION_DAYS. Run by beat; a second run finds nothing more."""
+    count = file_purge(retention_days=settings.FLEET_FILE_RETENTION_DAYS)
+    if count:
+        log.info("purged %d batch file(s) older than %d days", count, settings.FLEET_FILE_RETENTION_DAYS)
+    return count

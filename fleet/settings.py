@@ -172,6 +172,9 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE = {
     "sweep-lost-nodes": {"task": "nodes.tasks.node_sweep_lost", "schedule": 30.0},
     "resume-batches": {"task": "api.tasks.batch_resume", "schedule": float(env_int("FLEET_BATCH_RESUME_S", 15))},
+    **{name: {"task": task, "schedule": float(env_int("FLEET_MAINTENANCE_S", 3600))} for name, task in (
+        ("expire-sessions", "sessions.tasks.session_expire"), ("expire-handles", "sessions.tasks.handle_expire"),
+        ("purge-generations", "sessions.tasks.generation_purge"), ("purge-files", "api.tasks.file_purge"))},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(FLEET_HOME / "celerybeat-schedule")
 
@@ -264,6 +267,14 @@ FLEET_BATCH_LINE_TIMEOUT_S = env_int("FLEET_BATCH_LINE_TIMEOUT_S", 600)
 FLEET_BATCH_SLICE_S = env_int("FLEET_BATCH_SLICE_S", 600)  # one task's run; the next slice is enqueued after it
 FLEET_BATCH_LEASE_S = env_int("FLEET_BATCH_LEASE_S", 30)  # a runner silent this long is taken for dead
 
+# Maintenance (Celery beat, every FLEET_MAINTENANCE_S): in days, 0 keeps forever. A session untouched this long is
+# deleted with its messages; a handle no generation named this long is freed; generation records and batch files
+# older than their retention are deleted (a file an unfinished batch reads or writes is kept).
+FLEET_SESSION_TTL_DAYS = env_int("FLEET_SESSION_TTL_DAYS", 30)
+FLEET_HANDLE_TTL_DAYS = env_int("FLEET_HANDLE_TTL_DAYS", 30)
+FLEET_GENERATION_RETENTION_DAYS = env_int("FLEET_GENERATION_RETENTION_DAYS", 90)
+FLEET_FILE_RETENTION_DAYS = env_int("FLEET_FILE_RETENTION_DAYS", 30)
+
 # plain, or json: one JSON object a line, with gen_id on every line about a generation (node_join honours it too).
 try:
     FLEET_LOG_FORMAT = log_format(os.environ.get("FLEET_LOG_FORMAT"))
@@ -280,6 +291,7 @@ LOGGING = {
         "fleet": {"handlers": ["console"], "level": os.environ.get("FLEET_LOG_LEVEL", "INFO"), "propagate": False},
         "nodes": {"handlers": ["console"], "level": os.environ.get("FLEET_LOG_LEVEL", "INFO"), "propagate": False},
         "api": {"handlers": ["console"], "level": os.environ.get("FLEET_LOG_LEVEL", "INFO"), "propagate": False},
+        "sessions": {"handlers": ["console"], "level": os.environ.get("FLEET_LOG_LEVEL", "INFO"), "propagate": False},
         "django.request": {"handlers": ["console"], "level": "ERROR", "propagate": False},
     },
 }

@@ -1,9 +1,11 @@
 """Admin for conversations, generation records and handles. History is read-only."""
 
+from django.conf import settings
 from django.contrib import admin, messages
 from django.utils import timezone
 
 from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message
+from sessions.selectors import expires_at
 
 
 class ReadOnlyMixin:
@@ -24,25 +26,33 @@ class MessageInline(ReadOnlyMixin, admin.TabularInline):
 
 @admin.register(InferenceSession)
 class InferenceSessionAdmin(admin.ModelAdmin):
-    list_display = ("__str__", "model", "owner", "api_key", "created_at", "updated_at")
+    list_display = ("__str__", "model", "owner", "api_key", "created_at", "updated_at", "expires")
     list_filter = ("model",)
     search_fields = ("id", "title", "system_prompt")
     list_select_related = ("owner", "api_key")
-    readonly_fields = ("id", "created_at", "updated_at")
+    readonly_fields = ("id", "created_at", "updated_at", "expires")
     inlines = (MessageInline,)
+
+    @admin.display(description="expires (untouched until)")
+    def expires(self, row):
+        return expires_at(row.updated_at, settings.FLEET_SESSION_TTL_DAYS) or "never"
 
 
 @admin.register(Generation)
 class GenerationAdmin(ReadOnlyMixin, admin.ModelAdmin):
     list_display = ("id", "model", "node", "status", "finish_reason", "prompt_tokens", "cached_tokens",
-                    "completion_tokens", "ttft_ms", "decode_tps", "created_at")
+                    "completion_tokens", "ttft_ms", "decode_tps", "created_at", "purged")
     list_filter = ("status", "finish_reason", "model", "kind", "node")
     search_fields = ("id", "error")
     list_select_related = ("node",)
     date_hierarchy = "created_at"
     readonly_fields = ("id", "session", "api_key", "kind", "model", "node", "nodes_used", "status", "finish_reason",
                        "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "duration_ms", "decode_tps",
-                       "parameters", "placement", "error", "created_at", "finished_at")
+                       "parameters", "placement", "error", "created_at", "finished_at", "purged")
+
+    @admin.display(description="purged at")
+    def purged(self, row):
+        return expires_at(row.created_at, settings.FLEET_GENERATION_RETENTION_DAYS) or "never"
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
         """The generation's page: its timeline and the placement evidence of every attempt, above the record."""
@@ -58,6 +68,12 @@ class GenerationAdmin(ReadOnlyMixin, admin.ModelAdmin):
 class FreeableAdmin(admin.ModelAdmin):
     actions = ("free",)
 
+    @admin.display(description="expires (unused until)")
+    def expires(self, row):
+        if row.freed_at is not None:
+            return "freed"
+        return expires_at(row.updated_at, settings.FLEET_HANDLE_TTL_DAYS) or "never"
+
     @admin.action(description="Free: generations naming it get a clear error")
     def free(self, request, queryset):
         count = queryset.filter(freed_at__isnull=True).update(freed_at=timezone.now())
@@ -66,7 +82,7 @@ class FreeableAdmin(admin.ModelAdmin):
 
 @admin.register(GrammarHandle)
 class GrammarHandleAdmin(FreeableAdmin):
-    list_display = ("id", "name", "kind", "api_key", "created_at", "freed_at")
+    list_display = ("id", "name", "kind", "api_key", "created_at", "freed_at", "expires")
     list_filter = ("kind", "freed_at")
     search_fields = ("id", "name")
     list_select_related = ("api_key",)
@@ -74,7 +90,7 @@ class GrammarHandleAdmin(FreeableAdmin):
 
 @admin.register(LogitBiasHandle)
 class LogitBiasHandleAdmin(FreeableAdmin):
-    list_display = ("id", "name", "api_key", "created_at", "freed_at")
+    list_display = ("id", "name", "api_key", "created_at", "freed_at", "expires")
     list_filter = ("freed_at",)
     search_fields = ("id", "name")
     list_select_related = ("api_key",)

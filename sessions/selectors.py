@@ -10,6 +10,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Q, QuerySet
 
 from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message
@@ -93,6 +94,12 @@ def generation_list(*, user, model: str | None = None, node: str | None = None, 
     return queryset.order_by("-created_at")
 
 
+def expires_at(since: datetime | None, days: int) -> datetime | None:
+    """When maintenance removes (or frees) a row last touched at `since`, under a time-to-live of `days`; None for
+    0 (kept) or no time. The admin shows it."""
+    return since + timedelta(days=days) if since is not None and days > 0 else None
+
+
 # --- handles --------------------------------------------------------------------------------------------------
 
 
@@ -119,7 +126,9 @@ def _active(queryset: QuerySet, handle_id: Any, what: str, where: str):
     if handle is None:
         raise HandleUnavailable(f"There is no {what} {handle_id!r} for this API key; create one under {where}.")
     if handle.freed_at is not None:
-        raise HandleUnavailable(f"The {what} {handle_id!r} was freed at {handle.freed_at:%Y-%m-%d %H:%M:%S} UTC; "
+        ttl = settings.FLEET_HANDLE_TTL_DAYS
+        why = f" (by its owner, or after {ttl} days unused)" if ttl else ""
+        raise HandleUnavailable(f"The {what} {handle_id!r} was freed at {handle.freed_at:%Y-%m-%d %H:%M:%S} UTC{why}; "
                                 f"create a new one under {where}.")
     return handle
 

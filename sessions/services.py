@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import transaction
@@ -214,3 +214,49 @@ def logit_bias_handle_create(*, bias: Any, name: str = "", owner=None, api_key=N
 
 def logit_bias_handle_free(*, handle: LogitBiasHandle) -> bool:
     return bool(LogitBiasHandle.objects.filter(pk=handle.pk, freed_at__isnull=True).update(freed_at=timezone.now()))
+
+
+def handle_used(*, handle: GrammarHandle | LogitBiasHandle) -> None:
+    """A generation named the handle: its time-to-live starts over (written at most once a minute per handle)."""
+    now = timezone.now()
+    if handle.updated_at < now - timedelta(minutes=1):
+        type(handle).objects.filter(pk=handle.pk).update(updated_at=now)
+
+
+# --- maintenance (Celery beat; each run does what is due and nothing twice) ------------------------------------
+
+
+def _cutoff(days: int) -> datetime | None:
+    return timezone.now() - timedelta(days=days) if days > 0 else None
+
+
+def session_expire(*, ttl_days: int) -> int:
+    """Delete the conversations untouched for `ttl_days` (0: keep them), with their messages; their generation
+    records stay. Returns how many went."""
+    cutoff = _cutoff(ttl_days)
+    if cutoff is None:
+        return 0
+    return InferenceSession.objects.filter(updated_at__lt=cutoff).delete()[1].get(InferenceSession._meta.label, 0)
+
+
+def handle_expire(*, ttl_days: int) -> int:
+    """Free the grammar and logit-bias handles no generation named for `ttl_days` (0: never). Returns how many."""
+    cutoff = _cutoff(ttl_days)
+    if cutoff is None:
+        return 0
+    now = timezone.now()
+    return sum(model.objects.filter(freed_at__isnull=True, updated_at__lt=cutoff).update(freed_at=now)
+               for model in (GrammarHandle, LogitBiasHandle))
+
+
+def generation_purge(*, retention_days: int, chunk: int = 2000) -> int:
+    """Delete generation records older than `retention_days` (0: keep them), `chunk` rows a statement so no
+    transaction holds the table long. Returns how many went."""
+    cutoff = _cutoff(retention_days)
+    purged = 0
+    while cutoff is not None:
+        ids = list(Generation.objects.filter(created_at__lt=cutoff).values_list("pk", flat=True)[:chunk])
+        if not ids:
+            break
+        purged += Generation.objects.filter(pk__in=ids).delete()[1].get(Generation._meta.label, 0)
+    return purged

@@ -40,3 +40,50 @@ def test_worker_process_runs_the_sweep_task(tmp_path):
         worker_out = worker.communicate(timeout=30)[0]
     assert "nodes.tasks.node_sweep_lost" in worker_out and "succeeded" in worker_out
     wait_for(lambda: worker.returncode is not None, 5, "worker did not stop")
+
+
+MAINTAIN = (
+    "import django; django.setup()\n"
+    "from datetime import timedelta\n"
+    "from django.utils import timezone\n"
+    "from django.contrib.auth.models import User\n"
+    "from api.models import BatchFile\n"
+    "from sessions.models import Generation, GrammarHandle, InferenceSession\n"
+    "from api.tasks import file_purge_task\n"
+    "from sessions.tasks import generation_purge_task, handle_expire_task, session_expire_task\n"
+    "long_ago = timezone.now() - timedelta(days=400)\n"
+    "owner = User.objects.create(username='maintained')\n"
+    "InferenceSession.objects.filter(pk=InferenceSession.objects.create(model='m').pk).update(updated_at=long_ago)\n"
+    "InferenceSession.objects.create(model='m')\n"
+    "GrammarHandle.objects.filter(pk=GrammarHandle.objects.create(kind='gbnf', source='root ::= \"a\"').pk)"
+    ".update(updated_at=long_ago)\n"
+    "Generation.objects.create(model='m', status='done', created_at=long_ago)\n"
+    "Generation.objects.create(model='m', status='done', created_at=timezone.now())\n"
+    "f = BatchFile.objects.create(owner=owner, filename='x', purpose='batch', bytes=2, content=b'{}')\n"
+    "BatchFile.objects.filter(pk=f.pk).update(created_at=long_ago)\n"
+    "for task in (session_expire_task, handle_expire_task, generation_purge_task, file_purge_task):\n"
+    "    print(task.name, task.delay().get(timeout=60), task.delay().get(timeout=60))\n"
+    "print('left', InferenceSession.objects.count(), Generation.objects.count(), BatchFile.objects.count(),"
+    " GrammarHandle.objects.filter(freed_at__isnull=True).count())\n"
+)
+
+
+def test_worker_process_runs_the_maintenance_tasks_once_each(tmp_path):
+    """Each maintenance task, sent twice to a real worker: the first run does what is due, the second nothing."""
+    head = make_head(tmp_path)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "fleet", "worker", "--pool=solo", "--loglevel=INFO",
+         "-n", f"test-maintain-{head.port}@%h"],
+        cwd=ROOT, env=head.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", MAINTAIN], cwd=ROOT, env=head.env, capture_output=True,
+                             text=True, timeout=180)
+        assert out.returncode == 0, out.stderr
+        lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
+        assert lines == {"sessions.tasks.session_expire": "1 0", "sessions.tasks.handle_expire": "1 0",
+                         "sessions.tasks.generation_purge": "1 0", "api.tasks.file_purge": "1 0",
+                         "left": "1 1 0 0"}
+    finally:
+        worker.terminate()
+        worker.communicate(timeout=30)
