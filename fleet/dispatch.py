@@ -18,6 +18,7 @@ from django.conf import settings
 from fleet import metrics
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
+from nodes.link.codes import ErrorCode
 from nodes.link.lifecycle import placement_keys
 from nodes.link.messages import Accepted, Done, Error, TokenBatch
 from nodes.link.prefix import PrefixKey
@@ -32,10 +33,10 @@ STUCK_AFTER_S = 300.0  # no frame at all from a node for this long, on a generat
 LINK_CHECK_S = 5.0
 # Only a lost node is retried elsewhere. An engine that crashed on a generation is not: the same request could
 # crash every node it is sent to (llama.cpp aborts on some inputs), so it ends with a clear error instead.
-RETRYABLE_CODES = {"node_lost"}
+RETRYABLE_CODES = {ErrorCode.NODE_LOST}
 # Before its first token a generation is also placed again when the node's engine could not start it: a worker
 # restarting (engine_unavailable) or one that died before any token. After a token only a lost node is retried.
-RETRYABLE_BEFORE_FIRST_TOKEN = RETRYABLE_CODES | {"engine_unavailable", "engine_crashed"}
+RETRYABLE_BEFORE_FIRST_TOKEN = RETRYABLE_CODES | {ErrorCode.ENGINE_UNAVAILABLE, ErrorCode.ENGINE_CRASHED}
 # What a user can do when no node has a capability a request needs.
 CAPABILITY_HINTS = {
     "batch_invariant": "start a node with `manage.py node_join --batch-invariant` (greedy output then never depends "
@@ -285,29 +286,29 @@ class GenerationStream:
                     if event.seq < expected_seq:
                         continue  # a duplicate batch
                     if event.seq > expected_seq:  # a batch lost on its way (the channel layer can drop one)
-                        raise _NodeFailed("node_lost", f"token batch {expected_seq} from node {link.identity!r} "
-                                                       "was lost in transit")
+                        raise _NodeFailed(ErrorCode.NODE_LOST, f"token batch {expected_seq} from node "
+                                                               f"{link.identity!r} was lost in transit")
                     expected_seq = event.seq + 1
                     yield self._on_tokens(event)
                 elif isinstance(event, Done):
                     if event.seq > expected_seq:
-                        raise _NodeFailed("node_lost", f"token batch {expected_seq} from node {link.identity!r} "
-                                                       "was lost in transit")
+                        raise _NodeFailed(ErrorCode.NODE_LOST, f"token batch {expected_seq} from node "
+                                                               f"{link.identity!r} was lost in transit")
                     finished = True
                     yield self._on_done(event, link)
                     return
                 elif isinstance(event, Error):
                     reg.lifecycle.ended(link.node_id, self.spec.gen_id)
-                    if event.code == "engine_unavailable":
+                    if event.code == ErrorCode.ENGINE_UNAVAILABLE:
                         # its heartbeat puts it back once the engine is up; until then nothing more goes there
                         reg.placement.set_schedulable(link.node_id, False)
                     retryable = RETRYABLE_CODES if self.outcome.completion_tokens else RETRYABLE_BEFORE_FIRST_TOKEN
                     if event.code in retryable:
                         raise _NodeFailed(event.code, event.message)
                     raise GenerationError(event.code, event.message, status=_status_for(event.code),
-                                          param="messages" if event.code == "context_length_exceeded" else None)
+                                          param="messages" if event.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED else None)
                 elif isinstance(event, NodeLost):
-                    raise _NodeFailed("node_lost", f"node {link.identity!r} was lost: {event.reason}")
+                    raise _NodeFailed(ErrorCode.NODE_LOST, f"node {link.identity!r} was lost: {event.reason}")
         finally:
             reg.relays.pop(relay_gen, None)
             self._current = None
@@ -327,8 +328,8 @@ class GenerationStream:
             except TimeoutError:
                 if time.monotonic() < silent_until:
                     if _link_gone(link):
-                        raise _NodeFailed("node_lost", f"node {link.identity!r}'s link was replaced while it ran "
-                                                       "this generation") from None
+                        raise _NodeFailed(ErrorCode.NODE_LOST, f"node {link.identity!r}'s link was replaced "
+                                                               "while it ran this generation") from None
                     continue
             if self.spec.deadline is None:
                 raise GenerationError("node_stuck", f"node {link.identity!r} sent nothing for {STUCK_AFTER_S:.0f} s; "
@@ -425,11 +426,11 @@ class _NodeFailed(Exception):
 
 def _status_for(code: str) -> int:
     return {
-        "context_length_exceeded": 400,
-        "invalid_grammar": 400,
-        "invalid_request": 400,
+        ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
+        ErrorCode.INVALID_GRAMMAR: 400,
+        ErrorCode.INVALID_REQUEST: 400,
         "deadline_exceeded": 504,
-        "engine_crashed": 502,
+        ErrorCode.ENGINE_CRASHED: 502,
     }.get(code, 500)
 
 

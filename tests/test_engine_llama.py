@@ -396,3 +396,28 @@ def test_park_saves_lanes_and_a_new_engine_starts_warm(tmp_path):
     other = LlamaEngine(EngineConfig(**{**config.to_dict(), "batch_invariant": True}))
     assert other.info()["warm_lanes"] == 0
     other.close()
+
+
+def test_the_heartbeat_carries_the_prefill_rate_and_decode_slowdown_the_engine_measured(engine):
+    from nodes.agent.dialer import heartbeat_of
+    from nodes.agent.engine.pace import Pace
+
+    engine.pace = Pace()  # measured afresh, whatever this module's earlier tests ran
+    long_question = "Summarise the history of the bicycle in Europe, decade by decade, with dates. " * 12
+    solo = run_local(engine, [chat("pace-solo", long_question, max_tokens=8, ignore_eos=True)])["pace-solo"]
+    read = solo.done["usage"]["prompt_tokens"] - solo.done["usage"]["cached_tokens"]
+    # the rate its heartbeat reports is the one its own timings show for reading that prompt
+    assert read > 100
+    assert heartbeat_of(engine.stats(), engine_ready=True).prefill_tps == pytest.approx(
+        read / solo.done["timings"]["prompt_ms"] * 1000, rel=0.25)
+
+    # decode steps with one lane and with four, taking turns (so another process busy on the machine for a while
+    # slows both kinds alike)
+    for turn in range(3):
+        run_local(engine, [chat(f"pace-1-{turn}", "Name a river.", max_tokens=16, ignore_eos=True)])
+        run_local(engine, [chat(f"pace-4-{turn}-{i}", f"Name a river in country number {i}.", max_tokens=16,
+                                ignore_eos=True) for i in range(4)])
+    heartbeat = heartbeat_of(engine.stats(), engine_ready=True)
+
+    # each further lane decoding makes a step slower, by less than a second
+    assert 0 < heartbeat.decode_slowdown_ms < 1000

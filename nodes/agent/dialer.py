@@ -23,7 +23,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from nodes.agent import keys
 from nodes.link.channel import MAX_FRAME, SecureChannel
-from nodes.link.codes import refusal
+from nodes.link.codes import ErrorCode, refusal
 from nodes.link.handshake import HeadKeyChanged, Initiator, fingerprint, parse_token
 from nodes.link.messages import (
     Accepted,
@@ -246,7 +246,7 @@ class NodeAgent:
             spec = GenerateSpec.from_dict({**msg.spec, "gen_id": msg.gen_id})
         except (SpecError, TypeError, ValueError) as exc:
             log.warning("fleet node: generation %s refused: %s", msg.gen_id, exc, extra={"gen_id": msg.gen_id})
-            self.outbox.put_nowait(Error(gen_id=msg.gen_id, code="invalid_request", message=str(exc)))
+            self.outbox.put_nowait(Error(gen_id=msg.gen_id, code=ErrorCode.INVALID_REQUEST, message=str(exc)))
             return
         self.running.add(msg.gen_id)
         # A worker that is restarting answers engine_unavailable at once, and the head places the generation on
@@ -271,17 +271,22 @@ class NodeAgent:
         """A heartbeat every `heartbeat_s`, and one at once when the engine worker dies or comes back."""
         while True:
             ready = self.engine.alive
-            stats = self.engine.stats()
-            cleared = bool(stats.pop("cache_cleared", False))
-            self.outbox.put_nowait(Heartbeat(
-                lanes_busy=int(stats.get("lanes_busy", 0)), lanes=int(stats.get("lanes", 0)),
-                kv_used=int(stats.get("kv_used", 0)), kv_total=int(stats.get("kv_total", 0)),
-                tokens_per_s=float(stats.get("tokens_per_s", 0.0)), replicas=list(stats.get("replicas", [])),
-                cache_cleared=cleared, engine_ready=ready,
-            ))
+            self.outbox.put_nowait(heartbeat_of(self.engine.stats(), engine_ready=ready))
             due = time.monotonic() + self.heartbeat_s
             while time.monotonic() < due and self.engine.alive == ready:
                 await asyncio.sleep(READY_POLL_S)
+
+
+def heartbeat_of(stats: dict, *, engine_ready: bool) -> Heartbeat:
+    """The heartbeat for an engine's (or a replica set's) stats, with what it measured of its own speed."""
+    return Heartbeat(
+        lanes_busy=int(stats.get("lanes_busy", 0)), lanes=int(stats.get("lanes", 0)),
+        kv_used=int(stats.get("kv_used", 0)), kv_total=int(stats.get("kv_total", 0)),
+        tokens_per_s=float(stats.get("tokens_per_s", 0.0)), replicas=list(stats.get("replicas", [])),
+        cache_cleared=bool(stats.get("cache_cleared", False)), engine_ready=engine_ready,
+        prefill_tps=float(stats.get("prefill_tps", 0.0)),
+        decode_slowdown_ms=float(stats.get("decode_slowdown_ms", 0.0)),
+    )
 
 
 @contextlib.asynccontextmanager

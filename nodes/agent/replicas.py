@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from nodes.link.codes import ErrorCode
 from nodes.link.lifecycle import PlacementLifecycle, placement_keys
 from nodes.link.placement import NodeSlot, PlacementState
 from nodes.link.spec import GenerateSpec
@@ -101,7 +102,7 @@ class ReplicaSet:
                 self.lifecycle.done(replica, spec, keys, answer=answer, usage=event["usage"],
                                     evicted=event.get("evicted", []))
             else:
-                self.lifecycle.lost(replica, gen_id, cache_gone=event.get("code") == "engine_crashed")
+                self.lifecycle.lost(replica, gen_id, cache_gone=event.get("code") == ErrorCode.ENGINE_CRASHED)
         return event
 
     async def submit(self, spec: GenerateSpec) -> None:

@@ -1,8 +1,23 @@
-"""Websocket close codes of the node link: one vocabulary that the head closes with and the node reads."""
+"""The node link's codes, one vocabulary that both ends import: websocket close codes (the head closes with them,
+the node reads them) and error codes (a node's `error` and `state_result`, which the head maps to a status and decides
+retries by)."""
 
 from __future__ import annotations
 
-from enum import IntEnum
+from enum import IntEnum, StrEnum
+
+
+class ErrorCode(StrEnum):
+    """Why a generation or a state operation failed. The values are the wire's (and the client's) codes."""
+
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt (with what was already generated) does not fit
+    INVALID_GRAMMAR = "invalid_grammar"
+    INVALID_REQUEST = "invalid_request"
+    ENGINE_CRASHED = "engine_crashed"  # the engine worker died with it (a llama.cpp abort); it restarts
+    ENGINE_UNAVAILABLE = "engine_unavailable"  # the engine worker is restarting; place it elsewhere
+    ENGINE_FAILED = "engine_failed"  # llama.cpp refused a step; the lanes in it were reset
+    UNKNOWN_OP = "unknown_op"  # a state operation this engine does not have
+    NODE_LOST = "node_lost"  # the head's own: the node's link was lost, or a token batch on its way
 
 
 class CloseCode(IntEnum):

@@ -25,13 +25,7 @@ FINISH_LENGTH = "length"
 FINISH_CANCELLED = "cancelled"
 FINISH_DEADLINE = "deadline"
 
-# Error codes an `error` event carries.
-ERR_CONTEXT_LENGTH = "context_length_exceeded"
-ERR_INVALID_GRAMMAR = "invalid_grammar"
-ERR_INVALID_REQUEST = "invalid_request"
-ERR_ENGINE_CRASHED = "engine_crashed"
-ERR_ENGINE_UNAVAILABLE = "engine_unavailable"
-ERR_ENGINE_FAILED = "engine_failed"
+# Error codes an `error` event carries: nodes.link.codes.ErrorCode, which the head imports too.
 
 
 @dataclass

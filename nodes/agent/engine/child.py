@@ -17,8 +17,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nodes.agent.engine.base import (
-    ERR_ENGINE_FAILED,
-    ERR_INVALID_REQUEST,
     Engine,
     EngineConfig,
     EngineLoadError,
@@ -26,6 +24,7 @@ from nodes.agent.engine.base import (
     create_engine,
     error_event,
 )
+from nodes.link.codes import ErrorCode
 from nodes.link.spec import GenerateSpec, SpecError
 
 STATS_EVERY_S = 1.0
@@ -97,7 +96,7 @@ class _ChildLoop:
                 spec = GenerateSpec.from_dict(message[1])
             except (SpecError, TypeError) as exc:
                 gen_id = str(message[1].get("gen_id", ""))
-                self.conn.send(("events", [error_event(gen_id, ERR_INVALID_REQUEST, str(exc))]))
+                self.conn.send(("events", [error_event(gen_id, ErrorCode.INVALID_REQUEST, str(exc))]))
                 return True
             events = self.engine.submit(spec)
         elif kind == "cancel":
@@ -117,7 +116,7 @@ class _ChildLoop:
         except StateOpError as exc:
             return False, {"code": exc.code, "message": exc.message}
         except Exception as exc:  # a failed state op answers the caller instead of killing the engine
-            return False, {"code": ERR_ENGINE_FAILED, "message": f"{type(exc).__name__}: {exc}"}
+            return False, {"code": ErrorCode.ENGINE_FAILED, "message": f"{type(exc).__name__}: {exc}"}
 
     def report_stats(self) -> None:
         stats = self.engine.stats()

@@ -17,9 +17,6 @@ import llama_cpp as L
 import numpy as np
 
 from nodes.agent.engine.base import (
-    ERR_CONTEXT_LENGTH,
-    ERR_ENGINE_FAILED,
-    ERR_INVALID_REQUEST,
     EngineConfig,
     EngineError,
     EngineLoadError,
@@ -30,6 +27,7 @@ from nodes.agent.engine.park import LaneParking
 from nodes.agent.engine.runs import Run
 from nodes.agent.engine.sampling import LaneSampler, accept_resume, build_sampler, token_logprobs
 from nodes.agent.engine.scheduler import Lane, LaneEngine, Sample, Work
+from nodes.link.codes import ErrorCode
 from nodes.link.spec import GenerateSpec
 
 DEFAULT_WINDOW = 2048
@@ -81,7 +79,7 @@ class TokenBatch:
         """Append tokens at positions pos.. of sequence `seq`; returns the index of the last one."""
         n, k = self.n, len(tokens)
         if n + k > self.capacity:
-            raise EngineError(ERR_ENGINE_FAILED, f"batch overflow: {n + k} tokens > {self.capacity}")
+            raise EngineError(ErrorCode.ENGINE_FAILED, f"batch overflow: {n + k} tokens > {self.capacity}")
         self.token[n : n + k] = tokens
         self.pos[n : n + k] = np.arange(pos, pos + k, dtype=np.int32)
         self.seq[n : n + k] = seq
@@ -162,13 +160,13 @@ class LlamaEngine(LaneEngine):
         else:
             prompt = self.model.tokenize(spec.prompt or "", True, True)
         if not prompt:
-            raise EngineError(ERR_INVALID_REQUEST, "the prompt is empty")
+            raise EngineError(ErrorCode.INVALID_REQUEST, "the prompt is empty")
         resume = self._resume_tokens(spec)
         tokens = prompt + resume
         if len(tokens) + 1 > self.window:
             extra = f" ({len(resume)} of them already generated)" if resume else ""
             raise EngineError(
-                ERR_CONTEXT_LENGTH,
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 f"the prompt is {len(tokens)} tokens{extra} but this model's context window is {self.window} "
                 f"tokens, and at least one must remain for the answer; shorten the prompt",
             )
@@ -187,7 +185,7 @@ class LlamaEngine(LaneEngine):
         resume text tokenized."""
         if spec.resume_ids:
             if not all(isinstance(t, int) and 0 <= t < self.model.n_vocab for t in spec.resume_ids):
-                raise EngineError(ERR_INVALID_REQUEST, "resume_ids holds a token id outside the vocabulary")
+                raise EngineError(ErrorCode.INVALID_REQUEST, "resume_ids holds a token id outside the vocabulary")
             return list(spec.resume_ids)
         return self.model.tokenize(spec.resume_text, False, False) if spec.resume_text else []
 
@@ -199,7 +197,7 @@ class LlamaEngine(LaneEngine):
         if not L.llama_memory_seq_rm(self.mem, lane.index, keep, -1):
             # A partial removal can fail (never for a whole sequence): start the lane from scratch instead.
             L.llama_memory_seq_rm(self.mem, lane.index, -1, -1)
-            raise EngineError(ERR_ENGINE_FAILED, f"could not trim lane {lane.index} to {keep} tokens")
+            raise EngineError(ErrorCode.ENGINE_FAILED, f"could not trim lane {lane.index} to {keep} tokens")
 
     def _copy_lane(self, source: Lane, lane: Lane, keep: int) -> None:
         # Lanes are separate KV streams, and llama.cpp copies across streams whole: the copy is queued and done
@@ -229,20 +227,20 @@ class LlamaEngine(LaneEngine):
     def _decode(self, works: list[Work]) -> dict[int, Sample]:
         total = sum(len(w.tokens) for w in works)
         if total > self.n_batch:
-            raise EngineError(ERR_ENGINE_FAILED, f"a step of {total} tokens exceeds n_batch {self.n_batch}")
+            raise EngineError(ErrorCode.ENGINE_FAILED, f"a step of {total} tokens exceeds n_batch {self.n_batch}")
         batch = self.batch
         batch.clear()
         outputs: list[tuple[Work, int]] = []
         for work in works:
             if work.pos != len(work.lane.tokens) or work.pos + len(work.tokens) > self.window:
-                raise EngineError(ERR_ENGINE_FAILED, f"lane {work.lane.index} would read past its window")
+                raise EngineError(ErrorCode.ENGINE_FAILED, f"lane {work.lane.index} would read past its window")
             index = batch.add(work.tokens, work.pos, work.lane.index, work.sample)
             if work.sample:
                 outputs.append((work, index))
         batch.batch.n_tokens = batch.n
         rc = L.llama_decode(self.ctx, batch.batch)
         if rc != 0:
-            raise EngineError(ERR_ENGINE_FAILED, f"llama_decode failed with code {rc}")
+            raise EngineError(ErrorCode.ENGINE_FAILED, f"llama_decode failed with code {rc}")
         return {work.lane.index: self._sample(work.lane.run, index) for work, index in outputs}
 
     def _sample(self, run: Run | None, index: int) -> Sample:
@@ -273,13 +271,13 @@ class LlamaEngine(LaneEngine):
         if op == "embed":
             texts = args.get("texts")
             if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-                raise StateOpError(ERR_INVALID_REQUEST, "embed needs `texts`, a list of strings")
+                raise StateOpError(ErrorCode.INVALID_REQUEST, "embed needs `texts`, a list of strings")
             embedded = [self._embed(text) for text in texts]
             return {"embeddings": [vector for vector, _ in embedded], "prompt_tokens": sum(n for _, n in embedded),
                     "model": self.info()["model_name"]}
         if op == "capabilities":
             return self.info()["capabilities"]
-        raise StateOpError("unknown_op", f"this engine has no state operation {op!r}")
+        raise StateOpError(ErrorCode.UNKNOWN_OP, f"this engine has no state operation {op!r}")
 
     def _embed(self, text: str) -> tuple[list[float], int]:
         """Mean-pooled, L2-normalised embedding from a second context on the same model, and its token count."""
@@ -287,10 +285,11 @@ class LlamaEngine(LaneEngine):
             self._embed_ctx = self.model.new_context(self.window, 1, self.window, self.threads, embeddings=True)
         tokens = self.model.tokenize(text, True, False)
         if not tokens:
-            raise StateOpError(ERR_INVALID_REQUEST, "cannot embed an empty text")
+            raise StateOpError(ErrorCode.INVALID_REQUEST, "cannot embed an empty text")
         if len(tokens) > self.window:
             raise StateOpError(
-                ERR_CONTEXT_LENGTH, f"a text is {len(tokens)} tokens; the embedding window is {self.window}"
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"a text is {len(tokens)} tokens; the embedding window is {self.window}",
             )
         L.llama_memory_clear(L.llama_get_memory(self._embed_ctx), True)
         batch = TokenBatch(len(tokens))
@@ -299,7 +298,7 @@ class LlamaEngine(LaneEngine):
         batch.batch.n_tokens = batch.n
         rc = L.llama_decode(self._embed_ctx, batch.batch)
         if rc != 0:
-            raise StateOpError(ERR_ENGINE_FAILED, f"llama_decode failed with code {rc} while embedding")
+            raise StateOpError(ErrorCode.ENGINE_FAILED, f"llama_decode failed with code {rc} while embedding")
         vector = np.ctypeslib.as_array(L.llama_get_embeddings_seq(self._embed_ctx, 0), shape=(self.model.n_embd,))
         norm = math.sqrt(float(np.dot(vector, vector))) or 1.0
         return [float(x) / norm for x in vector], len(tokens)

@@ -1,8 +1,9 @@
 """A mock engine with the llama engine's interface, lanes and prefix cache, for routing tests and benchmarks.
 
 Text is deterministic (a cycle of words picked by a hash of the prompt and seed), tokens are whitespace
-words, and the configured costs are really spent: each step sleeps one decode step (1 / `decode_tps`)
-plus `prefill_ms_per_token` for every prompt token it reads, so cached tokens really are cheaper.
+words, and the configured costs are really spent: each step sleeps one decode step (1 / `decode_tps`, plus
+`decode_slowdown_ms` for each decoding lane past the first) plus `prefill_ms_per_token` for every prompt token it
+reads, so cached tokens really are cheaper and a busy node really is slower.
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from nodes.agent.engine.base import (
-    ERR_CONTEXT_LENGTH,
-    ERR_INVALID_GRAMMAR,
-    ERR_INVALID_REQUEST,
     EngineConfig,
     EngineError,
     StateOpError,
 )
 from nodes.agent.engine.runs import Run
 from nodes.agent.engine.scheduler import Lane, LaneEngine, Sample, Work
+from nodes.link.codes import ErrorCode
 from nodes.link.spec import GenerateSpec
 
 EOG_ID = 0
@@ -53,7 +52,8 @@ DEFAULT_WORDS = [
 class MockParams:
     """The mock's knobs (EngineConfig.mock holds them as a dict)."""
 
-    decode_tps: float = 200.0  # decode steps per second (each step gives every busy lane one token)
+    decode_tps: float = 200.0  # decode steps a second with one lane decoding (a step gives every busy lane a token)
+    decode_slowdown_ms: float = 0.0  # what each further decoding lane adds to a step (batching is not free)
     prefill_ms_per_token: float = 0.2  # cost of reading one uncached prompt token
     context_window: int | None = None  # default: EngineConfig.max_context or 2048
     words: list[str] = field(default_factory=lambda: list(DEFAULT_WORDS))
@@ -143,7 +143,7 @@ class MockEngine(LaneEngine):
         tokens = self.tokenize(text) + resume
         if len(tokens) + 1 > self.window:
             raise EngineError(
-                ERR_CONTEXT_LENGTH,
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 f"the prompt is {len(tokens)} tokens and this model's context window is {self.window} tokens; "
                 "shorten the prompt",
             )
@@ -161,9 +161,9 @@ class MockEngine(LaneEngine):
     def _decode(self, works: list[Work]) -> dict[int, Sample]:
         prefill = [w for w in works if w.lane.run is not None and len(w.lane.tokens) < len(w.lane.run.tokens)]
         read = sum(len(w.tokens) for w in prefill)
-        decoding = len(prefill) < len(works)
-        cost = read * self.params.prefill_ms_per_token / 1000 + (1 / self.params.decode_tps if decoding else 0.0)
-        time.sleep(cost)
+        decoding = len(works) - len(prefill)
+        step = 1 / self.params.decode_tps + (decoding - 1) * self.params.decode_slowdown_ms / 1000 if decoding else 0.0
+        time.sleep(read * self.params.prefill_ms_per_token / 1000 + step)
         samples: dict[int, Sample] = {}
         for work in works:
             run = work.lane.run
@@ -200,7 +200,7 @@ class MockEngine(LaneEngine):
             return {"embeddings": [self._embed(str(text)) for text in args.get("texts", [])]}
         if op == "capabilities":
             return self.info()["capabilities"]
-        raise StateOpError("unknown_op", f"this engine has no state operation {op!r}")
+        raise StateOpError(ErrorCode.UNKNOWN_OP, f"this engine has no state operation {op!r}")
 
     def _embed(self, text: str) -> list[float]:
         raw = [zlib.crc32(f"{i}|{text}".encode()) / 2**32 - 0.5 for i in range(self.params.embedding_dim)]
@@ -211,13 +211,13 @@ class MockEngine(LaneEngine):
 def _validate(spec: GenerateSpec) -> None:
     """The checks both engines make before a generation gets a lane."""
     if spec.max_tokens < 1:
-        raise EngineError(ERR_INVALID_REQUEST, f"max_tokens must be at least 1, got {spec.max_tokens}")
+        raise EngineError(ErrorCode.INVALID_REQUEST, f"max_tokens must be at least 1, got {spec.max_tokens}")
     if spec.prompt is None and not spec.messages:
-        raise EngineError(ERR_INVALID_REQUEST, "a generation needs a prompt or at least one message")
+        raise EngineError(ErrorCode.INVALID_REQUEST, "a generation needs a prompt or at least one message")
     if spec.grammar is not None and "::=" not in spec.grammar:
-        raise EngineError(ERR_INVALID_GRAMMAR, "the grammar has no rules (GBNF rules look like: root ::= ...)")
+        raise EngineError(ErrorCode.INVALID_GRAMMAR, "the grammar has no rules (GBNF rules look like: root ::= ...)")
     if spec.json_schema is not None:
         try:
             json.loads(spec.json_schema)
         except ValueError as exc:
-            raise EngineError(ERR_INVALID_GRAMMAR, f"json_schema is not valid JSON: {exc}") from exc
+            raise EngineError(ErrorCode.INVALID_GRAMMAR, f"json_schema is not valid JSON: {exc}") from exc

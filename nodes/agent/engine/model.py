@@ -15,7 +15,8 @@ from typing import Any
 
 import llama_cpp as L
 
-from nodes.agent.engine.base import ERR_INVALID_REQUEST, EngineError, EngineLoadError
+from nodes.agent.engine.base import EngineError, EngineLoadError
+from nodes.link.codes import ErrorCode
 
 # llama.cpp logs every tensor at load; keep only its errors.
 logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
@@ -96,7 +97,7 @@ class LoadedModel:
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """The chat rendered with the GGUF's own template, ending with the assistant's turn opened."""
         if not self.chat_template:
-            raise EngineError(ERR_INVALID_REQUEST, "this model has no chat template; send a raw prompt instead")
+            raise EngineError(ErrorCode.INVALID_REQUEST, "this model has no chat template; send a raw prompt instead")
         if self._formatter is None:
             from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -109,7 +110,8 @@ class LoadedModel:
         try:
             return self._formatter(messages=[_plain_message(m) for m in messages]).prompt
         except Exception as exc:  # a template raises on messages it does not accept (roles, order)
-            raise EngineError(ERR_INVALID_REQUEST, f"the model's chat template rejected the messages: {exc}") from exc
+            raise EngineError(ErrorCode.INVALID_REQUEST,
+                              f"the model's chat template rejected the messages: {exc}") from exc
 
     # -- contexts -------------------------------------------------------------------------------------
 

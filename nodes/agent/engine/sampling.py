@@ -11,8 +11,9 @@ from typing import Any
 import llama_cpp as L
 import numpy as np
 
-from nodes.agent.engine.base import ERR_INVALID_GRAMMAR, ERR_INVALID_REQUEST, EngineError
+from nodes.agent.engine.base import EngineError
 from nodes.agent.engine.model import LoadedModel
+from nodes.link.codes import ErrorCode
 from nodes.link.spec import GenerateSpec
 
 PENALTY_LAST_N = 64  # llama.cpp's default window for repeat/frequency/presence penalties
@@ -110,7 +111,8 @@ class LaneSampler:
             L.llama_sampler_apply(self.grammar, ctypes.byref(array))
             token_id = self._pick(array)
             if not 0 <= array.selected < array.size or not math.isfinite(array.data[array.selected].logit):
-                raise EngineError(ERR_INVALID_GRAMMAR, "the grammar allows no further token; check that it can end")
+                raise EngineError(ErrorCode.INVALID_GRAMMAR,
+                                  "the grammar allows no further token; check that it can end")
         L.llama_sampler_accept(self.grammar, token_id)
         L.llama_sampler_accept(self.chain, token_id)
         self.position += 1
@@ -134,7 +136,7 @@ class LaneSampler:
 def compile_grammar(spec: GenerateSpec) -> str | None:
     """The GBNF the generation must follow: its grammar, or its JSON schema converted to GBNF."""
     if spec.grammar is not None and spec.json_schema is not None:
-        raise EngineError(ERR_INVALID_REQUEST, "send either grammar or json_schema, not both")
+        raise EngineError(ErrorCode.INVALID_REQUEST, "send either grammar or json_schema, not both")
     if spec.json_schema is None:
         return spec.grammar
     from llama_cpp.llama_grammar import json_schema_to_gbnf
@@ -142,7 +144,7 @@ def compile_grammar(spec: GenerateSpec) -> str | None:
     try:
         return json_schema_to_gbnf(spec.json_schema)
     except Exception as exc:  # the converter raises plain ValueError/KeyError/... on bad schemas
-        raise EngineError(ERR_INVALID_GRAMMAR, f"json_schema could not be turned into a grammar: {exc}") from exc
+        raise EngineError(ErrorCode.INVALID_GRAMMAR, f"json_schema could not be turned into a grammar: {exc}") from exc
 
 
 def validate(spec: GenerateSpec, n_vocab: int) -> None:
@@ -157,12 +159,12 @@ def validate(spec: GenerateSpec, n_vocab: int) -> None:
     ]
     for ok, message in checks:
         if not ok:
-            raise EngineError(ERR_INVALID_REQUEST, message)
+            raise EngineError(ErrorCode.INVALID_REQUEST, message)
     for token_id, bias in spec.logit_bias.items():
         if not 0 <= int(token_id) < n_vocab:
-            raise EngineError(ERR_INVALID_REQUEST, f"logit_bias names token {token_id}, outside the vocabulary")
+            raise EngineError(ErrorCode.INVALID_REQUEST, f"logit_bias names token {token_id}, outside the vocabulary")
         if math.isnan(bias):
-            raise EngineError(ERR_INVALID_REQUEST, f"logit_bias for token {token_id} is not a number")
+            raise EngineError(ErrorCode.INVALID_REQUEST, f"logit_bias for token {token_id} is not a number")
 
 
 def build_sampler(model: LoadedModel, spec: GenerateSpec) -> LaneSampler:
@@ -210,7 +212,7 @@ def _add_bias(chain: Any, n_vocab: int, biases: dict[int, float]) -> None:
 def _grammar(model: LoadedModel, gbnf: str) -> Any:
     grammar = L.llama_sampler_init_grammar(model.vocab, gbnf.encode("utf-8"), b"root")
     if not grammar:
-        raise EngineError(ERR_INVALID_GRAMMAR, "the grammar does not parse as GBNF with a `root` rule")
+        raise EngineError(ErrorCode.INVALID_GRAMMAR, "the grammar does not parse as GBNF with a `root` rule")
     return grammar
 
 
@@ -233,7 +235,7 @@ def accept_resume(sampler: LaneSampler, tokens: list[int]) -> None:
     against the grammar first: llama.cpp aborts the process when a grammar accepts a token it forbids."""
     for token_id in tokens:
         if sampler.grammar is not None and not sampler.allows(token_id):
-            raise EngineError(ERR_INVALID_REQUEST, "resume_text does not follow the generation's grammar")
+            raise EngineError(ErrorCode.INVALID_REQUEST, "resume_text does not follow the generation's grammar")
         sampler.accept(token_id)
 
 

@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodes.agent.engine.base import (
-    ERR_ENGINE_FAILED,
-    ERR_INVALID_REQUEST,
     FINISH_CANCELLED,
     FINISH_DEADLINE,
     FINISH_LENGTH,
@@ -35,7 +33,9 @@ from nodes.agent.engine.base import (
     accepted_event,
     error_event,
 )
+from nodes.agent.engine.pace import Pace
 from nodes.agent.engine.runs import Run, clock
+from nodes.link.codes import ErrorCode
 from nodes.link.spec import GenerateSpec
 
 # A sampled token id and its logprob entry, or the error that stopped that lane's generation.
@@ -103,6 +103,7 @@ class LaneEngine(ABC):
         self.queue: deque[Run] = deque()
         self._rate: deque[tuple[float, int]] = deque()
         self.prefix_copies = 0
+        self.pace = Pace()  # its prefill rate and decode slowdown, from the steps' own timings
 
     # -- what a model supplies ------------------------------------------------------------------------
 
@@ -146,10 +147,10 @@ class LaneEngine(ABC):
 
     def submit(self, spec: GenerateSpec) -> list[Event]:
         if self._find(spec.gen_id) is not None:
-            return [error_event(spec.gen_id, ERR_INVALID_REQUEST, f"generation {spec.gen_id} is already running")]
+            return [error_event(spec.gen_id, ErrorCode.INVALID_REQUEST, f"generation {spec.gen_id} is already running")]
         if spec.batch_invariant and not self.config.batch_invariant:
             # the head places such requests only on batch-invariant nodes; never serve one without the guarantee
-            return [error_event(spec.gen_id, ERR_INVALID_REQUEST, "this node is not batch-invariant (it was not "
+            return [error_event(spec.gen_id, ErrorCode.INVALID_REQUEST, "this node is not batch-invariant (it was not "
                                 "started with node_join --batch-invariant)")]
         try:
             run = self._prepare(spec, clock())
@@ -189,6 +190,8 @@ class LaneEngine(ABC):
             "kv_total": self.window * len(self.lanes),
             "prefix_copies": self.prefix_copies,
             "tokens_per_s": round(produced / span, 2) if span > 0 else 0.0,
+            "prefill_tps": self.pace.prefill_tps(),
+            "decode_slowdown_ms": self.pace.decode_slowdown_ms(),
         }
 
     def step(self) -> list[Event]:
@@ -196,12 +199,16 @@ class LaneEngine(ABC):
         events = self._expire()
         works = self._plan()
         if works:
+            prefill = sum(len(w.tokens) for w in works if len(w.lane.tokens) < len(w.lane.run.tokens))
             started = clock()
             try:
                 samples = self._decode(works)
             except EngineError as exc:
                 return events + self._fail_batch(works, exc)
-            events += self._absorb(works, samples, started, clock())
+            ended = clock()
+            self.pace.step(sum(1 for w in works if len(w.lane.tokens) >= len(w.lane.run.tokens)), prefill,
+                           ended - started)
+            events += self._absorb(works, samples, started, ended)
         now = clock()
         for lane in self.lanes:
             if lane.run is not None:
@@ -363,7 +370,7 @@ class LaneEngine(ABC):
         for work in works:
             lane, run = work.lane, work.lane.run
             assert run is not None
-            events.append(error_event(run.gen_id, ERR_ENGINE_FAILED, exc.message, retryable=True))
+            events.append(error_event(run.gen_id, ErrorCode.ENGINE_FAILED, exc.message, retryable=True))
             lane.run = None
             self._release_run(run)
             self._trim_lane(lane, 0)

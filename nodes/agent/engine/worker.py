@@ -20,8 +20,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nodes.agent.engine.base import (
-    ERR_ENGINE_CRASHED,
-    ERR_ENGINE_UNAVAILABLE,
     EngineConfig,
     EngineLoadError,
     Event,
@@ -29,6 +27,7 @@ from nodes.agent.engine.base import (
     error_event,
 )
 from nodes.agent.engine.child import child_main
+from nodes.link.codes import ErrorCode
 from nodes.link.spec import GenerateSpec
 
 log = logging.getLogger(__name__)
@@ -115,7 +114,7 @@ class EngineWorker:
             self._emit(
                 error_event(
                     spec.gen_id,
-                    ERR_ENGINE_UNAVAILABLE,
+                    ErrorCode.ENGINE_UNAVAILABLE,
                     "the engine worker is not running (starting or restarting); retry on another node",
                     retryable=True,
                 )
@@ -132,7 +131,7 @@ class EngineWorker:
     async def state_op(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """Run `op` (embed, tokenize, capabilities, ...) in the worker; raises StateOpError on failure."""
         if not self._alive:
-            raise StateOpError(ERR_ENGINE_UNAVAILABLE, "the engine worker is not running")
+            raise StateOpError(ErrorCode.ENGINE_UNAVAILABLE, "the engine worker is not running")
         assert self._loop is not None
         op_id = next(self._op_ids)
         future: asyncio.Future[tuple[bool, dict[str, Any]]] = self._loop.create_future()
@@ -155,7 +154,7 @@ class EngineWorker:
         if proc is not None:
             await self._send(("stop",))
             await asyncio.to_thread(_reap, proc, timeout)
-        self._fail_in_flight(ERR_ENGINE_UNAVAILABLE, "the engine worker was stopped; the generation was stopped")
+        self._fail_in_flight(ErrorCode.ENGINE_UNAVAILABLE, "the engine worker was stopped; the generation was stopped")
         if self._conn is not None:
             self._conn.close()
         self._sender.shutdown(wait=False)
@@ -228,10 +227,10 @@ class EngineWorker:
                 EngineLoadError(f"the engine worker died while loading the model (exit code {code})")
             )
         message = f"the engine worker died (exit code {code}); the generation was stopped"
-        self._fail_in_flight(ERR_ENGINE_CRASHED, message)
+        self._fail_in_flight(ErrorCode.ENGINE_CRASHED, message)
         for future in self._pending_ops.values():
             if not future.done():
-                future.set_exception(StateOpError(ERR_ENGINE_CRASHED, message))
+                future.set_exception(StateOpError(ErrorCode.ENGINE_CRASHED, message))
         if self._stopping or not was_alive:
             return
         log.error("engine worker %s exited with code %s; restarting", self.pid, code)
