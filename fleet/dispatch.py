@@ -18,7 +18,7 @@ from django.conf import settings
 from fleet import metrics
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
-from nodes.link.codes import ErrorCode
+from nodes.link.codes import ErrorCode, FinishReason
 from nodes.link.lifecycle import placement_keys
 from nodes.link.messages import Accepted, Done, Error, TokenBatch
 from nodes.link.prefix import PrefixKey
@@ -116,6 +116,9 @@ _waiters = _Waiters()
 # Generations of this process placed and not yet over, per (model, batch): batch lines keep to their share of a
 # model's lanes while interactive ones run or wait.
 _running: dict[tuple[str, bool], int] = {}
+# Batch lines of this process running on a node, per model: an interactive generation that finds no free lane
+# preempts one (it continues later from the tokens it has, token for token as if never stopped).
+_preemptible: dict[str, set[GenerationStream]] = {}
 
 
 def queue_length() -> int:
@@ -144,6 +147,7 @@ class GenerationStream:
         self._cancelled = False
         self._current: tuple[str, Any] | None = None  # (node_id, link)
         self._failure: dict[str, Any] | None = None  # why the last attempt's node failed, for the next's evidence
+        self._preempting = False  # its lane was handed to an interactive generation; its cancel is on the way
 
     async def __aiter__(self):
         try:
@@ -157,17 +161,26 @@ class GenerationStream:
     async def _attempts(self):
         reg = registry()
         excluded: set[str] = set()
-        for attempt in range(1, MAX_ATTEMPTS + 1):
+        attempt = 0
+        while attempt < MAX_ATTEMPTS:
+            attempt += 1
             choice = await self._place(excluded)
             link = reg.links.get(choice.node_id) or _remote_link(choice.node_id)
             if link is None:  # the node left between choosing and sending
                 reg.lifecycle.ended(choice.node_id, self.spec.gen_id)
                 continue
-            self._record_choice(choice, attempt)
+            self._record_choice(choice)
             try:
                 async for event in self._run_on(link):
                     yield event
                 return
+            except _Preempted:
+                # a batch line whose lane went to an interactive generation: placed again, behind interactive
+                # traffic, to continue from the tokens it has; not a failed attempt
+                self._preempting = False
+                self._failure = {"code": "preempted", "message": "an interactive generation took its lane",
+                                 "at": time.time()}
+                attempt -= 1
             except _NodeFailed as failed:
                 reg.lifecycle.lost(choice.node_id, self.spec.gen_id)
                 excluded.add(choice.node_id)
@@ -183,14 +196,14 @@ class GenerationStream:
                 metrics.failover(model=self.spec.model, node=choice.identity, code=failed.code)
         raise GenerationError("node_unavailable", "no node could serve this generation", status=503)
 
-    def _record_choice(self, choice, attempt: int) -> None:
+    def _record_choice(self, choice) -> None:
         self.outcome.node_id, self.outcome.node = choice.node_id, choice.identity
         self.outcome.nodes_used.append(choice.identity)
         # The timestamps make the generation page's timeline (queued, placed, failed over); kept in this JSON,
         # written once at the end with the rest.
         evidence = {**choice.evidence(), "placed_at": time.time()}
         metrics.placement_made(model=self.spec.model, evidence=evidence)
-        if attempt == 1:
+        if not self.outcome.placement:
             self.outcome.placement = evidence
         else:
             self.outcome.placement.setdefault("failover", []).append({**evidence, "after": self._failure})
@@ -210,6 +223,8 @@ class GenerationStream:
                                           f"(served: {served}).", status=404, param="model")
                 unable = self._unable(reg)
                 ahead = _waiters.ahead_of(self.spec.gen_id, model, self.deadline, self.batch)
+                if not self.batch and ahead >= reg.placement.free_lanes(model):
+                    await self._preempt_a_batch_line(exclude=excluded | unable)
                 if ahead < reg.placement.free_lanes(model) and self._within_share(reg):
                     choice = reg.lifecycle.choose(self.spec, self.keys, exclude=excluded | unable)
                     if choice is None and excluded:
@@ -230,11 +245,28 @@ class GenerationStream:
             reg.lanes.notify()
             fleet_changed()  # placed (a lane taken), or gone from the queue
 
+    async def _preempt_a_batch_line(self, *, exclude: set[str]) -> None:
+        """No lane for this interactive generation (nor for those ahead of it): take one from the batch line of its
+        model that started last here, on a node it may use. The cancel goes first, so the node reads it before this
+        generation and starts this one at its next step, as in a free lane."""
+        victims = [s for s in _preemptible.get(self.spec.model, ())
+                   if not s._preempting and s._current is not None and s._current[0] not in exclude]
+        if victims:
+            await max(victims, key=lambda s: s.outcome.placement.get("placed_at", 0.0)).preempt()
+
+    async def preempt(self) -> None:
+        """Give this batch line's lane to an interactive generation: freed now, the node told to stop it."""
+        node_id, link = self._current
+        self._preempting = True
+        registry().lifecycle.preempted(node_id, self.spec.gen_id)
+        metrics.preempted(model=self.spec.model, node=link.identity)
+        await _cancel_quietly(link, self.spec.gen_id, "preempted by an interactive generation")
+
     def _within_share(self, reg) -> bool:
-        """A batch line may take a lane while no interactive generation of its model runs or waits here, else only
+        """A batch line may take any free lane while no interactive generation of its model waits here, else only
         while batch lines hold fewer than FLEET_BATCH_SHARE of the model's lanes (one at least)."""
         model = self.spec.model
-        if not self.batch or not (_running.get((model, False), 0) + _waiters.interactive(model)):
+        if not self.batch or not _waiters.interactive(model):
             return True
         lanes = sum(s.lanes for s in reg.placement.nodes() if model in s.models)
         return _running.get((model, True), 0) < max(1, int(lanes * settings.FLEET_BATCH_SHARE))
@@ -272,6 +304,8 @@ class GenerationStream:
         finished = False
         try:
             await link.send_generate(relay_gen, spec.to_dict())
+            if self.batch:
+                _preemptible.setdefault(self.spec.model, set()).add(self)
             while True:
                 if relay.overflowed:
                     raise GenerationError("client_too_slow", "the client read tokens too slowly", status=500)
@@ -295,6 +329,8 @@ class GenerationStream:
                         raise _NodeFailed(ErrorCode.NODE_LOST, f"token batch {expected_seq} from node "
                                                                f"{link.identity!r} was lost in transit")
                     finished = True
+                    if self._preempting and event.finish_reason == FinishReason.CANCELLED:
+                        raise _Preempted
                     yield self._on_done(event, link)
                     return
                 elif isinstance(event, Error):
@@ -310,6 +346,7 @@ class GenerationStream:
                 elif isinstance(event, NodeLost):
                     raise _NodeFailed(ErrorCode.NODE_LOST, f"node {link.identity!r} was lost: {event.reason}")
         finally:
+            _preemptible.get(self.spec.model, set()).discard(self)
             reg.relays.pop(relay_gen, None)
             self._current = None
             if not finished:
@@ -411,11 +448,15 @@ def _remote_link(node_id: str):
     return remote_link(node_id)
 
 
-async def _cancel_quietly(link, gen_id: str) -> None:
+async def _cancel_quietly(link, gen_id: str, reason: str = "client went away") -> None:
     try:
-        await link.send_cancel(gen_id, "client went away")
+        await link.send_cancel(gen_id, reason)
     except Exception:  # the link may be closing; its own teardown releases the lane
         log.debug("cancel of %s failed", gen_id, exc_info=True)
+
+
+class _Preempted(Exception):
+    """The node stopped a batch line whose lane an interactive generation took."""
 
 
 class _NodeFailed(Exception):

@@ -55,10 +55,12 @@ PLACEMENTS = Family("fleet_placements", "Placement decisions by reason: prefix_h
                     "load (chosen for its load alone), only_candidate", ("model", "node", "reason"))
 FAILOVERS = Family("fleet_failovers", "Generations placed again because their node failed; node is the one that "
                    "failed", ("model", "node", "code"))
+PREEMPTIONS = Family("fleet_preemptions", "Batch lines that gave their lane to an interactive generation (each "
+                     "continues later from its tokens); node is where it ran", ("model", "node"))
 LINK_DROPS = Family("fleet_link_drops", "Links of registered nodes that closed", ("node",))
 LINK_REFUSALS = Family("fleet_link_refusals", "Node links the head refused, by close code", ("reason",))
 COUNTED = (GENERATIONS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY,
-           PLACEMENTS, FAILOVERS, LINK_DROPS, LINK_REFUSALS)
+           PLACEMENTS, FAILOVERS, PREEMPTIONS, LINK_DROPS, LINK_REFUSALS)
 
 
 # --- counting, at the events -----------------------------------------------------------------------------------
@@ -122,6 +124,10 @@ def placement_made(*, model: str, evidence: dict) -> None:
 
 def failover(*, model: str, node: str, code: str) -> None:
     Counts().add(FAILOVERS, (model, node, code)).save()
+
+
+def preempted(*, model: str, node: str) -> None:
+    Counts().add(PREEMPTIONS, (model, node)).save()
 
 
 def link_dropped(*, node: str) -> None:

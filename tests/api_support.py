@@ -39,8 +39,9 @@ class FakeLink:
     """A LinkHandle that plays `script` (a Script, or a function of the spec dict returning one)."""
 
     def __init__(self, node_id: str = "11111111-1111-1111-1111-111111111111", identity: str = "fake-node",
-                 script: Any = None, embeddings: list[list[float]] | None = None):
+                 script: Any = None, embeddings: list[list[float]] | None = None, cancel_delay: float = 0.0):
         self.node_id, self.identity = node_id, identity
+        self.cancel_delay = cancel_delay  # a cancel takes effect this late (a node finishing its step)
         self.script = script or Script()
         self.specs: list[dict[str, Any]] = []
         self.cancelled: dict[str, float] = {}
@@ -57,7 +58,7 @@ class FakeLink:
         task = self.running.get(gen_id)
         if task is not None and not task.done():
             self.cancelled.setdefault(gen_id, asyncio.get_running_loop().time())
-            task.cancel()
+            asyncio.get_running_loop().call_later(self.cancel_delay, task.cancel)
 
     async def state_op(self, op: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
         self.state_ops.append((op, args))

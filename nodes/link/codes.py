@@ -20,6 +20,15 @@ class ErrorCode(StrEnum):
     NODE_LOST = "node_lost"  # the head's own: the node's link was lost, or a token batch on its way
 
 
+class FinishReason(StrEnum):
+    """How a generation ended, in a node's `done` (the engine's FINISH_* are these values)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"  # the head (or the client through it) cancelled it
+    DEADLINE = "deadline"
+
+
 class CloseCode(IntEnum):
     """Why the head closed a node's link. Codes in REFUSALS end the node (exit status 2): redialing cannot help."""
 

@@ -37,6 +37,7 @@ class PlacementLifecycle:
     - `accepted`: the node admitted it; forget what its lane choice evicted, now rather than at done;
     - `done`: record the prompt's and the answer's keys, forget what the node evicted, free the lane;
     - `ended`: it ended without a done to record (an error, a cancel, the link's own report); free the lane;
+    - `preempted`: a batch line gives its lane to an interactive generation; free the lane before its end;
     - `lost`: the node (or its engine) was lost with it; free the lane, and forget the node's cache when it is gone.
 
     Freeing a lane is once per generation and node, so the link and the dispatcher may both report an end.
@@ -65,6 +66,11 @@ class PlacementLifecycle:
         self.state.release(node_id, spec.gen_id)
 
     def ended(self, node_id: str, gen_id: str) -> None:
+        self.state.release(node_id, gen_id)
+
+    def preempted(self, node_id: str, gen_id: str) -> None:
+        """A generation that outranks `gen_id` takes its lane: freed now, as the cancel goes to the node, so the
+        newcomer is sent right behind it (the node reads both before its next step); its later end frees nothing."""
         self.state.release(node_id, gen_id)
 
     def lost(self, node_id: str, gen_id: str, *, cache_gone: bool = False) -> None:

@@ -15,15 +15,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from nodes.link.codes import FinishReason
 from nodes.link.spec import GenerateSpec
 
 Event = dict[str, Any]
 
 # Finish reasons a `done` event carries.
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-FINISH_CANCELLED = "cancelled"
-FINISH_DEADLINE = "deadline"
+FINISH_STOP = FinishReason.STOP.value
+FINISH_LENGTH = FinishReason.LENGTH.value
+FINISH_CANCELLED = FinishReason.CANCELLED.value
+FINISH_DEADLINE = FinishReason.DEADLINE.value
 
 # Error codes an `error` event carries: nodes.link.codes.ErrorCode, which the head imports too.
 
