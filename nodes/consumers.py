@@ -26,6 +26,7 @@ from django.db import IntegrityError
 from fleet import metrics
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
+from nodes import registry as model_registry
 from nodes import services
 from nodes.link.channel import SecureChannel
 from nodes.link.codes import CloseCode
@@ -40,6 +41,7 @@ from nodes.link.messages import (
     Generate,
     Heartbeat,
     LinkError,
+    Pull,
     Register,
     Registered,
     StateOp,
@@ -278,10 +280,25 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
                 raise LinkError(f"check: {problem}")
             await database_sync_to_async(services.node_key_check)(identity=msg.identity, public_key=self.node_key)
             await self.close(code=int(CloseCode.NORMAL))
+        elif isinstance(msg, Pull) and not self.node_id:
+            await self._on_pull(msg)
         elif isinstance(msg, Bye):
             await self.close(code=1000)
         else:
             raise LinkError(f"unexpected message {type(msg).__name__} from a node")
+
+    async def _on_pull(self, msg: Pull) -> None:
+        """A node that may join asks where to pull a model from: answer with a grant (or why not), then close."""
+        if problem := _text_problem("identity", msg.identity):
+            raise LinkError(f"pull: {problem}")
+        if not msg.model or len(msg.model) > 200 or "\x00" in msg.model:
+            raise LinkError("pull: the model name is empty, too long or holds a NUL character")
+        await database_sync_to_async(services.node_key_check)(identity=msg.identity, public_key=self.node_key)
+        grant = await database_sync_to_async(model_registry.model_grant)(name=msg.model, identity=msg.identity)
+        log.info("fleet node %r from %s asked to pull %r: %s", msg.identity, self.peer, msg.model,
+                 grant.error or f"granted {grant.sha256[:12]}")
+        await self._send(grant)
+        await self.close(code=int(CloseCode.NORMAL))
 
     async def _relay(self, msg: Any, *, last: bool = False) -> None:
         """To the generation's client: in this process directly, else over the channel layer (one per batch)."""

@@ -151,14 +151,15 @@ def make_head(tmp: Path, *, extra_env: dict[str, str] | None = None, port: int |
 
 
 def start_node(head: Head, *args: str, identity: str = "test-node", model: str = "smollm2",
-               extra_env: dict[str, str] | None = None, discover: bool = False) -> NodeProc:
-    """A node_join process for `head`; with `discover`, given no address, so it must find the head by mDNS."""
+               extra_env: dict[str, str] | None = None, discover: bool = False, offline: bool = True) -> NodeProc:
+    """A node_join process for `head`; with `discover`, given no address, so it must find the head by mDNS. With an
+    address it runs `--offline` (no mDNS) unless `offline` is False: then it may pull a registry model."""
     log_path = head.home / f"node-{identity}-{uuid.uuid4().hex[:4]}.log"
     log = open(log_path, "ab")  # noqa: SIM115 - the child owns it
     env = {**head.env, **(extra_env or {})}
     proc = subprocess.Popen(
         [PYTHON, str(ROOT / "manage.py"), "node_join", *([] if discover else [head.address]), "--model", model,
-         "--identity", identity, *([] if discover else ["--offline"]), *args],
+         "--identity", identity, *([] if discover or not offline else ["--offline"]), *args],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     return NodeProc(proc, log_path)

@@ -35,6 +35,8 @@ from nodes.link.messages import (
     Generate,
     Heartbeat,
     LinkError,
+    Pull,
+    PullGrant,
     Register,
     Registered,
     StateOp,
@@ -152,16 +154,26 @@ class NodeAgent:
         """Handshake and ask whether this key may join under its identity before the model loads, so a refusal
         stops the node in seconds, not after a long load. A head that does not answer yet is no error: the agent
         keeps dialing it later."""
+        await self._ask(Check(identity=self.config.identity))
+
+    async def request_pull(self, model: str) -> tuple[str, PullGrant] | None:
+        """(the head's address, its grant to pull `model`), asked as check_join asks; None when no head answers."""
+        return await self._ask(Pull(identity=self.config.identity, model=model))
+
+    async def _ask(self, question: Check | Pull) -> tuple[str, PullGrant] | None:
         head = await asyncio.to_thread(self.resolve_head)
         if head is None:
-            return
+            return None
         try:
             async with websockets.connect(_uri(head), open_timeout=10, close_timeout=2) as ws, _refusals():
                 channel = await self._handshake(ws)
-                await ws.send(channel.seal(Check(identity=self.config.identity)))
-                await asyncio.wait_for(ws.recv(), 10)  # the head answers by closing the link
+                await ws.send(channel.seal(question))
+                answer = channel.open(await asyncio.wait_for(ws.recv(), 10))  # a Check is answered by the close
+                if not isinstance(answer, PullGrant):
+                    raise LinkError(f"expected pull_grant, got {type(answer).__name__}")
+                return head, answer
         except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, LinkError, TimeoutError):
-            return
+            return None
 
     async def _session(self, head: str) -> bool:
         uri = _uri(head)

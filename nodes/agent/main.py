@@ -10,11 +10,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nodes.agent import keys
-from nodes.agent.dialer import AgentConfig, NodeAgent, Refused
+from nodes.agent import keys, pull
+from nodes.agent.dialer import BACKOFF_MAX_S, BACKOFF_START_S, AgentConfig, NodeAgent, Refused
 from nodes.agent.engine.base import EngineConfig
-from nodes.agent.models import ModelNotFound, resolve_model
+from nodes.agent.gguf_info import GgufError, read_gguf
+from nodes.agent.models import ModelNotFound, is_registry_name, resolve_model
 from nodes.agent.replicas import ReplicaConfigError, ReplicaSet, cpu_groups, gpu_groups
+from nodes.agent.window import Window, WindowError, mem_available, size_window
 from nodes.link import logs
 from nodes.link.handshake import BadToken, parse_token
 
@@ -77,12 +79,19 @@ def remember_token(options: NodeOptions) -> str:
     return token
 
 
-def engine_configs(options: NodeOptions) -> tuple[list[EngineConfig], str]:
+def engine_configs(options: NodeOptions, pulled: Path | None = None) -> tuple[list[EngineConfig], str, str]:
+    """The engine workers' configs, the model's name on the fleet, and why each lane has the window it has."""
     if options.mock is not None:
         path, own_name = None, options.model_name or options.model
+    elif pulled is not None:
+        path, own_name = pulled, options.model
     else:
         path, own_name = resolve_model(options.model)
     name = options.model_name or own_name
+    max_context, why = options.max_context, "--max-context"
+    if max_context is None and path is not None:
+        window = device_window(path, options)
+        max_context, why = window.tokens, window.why
     gpus, cpus = gpu_groups(options.replicas, options.gpus), cpu_groups(options.replicas)
     park = str(options.home / "park" / name) if options.park else None
     configs = []
@@ -90,11 +99,53 @@ def engine_configs(options: NodeOptions) -> tuple[list[EngineConfig], str]:
         env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus[index])} if gpus[index] else {}
         configs.append(EngineConfig(
             model_path=str(path) if path else None, model_name=name, lanes=options.max_batch,
-            max_context=options.max_context, park_dir=f"{park}/r{index}" if park else None, mock=options.mock,
+            max_context=max_context, park_dir=f"{park}/r{index}" if park else None, mock=options.mock,
             cpu_affinity=cpus[index] if options.replicas > 1 else None, env=env, threads=len(cpus[index]),
             batch_invariant=options.batch_invariant,
         ))
-    return configs, name
+    return configs, name, why
+
+
+def device_window(path: Path, options: NodeOptions) -> Window:
+    """Each lane's window from the model's KV bytes a token and the RAM free on this device (nodes.agent.window)."""
+    try:
+        info = read_gguf(path)
+    except (GgufError, OSError) as exc:
+        raise NodeError(f"the model file {str(path)!r} is refused: {exc}") from None
+    try:
+        return size_window(kv_bytes_per_token=info.kv_bytes_per_token, trained=info.context_length,
+                           lanes=options.max_batch, model_bytes=info.size, available=mem_available(),
+                           workers=options.replicas)
+    except WindowError as exc:
+        raise NodeError(f"{exc}, or pin the window with --max-context") from None
+
+
+async def pulled_model(options: NodeOptions, asker: NodeAgent) -> Path:
+    """The node's verified copy of registry model `options.model`, pulled from the head when it lacks it."""
+    local = await asyncio.to_thread(pull.local_copy, options.home, options.model)
+    if options.offline:
+        if local is None:
+            folder = pull.model_dir(options.home, options.model)
+            raise NodeError(f"model {options.model!r} is not on this node ({folder}) and --offline pulls nothing; "
+                            "run node_join once without --offline")
+        return local[0]
+    delay = BACKOFF_START_S
+    while (answer := await asker.request_pull(options.model)) is None:
+        if local is not None:
+            log.warning("fleet node: no head answered; serving this node's copy of %s", options.model)
+            return local[0]
+        log.warning("fleet node: no head answered to pull %s from; retrying in %.0f s", options.model, delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, BACKOFF_MAX_S)
+    head, grant = answer
+    if grant.error:
+        raise NodeError(grant.error)
+    if local is not None and local[1] == grant.sha256:
+        return local[0]
+    try:
+        return await asyncio.to_thread(pull.pull, pull.http_base(head), grant, options.home)
+    except (pull.PullError, OSError) as exc:
+        raise NodeError(f"could not pull {options.model}: {exc}") from None
 
 
 class ProgressBar:
@@ -121,10 +172,12 @@ async def _run(options: NodeOptions, resolve_head) -> None:
     token = remember_token(options)
     if options.accept_new_head:
         keys.forget_head(options.home)
-    configs, name = engine_configs(options)
     identity = options.identity or AgentConfig.identity_default()
     agent_config = AgentConfig(head=options.head, token=token, home=options.home, identity=identity)
     agent: NodeAgent | None = None
+    asker = NodeAgent(agent_config, None, resolve_head=resolve_head)
+    pulled = await pulled_model(options, asker) if options.mock is None and is_registry_name(options.model) else None
+    configs, name, why = engine_configs(options, pulled)
 
     def forward(index: int):
         def on_event(event):
@@ -132,7 +185,8 @@ async def _run(options: NodeOptions, resolve_head) -> None:
                 agent.on_engine_event(engine.on_event(index, event) if isinstance(engine, ReplicaSet) else event)
         return on_event
 
-    await NodeAgent(agent_config, None, resolve_head=resolve_head).check_join()
+    if pulled is None:
+        await asker.check_join()  # a pull asked already
     workers = [EngineWorker(cfg, on_event=forward(i)) for i, cfg in enumerate(configs)]
     engine = ReplicaSet(workers, model_name=name) if len(workers) > 1 else workers[0]
     bar = ProgressBar(f"loading {name}")
@@ -141,7 +195,8 @@ async def _run(options: NodeOptions, resolve_head) -> None:
     except Exception as exc:
         raise NodeError(f"the model could not be loaded: {exc}") from exc
     bar(1.0)
-    log.info("fleet node: %s loaded, context window %d tokens, %d lanes", name, info["context_window"], info["lanes"])
+    log.info("fleet node: %s loaded, context window %d tokens (%s), %d lanes", name, info["context_window"], why,
+             info["lanes"])
     agent = NodeAgent(agent_config, engine, resolve_head=resolve_head)
     try:
         await agent.run()

@@ -52,3 +52,10 @@ def resolve_model(value: str) -> tuple[Path, str]:
     if not path.is_file():
         raise ModelNotFound(f"model path {str(path)!r} is not a file")
     return path.resolve(), path.stem
+
+
+def is_registry_name(value: str) -> bool:
+    """A name the node asks the head's registry for: no bundled id, no file there, and no path or .gguf in it."""
+    if value.lower() in KNOWN_MODELS or "/" in value or value.endswith(".gguf") or Path(value).expanduser().exists():
+        return False
+    return bool(value) and value[0].isalnum() and all(c.isalnum() or c in "._-" for c in value) and len(value) <= 64

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from nodes.agent.main import NodeOptions, run_node
-from nodes.agent.models import ModelNotFound, resolve_model
+from nodes.agent.models import ModelNotFound, is_registry_name, resolve_model
 from nodes.agent.replicas import ReplicaConfigError, cpu_groups, gpu_groups
 
 
@@ -44,13 +44,19 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("head", nargs="?", help="head address host:port (default: find it by mDNS)")
-        parser.add_argument("--model", required=True, help="a .gguf path or a known model id (smollm2)")
+        parser.add_argument("--model", required=True,
+                            help="a .gguf path, a bundled model id (smollm2), or the name of a model in the head's "
+                                 "registry (pulled into $FLEET_HOME/models/ unless this node has it)")
         parser.add_argument("--token", help="fleet token <id>.<secret> (kept in $FLEET_HOME/fleet/token)")
-        parser.add_argument("--max-context", type=_positive_int, help="per-lane context window in tokens")
+        parser.add_argument("--max-context", type=_positive_int,
+                            help="per-lane context window in tokens (default: sized for this device's free memory, "
+                                 "at most the model's trained context)")
         parser.add_argument("--max-batch", type=_positive_int, default=8, help="lanes: generations at once (8)")
         parser.add_argument("--identity", help="the node's name on the fleet (default: host name)")
         parser.add_argument("--model-name", help="the model's name on the fleet (default: its own)")
-        parser.add_argument("--offline", action="store_true", help="no mDNS discovery: the head address is required")
+        parser.add_argument("--offline", action="store_true",
+                            help="no mDNS discovery (the head address is required) and no model pull: a registry "
+                                 "model must already be on this node")
         parser.add_argument("--park", action="store_true", help="keep prompt prefixes on disk to start warm")
         parser.add_argument("--replicas", type=_positive_int, default=1, help="engine workers on this node")
         parser.add_argument("--gpus", help='GPUs to split among replicas: "0,1,2,3" or groups "0,1;2,3"')
@@ -62,7 +68,8 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         try:
-            resolve_model(options["model"])
+            if not is_registry_name(options["model"]):  # a registry name is asked of the head, or found in $FLEET_HOME
+                resolve_model(options["model"])
             gpu_groups(options["replicas"], options["gpus"])
             cpu_groups(options["replicas"])
         except (ModelNotFound, ReplicaConfigError) as exc:

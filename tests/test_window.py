@@ -1,0 +1,45 @@
+"""A lane's context window sized for the device (nodes.agent.window) from the bundled model's own GGUF figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from nodes.agent.engine.local import bundled_model_path
+from nodes.agent.gguf_info import read_gguf
+from nodes.agent.window import WindowError, mem_available, size_window
+
+INFO = read_gguf(bundled_model_path())
+GB = 10**9
+
+
+def window(available: int, lanes: int = 4, workers: int = 1):
+    return size_window(kv_bytes_per_token=INFO.kv_bytes_per_token, trained=INFO.context_length, lanes=lanes,
+                       model_bytes=INFO.size, available=available, workers=workers)
+
+
+def test_plenty_of_memory_gives_the_trained_context_and_says_so():
+    sized = window(16 * GB)
+    assert sized.tokens == 8192
+    assert sized.why.startswith("the model's trained context (16.0 GB of RAM available, less 0.1 GB of weights")
+    assert "23,040 bytes a token over 4 lanes" in sized.why
+
+
+def test_little_memory_is_shared_by_the_lanes_and_rounded_down():
+    # 0.5 GB free after the weights: 80% of it over 4 lanes of 23,040 bytes a token is 4,340 tokens, so 4,096
+    sized = window(INFO.size + GB // 2)
+    assert sized.tokens == 4096 and "sized for this device" in sized.why and "trained for 8,192" in sized.why
+    assert window(INFO.size + GB // 2, lanes=8).tokens == 2048
+    assert window(2 * INFO.size + GB, workers=2).tokens == 4096  # each replica loads the weights and its own KV
+
+
+def test_a_device_too_small_for_any_window_is_refused_with_the_figures():
+    with pytest.raises(WindowError) as info:
+        window(INFO.size + 10 * 10**6, lanes=8)
+    assert "cannot hold a 256-token window a lane" in str(info.value) and "--max-batch" in str(info.value)
+    assert "0.1 GB of weights" in str(info.value) and "over 8 lanes: 43 tokens a lane" in str(info.value)
+
+
+def test_free_memory_is_the_kernels_mem_available():
+    with open("/proc/meminfo") as meminfo:
+        line = next(x for x in meminfo if x.startswith("MemAvailable:"))
+    assert abs(mem_available() - int(line.split()[1]) * 1024) < 256 * 2**20  # read a moment apart
