@@ -56,7 +56,7 @@ for _, s in ipairs(candidates) do
   local running = tonumber(s.running)
   -- as nodes.link.placement.learned_load_tokens
   local load = fixed_load or math.floor(tonumber(s.ptps or 0) * tonumber(s.dslow or 0) / 1000 * tonumber(s.ans or 0)
-                                        + 0.5)
+                                        / 2 + 0.5)
   local cost = math.max(total - matched, 0) + load * running
   table.insert(scored, {cost, running, tonumber(s.routed), s.identity, s.id, matched, load})
 end

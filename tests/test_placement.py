@@ -515,8 +515,9 @@ def measured_fleet(figures: dict[str, tuple[float, float]], *, answer_tokens: in
 
 
 def test_the_load_cost_is_what_the_node_could_read_in_the_time_one_more_generation_costs():
-    # a reads 500 tokens/s and each running generation adds 8 ms to its steps: over a 100-token answer that is
-    # 0.8 s, 400 prompt tokens; b reads 10,000 tokens/s and is slowed 0.5 ms a step: 0.05 s, 500 tokens
+    # a reads 500 tokens/s and each running generation adds 8 ms to its steps: over the half of a 100-token answer a
+    # running generation has left, that is 0.4 s, 200 prompt tokens; b reads 10,000 tokens/s and is slowed 0.5 ms a
+    # step: 0.025 s, 250 tokens
     state = measured_fleet({"a": (500.0, 8.0), "b": (10_000.0, 0.5)})
     state.choose(MODEL, [], exclude={"b"})
     state.choose(MODEL, [], exclude={"a"})
@@ -524,13 +525,13 @@ def test_the_load_cost_is_what_the_node_could_read_in_the_time_one_more_generati
     ranking = state.choose(MODEL, []).evidence()["ranking"]
 
     assert sorted((r["node"], r["load_per_generation"], r["load_tokens"]) for r in ranking) == [
-        ("node-a", 400, 400), ("node-b", 500, 500)]
+        ("node-a", 200, 200), ("node-b", 250, 250)]
     assert ranking[0]["node"] == "node-a"
 
 
 def test_a_node_slowed_more_by_load_gives_up_a_held_prompt_sooner():
     keys = prefix_keys(model=MODEL, prompt="k" * 2048)  # 512 tokens
-    for slowdown_ms, goes_to in ((2.0, "a"), (20.0, "b")):  # 100 or 1000 tokens a running generation
+    for slowdown_ms, goes_to in ((2.0, "a"), (30.0, "b")):  # 50 or 750 tokens a running generation
         state = measured_fleet({"a": (500.0, slowdown_ms), "b": (500.0, slowdown_ms)})
         state.record("a", "g1", keys)
         state.choose(MODEL, [], exclude={"b"})
@@ -539,10 +540,10 @@ def test_a_node_slowed_more_by_load_gives_up_a_held_prompt_sooner():
 
 def test_the_answer_length_is_learned_from_what_nodes_finish():
     state = measured_fleet({"a": (1000.0, 1.0)}, answer_tokens=100)
-    assert [state.load_of(s) for s in state.nodes()] == [100]
+    assert [state.load_of(s) for s in state.nodes()] == [50]
     PlacementLifecycle(state).done("a", GenerateSpec(gen_id="g2", model=MODEL, prompt="x"), [], answer="",
                                    usage={"completion_tokens": 300})
-    assert [state.load_of(s) for s in state.nodes()] == [140]  # a moving mean: 0.8 x 100 + 0.2 x 300
+    assert [state.load_of(s) for s in state.nodes()] == [70]  # a moving mean: 0.8 x 100 + 0.2 x 300 tokens
 
 
 def test_a_node_that_measured_nothing_costs_no_load_and_a_setting_overrides_what_was_learned():

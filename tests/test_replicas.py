@@ -36,12 +36,17 @@ def done(replicas: ReplicaSet, index: int, gen_id: str, prompt_tokens: int = 200
                               "evicted": []})
 
 
-def test_a_conversation_returns_to_the_replica_holding_it_and_evictions_at_accepted_are_honoured():
+def two_replicas_running_g1() -> tuple[list[StandInWorker], ReplicaSet, int]:
+    """Two started replicas, a first generation "g1" submitted; and the index of the replica it went to."""
     workers = [StandInWorker(), StandInWorker()]
     replicas = ReplicaSet(workers, model_name="m")
     asyncio.run(replicas.start())
     asyncio.run(replicas.submit(spec("g1", "hi")))
-    first = 0 if workers[0].submitted else 1
+    return workers, replicas, 0 if workers[0].submitted else 1
+
+
+def test_a_conversation_returns_to_the_replica_holding_it_and_evictions_at_accepted_are_honoured():
+    workers, replicas, first = two_replicas_running_g1()
     done(replicas, first, "g1")
     asyncio.run(replicas.submit(spec("g2", "hi", "and brakes?")))
     assert "g2" in workers[first].submitted  # back to the replica that holds the conversation
@@ -64,11 +69,7 @@ def test_a_dead_replica_takes_no_work():
 
 
 def test_a_replica_holds_the_answer_too_so_the_next_turn_matches_the_whole_conversation():
-    workers = [StandInWorker(), StandInWorker()]
-    replicas = ReplicaSet(workers, model_name="m")
-    asyncio.run(replicas.start())
-    asyncio.run(replicas.submit(spec("g1", "hi")))
-    first = 0 if workers[0].submitted else 1
+    _, replicas, first = two_replicas_running_g1()
     replicas.on_event(first, {"type": "tokens", "gen_id": "g1", "seq": 1, "text": [" Hello", " rider"], "ids": [1, 2]})
     replicas.on_event(first, {"type": "done", "gen_id": "g1", "usage": {"completion_tokens": 2}, "evicted": []})
 
@@ -79,13 +80,8 @@ def test_a_replica_holds_the_answer_too_so_the_next_turn_matches_the_whole_conve
 
 
 def test_each_replicas_measured_speed_reaches_its_placement_and_the_nodes_heartbeat():
-    workers = [StandInWorker(), StandInWorker()]
+    workers, replicas, _ = two_replicas_running_g1()
     workers[0].figures = {"prefill_tps": 500.0, "decode_slowdown_ms": 8.0}
-    replicas = ReplicaSet(workers, model_name="m")
-    asyncio.run(replicas.start())
-    asyncio.run(replicas.submit(spec("g1", "hi")))
-    index = 0 if workers[0].submitted else 1
-    replicas.on_event(index, {"type": "done", "gen_id": "g1", "usage": {"completion_tokens": 100}, "evicted": []})
     asyncio.run(replicas.submit(spec("g2", "hello")))  # the figures go to placement as each generation is placed
 
     slots = {s.node_id: s for s in replicas.placement.nodes()}

@@ -4,9 +4,9 @@ cost(node) = prompt tokens the node would have to read again + load_tokens(node)
 A tie goes to the least loaded node, then the least routed one, so idle nodes share the work.
 
 load_tokens(node) is learned per node, with nothing to tune: the prompt tokens that node could read in the time an
-extra running generation costs, prefill_tps x decode_slowdown_s x answer_tokens (what the node's engine measures and
-reports in its heartbeat: its prefill rate and how much each running generation slows a decode step; and the
-mean answer length of the generations done there). A node that has not measured them yet costs no load (ties still
+extra running generation costs, prefill_tps x decode_slowdown_s x answer_tokens / 2 (what the node's engine measures
+and reports in its heartbeat: its prefill rate and how much each running generation slows a decode step; and the
+mean answer length of the generations done there, of which a running one has half left on average). A node that has not measured them yet costs no load (ties still
 go to the least loaded). A fixed `load_tokens` given to the state (FLEET_LOAD_TOKENS) overrides the learned one.
 
 The index maps each prefix key to the nodes that hold it (and the generation that put it there), LRU-capped.
@@ -53,9 +53,9 @@ class NodeSlot:
 
 def learned_load_tokens(prefill_tps: float, decode_slowdown_ms: float, answer_tokens: float) -> int:
     """The prompt tokens a node reads in the time one more running generation costs a generation placed there:
-    each of its decode steps is slower by decode_slowdown_ms, over answer_tokens steps. (The Redis state's Lua
-    script computes the same.)"""
-    return int(prefill_tps * decode_slowdown_ms / 1000 * answer_tokens + 0.5)
+    each of its decode steps is slower by decode_slowdown_ms for as long as that one still runs, on average half an
+    answer (it is halfway through). (The Redis state's Lua script computes the same.)"""
+    return int(prefill_tps * decode_slowdown_ms / 1000 * answer_tokens / 2 + 0.5)
 
 
 def learn_answer_tokens(old: float, completion_tokens: int) -> float:
