@@ -94,6 +94,9 @@ def _every_message() -> list[messages.Message]:
         messages.Error(gen_id="g1", code="oom", message="KV cache full", retryable=True, seq=2),
         messages.Bye(reason="draining"),
         messages.Check(identity="node-a"),
+        messages.Pull(identity="node-a", model="tiny-chat"),
+        messages.PullGrant(model="tiny-chat", sha256="ab" * 32, size=98362432, path="/models/blobs/" + "ab" * 32,
+                           grant="signed", expires_s=900.0),
     ]
 
 
