@@ -63,7 +63,7 @@ def _quantization(reader: Any) -> str:
 
     file_type = _value(reader, "general.file_type")
     try:
-        return LlamaFileType(file_type).name.removeprefix("MOSTLY_")
+        return LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
     except ValueError:
         pass
     # No file type: name it after the type most of the weights' bytes have.
