@@ -9,7 +9,7 @@ from channels.testing import WebsocketCommunicator
 from fleet.links import registry
 from nodes.link.codes import CloseCode
 from nodes.link.handshake import LOCAL_TOKEN_ID, Initiator, format_token, make_secret, parse_token
-from nodes.link.messages import Check, Heartbeat, Register, Registered
+from nodes.link.messages import Check, Heartbeat, Pull, Register, Registered
 from nodes.link.noise import generate_static
 from nodes.models import Node
 from nodes.services import fleet_token_create, fleet_token_revoke
@@ -216,6 +216,34 @@ async def test_a_check_answers_before_the_model_loads():
         channel = await handshake(probe, LOCAL_TOKEN, key)
         await probe.send_to(bytes_data=channel.seal(Check(identity="gpu-7")))
         assert await closed_with(probe) == code
+
+
+async def test_a_pull_is_answered_with_a_grant_or_why_not_and_only_for_the_bound_key():
+    from nodes.models import Model
+    from nodes.registry import model_grant_open
+
+    comm, _ = await joined()
+    await comm.disconnect()
+    await Model.objects.acreate(name="tiny-chat", sha256="ab" * 32, size=1234, architecture="llama",
+                                quantization="Q4_1", context_length=8192, kv_bytes_per_token=23040)
+    answers = {}
+    for model in ("tiny-chat", "nope"):
+        probe = communicator()
+        await probe.connect()
+        channel = await handshake(probe)
+        await probe.send_to(bytes_data=channel.seal(Pull(identity="gpu-7", model=model)))
+        answers[model] = channel.open(await probe.receive_from(timeout=5))
+        assert await closed_with(probe) == CloseCode.NORMAL
+    granted = answers["tiny-chat"]
+    assert (granted.sha256, granted.size, granted.error) == ("ab" * 32, 1234, "")
+    assert granted.path == f"/models/blobs/{'ab' * 32}"
+    assert model_grant_open(grant=granted.grant, sha256="ab" * 32).name == "ab" * 32
+    assert answers["nope"].error.startswith("the head has no model named 'nope'") and not answers["nope"].grant
+    impostor = communicator()
+    await impostor.connect()
+    channel = await handshake(impostor, LOCAL_TOKEN, generate_static())
+    await impostor.send_to(bytes_data=channel.seal(Pull(identity="gpu-7", model="tiny-chat")))
+    assert await closed_with(impostor) == CloseCode.IDENTITY_TAKEN
 
 
 async def test_releasing_the_binding_lets_a_new_key_join():
