@@ -8,6 +8,7 @@ import hashlib
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import openai
@@ -148,3 +149,25 @@ def test_a_model_the_node_cannot_get_stops_it_with_one_line(head, tmp_path, mode
         assert "Traceback" not in node.log() and not (tmp_path / "models" / NAME / f"{SHA256}.gguf").exists()
     finally:
         node.stop()
+
+
+def test_a_pull_that_outlives_its_grant_asks_for_a_new_one_and_goes_on(tmp_path):
+    head = make_head(tmp_path / "short-grants", extra_env={"FLEET_PULL_GRANT_S": "2"})
+    head.manage("model_add", MODEL, "--name", NAME)
+    head.start()
+    home = tmp_path / "node"
+    part = home / "models" / NAME / f"{SHA256}.gguf.part"
+    node = pulling_node(head, home, "pull-slow")
+    try:
+        wait_for(lambda: part.exists() and part.stat().st_size >= SIZE * 0.3, 120, f"no pull: {node.log()}",
+                 interval=0.005)
+        head.proc.send_signal(signal.SIGSTOP)  # the pull stalls past its grant's 2 s
+        time.sleep(3.5)
+        head.proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: joined(node), 240, f"the node did not join: {node.log()}")
+        log = node.log_path.read_text()
+        assert f"the grant to pull {NAME} expired; asking the head for a new one" in log
+        assert node.proc.poll() is None and hashlib.sha256(copy_of(home).read_bytes()).hexdigest() == SHA256
+    finally:
+        node.stop()
+        head.stop()

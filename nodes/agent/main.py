@@ -19,8 +19,11 @@ from nodes.agent.replicas import ReplicaConfigError, ReplicaSet, cpu_groups, gpu
 from nodes.agent.window import Window, WindowError, mem_available, size_window
 from nodes.link import logs
 from nodes.link.handshake import BadToken, parse_token
+from nodes.link.messages import PullGrant
 
 log = logging.getLogger("nodes.agent")
+
+GRANT_RENEWALS = 20  # grants a pull may outlive before the node gives up (a lapsed grant costs one range again)
 
 
 @dataclass
@@ -129,23 +132,35 @@ async def pulled_model(options: NodeOptions, asker: NodeAgent) -> Path:
             raise NodeError(f"model {options.model!r} is not on this node ({folder}) and --offline pulls nothing; "
                             "run node_join once without --offline")
         return local[0]
+    answer = await _ask_for_grant(options, asker, keep_trying=local is None)
+    if answer is None:
+        log.warning("fleet node: no head answered; serving this node's copy of %s", options.model)
+        return local[0]
+    if local is not None and local[1] == answer[1].sha256:
+        return local[0]
+    for _ in range(GRANT_RENEWALS):
+        try:
+            return await asyncio.to_thread(pull.pull, pull.http_base(answer[0]), answer[1], options.home)
+        except pull.GrantExpired:
+            log.info("fleet node: the grant to pull %s expired; asking the head for a new one", options.model)
+            answer = await _ask_for_grant(options, asker, keep_trying=True)
+        except (pull.PullError, OSError) as exc:
+            raise NodeError(f"could not pull {options.model}: {exc}") from None
+    raise NodeError(f"could not pull {options.model}: its grant expired {GRANT_RENEWALS} times; raise "
+                    "FLEET_PULL_GRANT_S on the head")
+
+
+async def _ask_for_grant(options: NodeOptions, asker: NodeAgent, *, keep_trying: bool) -> tuple[str, PullGrant] | None:
+    """(head, grant) for the model; None when no head answers and `keep_trying` is False. Raises NodeError when the
+    head has no such model."""
     delay = BACKOFF_START_S
-    while (answer := await asker.request_pull(options.model)) is None:
-        if local is not None:
-            log.warning("fleet node: no head answered; serving this node's copy of %s", options.model)
-            return local[0]
+    while (answer := await asker.request_pull(options.model)) is None and keep_trying:
         log.warning("fleet node: no head answered to pull %s from; retrying in %.0f s", options.model, delay)
         await asyncio.sleep(delay)
         delay = min(delay * 2, BACKOFF_MAX_S)
-    head, grant = answer
-    if grant.error:
-        raise NodeError(grant.error)
-    if local is not None and local[1] == grant.sha256:
-        return local[0]
-    try:
-        return await asyncio.to_thread(pull.pull, pull.http_base(head), grant, options.home)
-    except (pull.PullError, OSError) as exc:
-        raise NodeError(f"could not pull {options.model}: {exc}") from None
+    if answer is not None and answer[1].error:
+        raise NodeError(answer[1].error)
+    return answer
 
 
 class ProgressBar:

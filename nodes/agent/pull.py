@@ -30,6 +30,10 @@ class PullError(Exception):
     """The model could not be pulled or is not on this node; the message says what to do."""
 
 
+class GrantExpired(PullError):
+    """The head no longer takes this pull's grant (FLEET_PULL_GRANT_S passed): ask for a new one and go on."""
+
+
 class Progress:
     """A bar redrawn in place on a terminal; in a log file (stderr not a TTY) one line per 10%."""
 
@@ -95,6 +99,8 @@ def _fetch_piece(url: str, grant: str, first: int, last: int, out, progress, don
         response = urllib.request.urlopen(request, timeout=TIMEOUT_S)  # noqa: S310 - the head's own http(s) URL
     except urllib.error.HTTPError as exc:
         detail = exc.read(2000).decode("utf-8", "replace")
+        if exc.code == 403 and "expired" in detail:
+            raise GrantExpired(detail) from None
         raise PullError(f"the head refused the pull ({exc.code}): {detail}") from None
     with response:
         if response.status != 206:
