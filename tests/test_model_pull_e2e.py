@@ -69,7 +69,10 @@ def test_two_nodes_pull_a_model_added_on_the_head_and_serve_it_under_its_name(he
             # stderr is a log file here, not a terminal: one line per 10%, no redrawn bar
             steps = re.findall(rf"pulling {NAME}: +(\d+)% \(", log)
             assert steps == [str(p) for p in range(0, 101, 10)], log
-            assert "\r" not in log
+            assert b"\r" not in node.log_path.read_bytes()  # (read_text would turn a \r into a \n)
+            loading = [int(p) for p in re.findall(r"loading tiny-chat: +(\d+)%\n", log)]  # llama.cpp reports in jumps
+            assert loading[0] == 0 and loading[-1] == 100 and loading == sorted(set(loading)), log
+            assert all(p % 10 == 0 for p in loading), log
             # SmolLM2's 23,040 KV bytes a token fit its whole trained context in this machine's RAM
             assert re.search(r"loaded, context window 8192 tokens \(the model's trained context \(.* GB of RAM "
                              r"available, .* 23,040 bytes a token over 2 lanes", log), log

@@ -163,24 +163,6 @@ async def _ask_for_grant(options: NodeOptions, asker: NodeAgent, *, keep_trying:
     return answer
 
 
-class ProgressBar:
-    """A one-line bar on stderr while the model loads."""
-
-    def __init__(self, label: str):
-        self.label, self.last = label, -1
-
-    def __call__(self, fraction: float) -> None:
-        percent = int(max(0.0, min(1.0, fraction)) * 100)
-        if percent == self.last:
-            return
-        self.last = percent
-        filled = percent * 30 // 100
-        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {percent:3d}%")
-        if percent == 100:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
 async def _run(options: NodeOptions, resolve_head) -> None:
     from nodes.agent.engine.worker import EngineWorker
 
@@ -204,12 +186,12 @@ async def _run(options: NodeOptions, resolve_head) -> None:
         await asker.check_join()  # a pull asked already
     workers = [EngineWorker(cfg, on_event=forward(i)) for i, cfg in enumerate(configs)]
     engine = ReplicaSet(workers, model_name=name) if len(workers) > 1 else workers[0]
-    bar = ProgressBar(f"loading {name}")
+    bar = pull.Progress(f"loading {name}", 100, figures=False)
     try:
-        info = await engine.start(on_progress=bar)
+        info = await engine.start(on_progress=lambda fraction: bar(int(fraction * 100)))
     except Exception as exc:
         raise NodeError(f"the model could not be loaded: {exc}") from exc
-    bar(1.0)
+    bar(100)
     log.info("fleet node: %s loaded, context window %d tokens (%s), %d lanes", name, info["context_window"], why,
              info["lanes"])
     agent = NodeAgent(agent_config, engine, resolve_head=resolve_head)

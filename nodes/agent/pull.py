@@ -37,18 +37,19 @@ class GrantExpired(PullError):
 class Progress:
     """A bar redrawn in place on a terminal; in a log file (stderr not a TTY) one line per 10%."""
 
-    def __init__(self, label: str, total: int, stream=None):
+    def __init__(self, label: str, total: int, stream=None, *, figures: bool = True):
+        """`total` bytes (or any count, with `figures` False: then only the percentage is shown)."""
         self.label, self.total, self.stream = label, max(total, 1), stream or sys.stderr
-        self.tty = self.stream.isatty()
+        self.tty, self.figures = self.stream.isatty(), figures
         self.shown = -1
 
     def __call__(self, done: int) -> None:
-        percent = min(100, done * 100 // self.total)
+        percent = max(0, min(100, done * 100 // self.total))
         step = percent if self.tty else percent // 10 * 10
         if step == self.shown:
             return
         self.shown = step
-        figures = f"{step:3d}% ({done / 1e6:.1f} of {self.total / 1e6:.1f} MB)"
+        figures = f"{step:3d}%" + (f" ({done / 1e6:.1f} of {self.total / 1e6:.1f} MB)" if self.figures else "")
         if self.tty:
             bar = "#" * (step * 30 // 100)
             self.stream.write(f"\r{self.label} [{bar:.<30}] {figures}" + ("\n" if step == 100 else ""))
