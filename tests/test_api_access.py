@@ -118,10 +118,20 @@ class World:
             "inference_sessions.logitbiashandle": lambda: self.bias,
             "nodes.revokednodekey": lambda: model.objects.get_or_create(public_key="ab" * 32, identity="gone")[0],
             "api.batchfile": lambda: self.batch_file, "api.batch": lambda: self.batch,
+            "nodes.model": lambda: registry_model("walk-model"),
         }.get(label)
         if built is None:
             pytest.fail(f"the URL walk has no object of {label}: add one to World.object_of")
         return built()
+
+
+def registry_model(name: str):
+    """A registry entry (no file behind it: the walk only asks who may see and delete it)."""
+    from nodes.models import Model
+
+    return Model.objects.get_or_create(name=name, defaults={
+        "sha256": "ab" * 32, "size": 1, "architecture": "llama", "quantization": "Q4_1", "context_length": 8,
+        "kv_bytes_per_token": 1})[0]
 
 
 @pytest.fixture(autouse=True)
@@ -181,7 +191,7 @@ def chat(**extra) -> Callable[[World], dict[str, Any]]:
 API_OBJECTS: dict[str, Callable[[World], Any]] = {
     "node": lambda w: w.node, "fleet-token": lambda w: w.token, "api-key": lambda w: w.owner_key,
     "session": lambda w: w.session, "grammar": lambda w: w.grammar, "logit-bias": lambda w: w.bias,
-    "generation": lambda w: w.generation,
+    "generation": lambda w: w.generation, "model": lambda w: registry_model("walk-model"),
 }
 API_FRESH: dict[str, Callable[[World], Any]] = {
     "fleet-token": lambda w: fleet_token_create(name="spare")[0],
@@ -189,6 +199,7 @@ API_FRESH: dict[str, Callable[[World], Any]] = {
     "session": lambda w: w.session_fresh(),
     "grammar": lambda w: GrammarHandleFactory(owner=w.owner, api_key=w.owner_key),
     "logit-bias": lambda w: LogitBiasHandleFactory(owner=w.owner, api_key=w.owner_key),
+    "model": lambda w: registry_model(f"walk-{uuid.uuid4().hex[:8]}"),
 }
 
 NAMED: dict[str, list[Case]] = {
@@ -240,6 +251,13 @@ NAMED: dict[str, list[Case]] = {
     "logit-bias-detail": [Case("GET", OWNED), Case("DELETE", statuses(401, 204, 404, 204))],
     "generation-list": [Case("GET", ANY_KEY)],
     "generation-detail": [Case("GET", OWNED)],
+    "model-list": [Case("GET", STAFF_ONLY)],
+    "model-detail": [Case("GET", STAFF_ONLY), Case("DELETE", statuses(401, 403, 403, 204))],
+    "model-upload-start": [Case("POST", statuses(401, 403, 403, 201))],
+    # staff: a part with no ?offset is a 400 that says to give one
+    "model-upload-part": [Case("PUT", statuses(401, 403, 403, 400), kwargs=lambda w: {"upload_id": "0" * 32})],
+    # the registry's files answer only to a node's pull grant: no API key or staff session opens them
+    "model-blob": [Case("GET", statuses(401, 401, 401, 401), kwargs=lambda w: {"sha256": "ab" * 32})],
     # The admin's own pages.
     "admin:index": [Case("GET", ADMIN)],
     "admin:login": [Case("GET", statuses(200, 200, 200, 302))],  # staff: already in, sent to the index
