@@ -68,6 +68,7 @@ def test_create_api_key_prints_it_once():
         (["--model", "/no/such/model.gguf"], "model file '/no/such/model.gguf' does not exist"),
         (["--model", "smollm2", "--replicas", "3", "--gpus", "0,1"], "--replicas 3 does not divide the 2 GPUs"),
         (["--model", "smollm2", "--replicas", "2", "--gpus", "0,1;1,2"], "GPU 1 is in two groups"),
+        (["--model", "smollm2", "--label", "gpu"], "argument --label: 'gpu' is not KEY=VALUE"),
     ],
 )
 def test_node_join_bad_input_is_one_line_and_exit_2(args, message, tmp_path):

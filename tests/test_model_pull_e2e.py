@@ -11,6 +11,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -60,7 +61,8 @@ def joined(node) -> bool:
 
 def test_two_nodes_pull_a_model_added_on_the_head_and_serve_it_under_its_name(head, tmp_path):
     since = head_log_size(head)
-    nodes = [pulling_node(head, tmp_path / name, name) for name in ("pull-a", "pull-b")]
+    nodes = [pulling_node(head, tmp_path / "pull-a", "pull-a", "--label", "gpu=a100", "--label", "zone=eu-1"),
+             pulling_node(head, tmp_path / "pull-b", "pull-b")]
     try:
         head.wait_nodes(2, timeout=240)
         for name, node in zip(("pull-a", "pull-b"), nodes, strict=True):
@@ -79,6 +81,9 @@ def test_two_nodes_pull_a_model_added_on_the_head_and_serve_it_under_its_name(he
         assert bytes_served(head, since) == 2 * SIZE
         client = openai.OpenAI(base_url=f"{head.url}/v1", api_key=head.api_key, max_retries=0, timeout=120)
         assert NAME in [m.id for m in client.models.list().data]
+        listed = httpx.get(f"{head.url}/api/nodes/", headers={"Authorization": f"Bearer {head.api_key}"}).json()
+        assert {n["identity"]: n["labels"] for n in listed["results"]} == {"pull-a": {"gpu": "a100", "zone": "eu-1"},
+                                                                          "pull-b": {}}
         served = set()
         for i in range(6):
             answer = client.chat.completions.create(model=NAME, max_tokens=4, temperature=0,

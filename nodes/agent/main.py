@@ -43,6 +43,7 @@ class NodeOptions:
     batch_invariant: bool = False
     home: Path = field(default_factory=lambda: Path(os.environ.get("FLEET_HOME") or Path.home() / ".fleet"))
     mock: dict | None = None
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 class NodeError(Exception):
@@ -170,7 +171,8 @@ async def _run(options: NodeOptions, resolve_head) -> None:
     if options.accept_new_head:
         keys.forget_head(options.home)
     identity = options.identity or AgentConfig.identity_default()
-    agent_config = AgentConfig(head=options.head, token=token, home=options.home, identity=identity)
+    agent_config = AgentConfig(head=options.head, token=token, home=options.home, identity=identity,
+                               labels=options.labels)
     agent: NodeAgent | None = None
     asker = NodeAgent(agent_config, None, resolve_head=resolve_head)
     pulled = await pulled_model(options, asker) if options.mock is None and is_registry_name(options.model) else None

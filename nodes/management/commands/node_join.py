@@ -26,6 +26,16 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _label(value: str) -> tuple[str, str]:
+    import argparse
+    import re
+
+    key, sep, label = value.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,62}", key) or len(label) > 200:
+        raise argparse.ArgumentTypeError(f"{value!r} is not KEY=VALUE (a key of letters, digits, '.', '_', '/', '-')")
+    return key, label
+
+
 def _one_line_error(message: str) -> None:
     sys.stderr.write(f"node_join: {message} (see `manage.py node_join --help`)\n")
     sys.exit(2)
@@ -53,6 +63,8 @@ class Command(BaseCommand):
                                  "at most the model's trained context)")
         parser.add_argument("--max-batch", type=_positive_int, default=8, help="lanes: generations at once (8)")
         parser.add_argument("--identity", help="the node's name on the fleet (default: host name)")
+        parser.add_argument("--label", type=_label, action="append", default=[], metavar="KEY=VALUE",
+                            help="a label the head keeps for this node, e.g. gpu=a100 (repeat for more)")
         parser.add_argument("--model-name", help="the model's name on the fleet (default: its own)")
         parser.add_argument("--offline", action="store_true",
                             help="no mDNS discovery (the head address is required) and no model pull: a registry "
@@ -82,6 +94,7 @@ class Command(BaseCommand):
             head=options["head"], model=options["model"], token=options["token"],
             max_context=options["max_context"], max_batch=options["max_batch"], identity=options["identity"],
             model_name=options["model_name"], offline=options["offline"], park=options["park"],
+            labels=dict(options["label"]),
             replicas=options["replicas"], gpus=options["gpus"], accept_new_head=options["accept_new_head"],
             batch_invariant=options["batch_invariant"], home=settings.FLEET_HOME,
         ))
