@@ -176,7 +176,8 @@ def test_a_server_side_session_over_three_turns(client, http):
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}), 400,
      "invalid_json_schema", "schema"),
     (lambda c: c.chat.completions.create(model="gpt-unknown", messages=HI), 404, "model_not_found", MODEL),
-    (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 4000}],
+    # past SmolLM2's trained 8,192 tokens, the most a node's window is sized to without --max-context
+    (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 10000}],
                                          max_tokens=4), 400, "context_length_exceeded", "context"),
 ])
 def test_bad_inputs_get_the_right_status_and_a_clear_message(client, call, status, code, words):
