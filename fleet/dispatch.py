@@ -148,6 +148,7 @@ class GenerationStream:
         self._current: tuple[str, Any] | None = None  # (node_id, link)
         self._failure: dict[str, Any] | None = None  # why the last attempt's node failed, for the next's evidence
         self._preempting = False  # its lane was handed to an interactive generation; its cancel is on the way
+        self._preempted_at = 0.0
 
     async def __aiter__(self):
         try:
@@ -179,7 +180,7 @@ class GenerationStream:
                 # traffic, to continue from the tokens it has; not a failed attempt
                 self._preempting = False
                 self._failure = {"code": "preempted", "message": "an interactive generation took its lane",
-                                 "at": time.time()}
+                                 "at": self._preempted_at}
                 attempt -= 1
             except _NodeFailed as failed:
                 reg.lifecycle.lost(choice.node_id, self.spec.gen_id)
@@ -257,7 +258,7 @@ class GenerationStream:
     async def preempt(self) -> None:
         """Give this batch line's lane to an interactive generation: freed now, the node told to stop it."""
         node_id, link = self._current
-        self._preempting = True
+        self._preempting, self._preempted_at = True, time.time()
         registry().lifecycle.preempted(node_id, self.spec.gen_id)
         metrics.preempted(model=self.spec.model, node=link.identity)
         await _cancel_quietly(link, self.spec.gen_id, "preempted by an interactive generation")
