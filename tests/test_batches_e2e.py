@@ -160,13 +160,17 @@ def test_cancel_stops_new_lines_and_keeps_the_finished(client, worker):
     source = upload(client, [chat_line(f"slow-{i}", max_tokens=20) for i in range(30)])
     batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
     wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2, 120, "no line finished")
+    cancel_at = time.time()
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status == "cancelling"
     at_cancel = cancelling.request_counts.completed
     cancelled = wait_status(client, batch.id, {"cancelled"})
     # Only the lines already running (3 at once) may finish after the cancel; none starts.
     assert at_cancel <= cancelled.request_counts.completed <= at_cancel + 3 < 30
-    assert len(entries(client, cancelled.output_file_id)) == cancelled.request_counts.completed
+    answered = entries(client, cancelled.output_file_id)
+    assert len(answered) == cancelled.request_counts.completed
+    # and none started 2 s or more after it (`created` is when the head took the line's request, in seconds)
+    assert max(row["response"]["body"]["created"] for row in answered.values()) < cancel_at + 2
 
 
 def test_completion_window_ends_the_batch_expired(client, worker):
@@ -197,3 +201,24 @@ def test_a_worker_killed_mid_batch_is_resumed_and_every_line_answered_once(head,
     assert (done.request_counts.completed, done.request_counts.failed) == (24, 0)
     rows = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
     assert sorted(row["custom_id"] for row in rows) == sorted(f"k-{i}" for i in range(24))
+
+
+def test_two_workers_share_the_batches_and_answer_every_line_once(head, client, worker):
+    """A second worker process on the same broker: both take batches (one runner a batch at a time), and every line
+    of every batch is answered exactly once."""
+    second = Worker(head)
+    try:
+        wait_for(lambda: " ready." in second.log(), 60, f"the second worker did not start: {second.log()}")
+        batches = []
+        for b in range(3):
+            source = upload(client, [chat_line(f"b{b}-{i}", max_tokens=20) for i in range(10)])
+            batches.append(client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions",
+                                                 completion_window="24h"))
+        done = [wait_status(client, batch.id, {"completed", "failed"}, timeout=180) for batch in batches]
+    finally:
+        second.kill()
+    for b, batch in enumerate(done):
+        assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == ("completed", 10, 0)
+        rows = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+        assert sorted(row["custom_id"] for row in rows) == sorted(f"b{b}-{i}" for i in range(10))
+    assert "api.tasks.batch_run[" in second.log()  # the second worker ran a slice of one (not only its banner)
