@@ -21,6 +21,7 @@ from django.core import signing
 from django.db import IntegrityError, transaction
 
 from nodes.agent.gguf_info import GgufError, read_gguf
+from nodes.agent.pull import sha256_of
 from nodes.link.messages import PullGrant
 from nodes.models import Model
 
@@ -73,14 +74,6 @@ def _check_name(name: str) -> str:
     if Model.objects.filter(name=name).exists():
         raise RegistryError(f"a model named {name!r} is already in the registry; delete it first or pick another name")
     return name
-
-
-def _hash_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _copy_hashing(source: BinaryIO, target: Path) -> str:
@@ -163,7 +156,7 @@ def model_upload_finish(*, upload_id: str, name: str) -> Model:
     """Hash the uploaded file, check it is a GGUF model and record it as `name`."""
     name = _check_name(name)
     path = _upload_file(upload_id)
-    return _store(path, _hash_file(path), name)
+    return _store(path, sha256_of(path), name)
 
 
 def model_delete(*, model: Model) -> None:

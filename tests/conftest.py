@@ -16,6 +16,15 @@ def live_head(tmp_path_factory) -> Head:
     head.stop()
 
 
+@pytest.fixture
+def fresh_head(tmp_path) -> Head:
+    """A real head of this test's own (daphne on a free port), stopped after it."""
+    head = make_head(tmp_path)
+    head.start()
+    yield head
+    head.stop()
+
+
 @pytest.fixture(scope="session")
 def live_node(live_head) -> NodeProc:
     """A real node on the bundled SmolLM2 model, joined to `live_head` over loopback (no token needed)."""

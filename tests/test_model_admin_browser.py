@@ -8,23 +8,16 @@ import os
 import pytest
 
 from nodes.agent.engine.local import bundled_model_path
-from tests.live import make_head
 from tests.test_pages_browser import browser, login  # noqa: F401 - the browser fixture, reused
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def head(tmp_path):
-    head = make_head(tmp_path)
-    head.start()
-    yield head
-    head.stop()
-
-
-def test_a_model_uploaded_in_the_admin_goes_up_in_parts_and_is_listed(browser, head):  # noqa: F811
+def test_a_model_uploaded_in_the_admin_goes_up_in_parts_and_is_listed(browser, fresh_head):  # noqa: F811
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
+
+    head = fresh_head
 
     login(browser, head)
     browser.get(f"{head.url}/admin/nodes/model/add/")
@@ -40,9 +33,11 @@ def test_a_model_uploaded_in_the_admin_goes_up_in_parts_and_is_listed(browser, h
     assert parts == -(-os.path.getsize(bundled_model_path()) // (4 * 1024 * 1024 - 4096))  # one request a part
 
 
-def test_a_file_that_is_not_a_model_is_refused_on_the_page(browser, head, tmp_path):  # noqa: F811
+def test_a_file_that_is_not_a_model_is_refused_on_the_page(browser, fresh_head, tmp_path):  # noqa: F811
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
+
+    head = fresh_head
 
     junk = tmp_path / "notes.gguf"
     junk.write_text("not a model at all\n" * 100)

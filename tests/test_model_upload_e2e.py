@@ -13,8 +13,6 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.live import make_head
-
 pytestmark = pytest.mark.slow
 
 MB = 10**6
@@ -47,15 +45,8 @@ def status_kb(pid: int, field: str) -> int:
     raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
-@pytest.fixture
-def head(tmp_path):
-    head = make_head(tmp_path)
-    head.start()
-    yield head
-    head.stop()
-
-
-def test_a_1_gib_upload_raises_the_heads_peak_memory_by_at_most_64_mb(head, tmp_path):
+def test_a_1_gib_upload_raises_the_heads_peak_memory_by_at_most_64_mb(fresh_head, tmp_path):
+    head = fresh_head
     path = tmp_path / "big.gguf"
     size = sparse_gguf(path, 1 << 30)
     digest = hashlib.sha256()
