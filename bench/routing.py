@@ -1,26 +1,28 @@
-"""Placement policies side by side on four simulated CPU nodes under a multi-turn chat workload.
+"""Placement policies side by side on four simulated nodes under a multi-turn chat workload, on two node profiles.
 
 Each node is a real MockEngine (nodes/agent/engine/mock.py) stepped by a thread of its own, so its costs are
-really spent: every step sleeps one decode step plus `prefill_ms_per_token` for each prompt token it reads,
-and a lane's prefix cache saves exactly the tokens it already holds (or another lane holds: the engine copies
-a cached prefix between lanes, free in the mock, as the llama engine does with seq_cp). The head side is one
-asyncio loop: conversations send each turn with the whole history, a generation waits in one FIFO queue until
-some lane is free, and the policy picks the node:
+really spent: every step sleeps one decode step (longer by `decode_slowdown_ms` for each further decoding lane)
+plus `prefill_ms_per_token` for each prompt token it reads, and a lane's prefix cache saves exactly the tokens it
+already holds (or another lane holds: the engine copies a cached prefix between lanes, free in the mock, as the
+llama engine does with seq_cp). The head side is one asyncio loop: conversations send each turn with the whole
+history, a generation waits in one FIFO queue until some lane is free, and the policy picks the node:
 
-- cache_aware:  nodes.link.placement.PlacementState as fleet/dispatch.py drives it (choose with the prompt's
-                prefix keys; at accepted, evict what the node reports its lane choice discarded; at done, record
-                the prompt's and the answer's keys and evict what the node reports again);
+- cache_aware:  nodes.link.lifecycle.PlacementLifecycle, the same object fleet/dispatch.py and replicas place
+                through (choose with the prompt's prefix keys; accepted; done: record the prompt's and the answer's
+                keys, evict, release), with each node's learned load cost: its engine's measured prefill rate and
+                decode slowdown (fed to placement as a heartbeat would, at each done) and its mean answer length;
 - round_robin:  the next node in turn that has a free lane;
 - least_loaded: the node running the fewest generations, ties to the least routed;
-- cache_aware@3000: cache_aware with PlacementState's default load penalty, for comparison.
+- cache_aware@N: cache_aware with a fixed load cost of N tokens (FLEET_LOAD_TOKENS=N), for comparison.
 
-cache_aware uses a load penalty of 300 tokens, a figure for CPU nodes: on this project's 2-core VM
-(docs/benchmarks.md, Engine) each extra busy lane adds ~8 ms to every decode step, ~1 s over a 120-token answer,
-the time to read a few hundred prompt tokens (190-500 tokens/s). The default, 3000, fits nodes that read prompts
-~10x faster. The mock itself does not slow its decode steps as lanes fill, so it charges nothing for load.
-All policies see the same workload (same seeds). Every simulated duration is multiplied by --time-scale to keep
-the run short; reported times are divided by it again, so they read as on the simulated node.
-Run from the repository root:  .venv/bin/python bench/routing.py        Writes bench/results/routing.json.
+Profiles: `cpu`, a 1-3B Q4 model on a few CPU cores (~500 prompt tokens/s, 25 decode steps/s, each further
+decoding lane +8 ms a step, as on this project's VM); `gpu`, prefill 20x faster (10,000 tokens/s), decode steps of
+10 ms (100/s, a 1-3B model on a GPU) barely slowed by batching (+0.1 ms a lane). With the CPU's 40 ms steps a GPU's
+first token cannot come 2x sooner from its cache: one decode step to wait for on a busy node costs as much as reading
+the whole prompt on an idle one (docs/benchmarks.md). All policies see the same workload (same seeds). Every
+simulated duration is multiplied by --time-scale to keep the run short; reported times are divided by it again, so
+they read as on the simulated node.
+Run from the repository root:  .venv/bin/python bench/routing.py    Writes bench/results/routing.json.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +46,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nodes.agent.engine.base import EngineConfig  # noqa: E402
 from nodes.agent.engine.mock import MockEngine  # noqa: E402
-from nodes.link.prefix import PrefixKey, prefix_keys  # noqa: E402
+from nodes.link.lifecycle import PlacementLifecycle, placement_keys  # noqa: E402
 from nodes.link.placement import NodeSlot, PlacementState  # noqa: E402
+from nodes.link.prefix import PrefixKey  # noqa: E402
 from nodes.link.spec import GenerateSpec  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "routing.json"
 MODEL = "mock-1b"
-POLICIES = ["cache_aware", "round_robin", "least_loaded", f"cache_aware@{PlacementState().load_tokens}"]
+POLICIES = ["cache_aware", "round_robin", "least_loaded", "cache_aware@3000"]
+PROFILES = {  # what differs between the simulated nodes of each profile
+    "cpu": {"prefill_ms_per_token": 2.0, "decode_slowdown_ms": 8.0},
+    "gpu": {"prefill_ms_per_token": 0.1, "decode_tps": 100.0, "decode_slowdown_ms": 0.1},
+}
 _VOCABULARY_TEXT = """
 fleet node lane head model token prompt cache answer question user system policy rule always never careful brief
 polite support billing refund account order shipping invoice customer product warranty return exchange password
@@ -67,7 +74,8 @@ class Params:
     nodes: int = 4
     lanes: int = 4
     prefill_ms_per_token: float = 2.0  # ~500 prompt tokens/s: a 1-3B Q4 model on a few CPU cores
-    decode_tps: float = 25.0  # decode steps per second; each step gives every busy lane one token
+    decode_tps: float = 25.0  # decode steps per second with one lane; each step gives every busy lane one token
+    decode_slowdown_ms: float = 8.0  # what each further decoding lane adds to a step
     context_window: int = 4096
     conversations: int = 28
     turns: tuple[int, int] = (4, 6)
@@ -77,7 +85,6 @@ class Params:
     answer_tokens: tuple[int, int] = (60, 180)
     think_s: tuple[float, float] = (1.0, 4.0)  # between an answer and the user's next turn
     arrival_gap_s: float = 3.2  # mean gap between conversation starts (exponential)
-    load_tokens: int = 300  # cache_aware's penalty per running generation (see above)
     time_scale: float = 0.25
     seed: int = 7
 
@@ -134,6 +141,7 @@ class SimNode:
                 flush_ms=0.0,
                 mock={
                     "decode_tps": p.decode_tps / p.time_scale,
+                    "decode_slowdown_ms": p.decode_slowdown_ms * p.time_scale,
                     "prefill_ms_per_token": p.prefill_ms_per_token * p.time_scale,
                     "context_window": p.context_window,
                 },
@@ -162,7 +170,9 @@ class SimNode:
                 events += engine.step()
                 self.busy_s += time.perf_counter() - started
             if events:
-                self._deliver(self.index, events, time.perf_counter())
+                # what the node's heartbeat would carry, read on its own thread when a generation ends
+                figures = engine.stats() if any(e["type"] == "done" for e in events) else None
+                self._deliver(self.index, events, time.perf_counter(), figures)
             if self._stopping and not engine.busy():
                 return
 
@@ -183,7 +193,7 @@ class Policy:
         self.running = [0] * p.nodes
         self.routed = [0] * p.nodes
 
-    def place(self, keys: list[PrefixKey]) -> int | None:
+    def place(self, gen: Generation) -> int | None:
         free = [i for i, n in enumerate(self.running) if n < self.lanes]
         if not free:
             return None
@@ -197,6 +207,12 @@ class Policy:
 
     def accepted(self, node: int, event: dict[str, Any]) -> None:
         """The node admitted a generation (the baselines keep no index)."""
+
+    def measured(self, node: int, figures: dict[str, Any]) -> None:
+        """What the node's engine measured of its speed (the baselines ignore it)."""
+
+    def report(self) -> dict[str, Any]:
+        return {}
 
     def finished(self, node: int, gen: Generation, done: dict[str, Any]) -> None:
         self.running[node] -= 1
@@ -220,16 +236,17 @@ class LeastLoaded(Policy):
 
 
 class CacheAware(Policy):
-    """PlacementState, driven the way fleet/dispatch.py and the node link consumer drive it."""
+    """The placement lifecycle the head and replicas use, over an in-process placement state."""
 
     def __init__(self, p: Params, load_tokens: int | None = None) -> None:
         super().__init__(p)
-        self.state = PlacementState(load_tokens=p.load_tokens if load_tokens is None else load_tokens)
+        self.state = PlacementState(load_tokens=load_tokens)
+        self.lifecycle = PlacementLifecycle(self.state)
         for i in range(p.nodes):
             self.state.node_up(NodeSlot(f"n{i}", f"node-{i}", [MODEL], p.lanes, p.context_window))
 
-    def place(self, keys: list[PrefixKey]) -> int | None:
-        choice = self.state.choose(MODEL, keys)
+    def place(self, gen: Generation) -> int | None:
+        choice = self.lifecycle.choose(gen.spec, gen.keys)
         if choice is None:
             return None
         node = int(choice.node_id[1:])
@@ -238,22 +255,25 @@ class CacheAware(Policy):
         return node
 
     def accepted(self, node: int, event: dict[str, Any]) -> None:
-        if event.get("evicted"):
-            self.state.evict(f"n{node}", list(event["evicted"]))
+        self.lifecycle.accepted(f"n{node}", event["evicted"])
+
+    def measured(self, node: int, figures: dict[str, Any]) -> None:
+        self.lifecycle.measured(f"n{node}", figures)
 
     def finished(self, node: int, gen: Generation, done: dict[str, Any]) -> None:
-        node_id = f"n{node}"
-        answer = [{"role": "assistant", "content": gen.text}]
-        held = gen.keys + prefix_keys(model=MODEL, messages=gen.spec.messages + answer)
-        self.state.record(node_id, gen.spec.gen_id, held, prompt_tokens=done["usage"]["prompt_tokens"])
-        if done["evicted"]:
-            self.state.evict(node_id, list(done["evicted"]))
-        self.state.release(node_id)
+        self.lifecycle.done(f"n{node}", gen.spec, gen.keys, answer=gen.text, usage=done["usage"],
+                            evicted=done["evicted"])
         super().finished(node, gen, done)
+
+    def report(self) -> dict[str, Any]:
+        """Each node's load cost at the end and the figures it came from."""
+        return {"load_tokens_per_node": [self.state.load_of(s) for s in self.state.nodes()],
+                "measured": [{"prefill_tps": s.prefill_tps, "decode_slowdown_ms": s.decode_slowdown_ms,
+                              "answer_tokens": round(s.answer_tokens, 1)} for s in self.state.nodes()]}
 
 
 def make_policy(name: str, p: Params) -> Policy:
-    """A policy by name; `cache_aware@N` is cache_aware with a load penalty of N tokens."""
+    """A policy by name; `cache_aware@N` is cache_aware with a fixed load cost of N tokens."""
     if name.startswith("cache_aware@"):
         return CacheAware(p, load_tokens=int(name.split("@", 1)[1]))
     return {"cache_aware": CacheAware, "round_robin": RoundRobin, "least_loaded": LeastLoaded}[name](p)
@@ -298,8 +318,7 @@ class Head:
         self.tally = Tally(per_node=[0] * p.nodes)
 
     async def generate(self, spec: GenerateSpec) -> Generation:
-        keys = prefix_keys(model=MODEL, messages=spec.messages)
-        gen = Generation(spec, keys, time.perf_counter(), self.loop.create_future())
+        gen = Generation(spec, placement_keys(spec), time.perf_counter(), self.loop.create_future())
         self.gens[spec.gen_id] = gen
         self.waiting.append(gen)
         self._pump()
@@ -307,7 +326,7 @@ class Head:
 
     def _pump(self) -> None:
         while self.waiting:
-            node = self.policy.place(self.waiting[0].keys)
+            node = self.policy.place(self.waiting[0])
             if node is None:
                 return
             gen = self.waiting.popleft()
@@ -315,10 +334,12 @@ class Head:
             self.tally.per_node[node] += 1
             self.nodes[node].inbox.put(gen.spec)
 
-    def _deliver(self, index: int, events: list[dict[str, Any]], at: float) -> None:
-        self.loop.call_soon_threadsafe(self._on_events, events, at)
+    def _deliver(self, index: int, events: list[dict[str, Any]], at: float, figures: dict[str, Any] | None) -> None:
+        self.loop.call_soon_threadsafe(self._on_events, index, events, at, figures)
 
-    def _on_events(self, events: list[dict[str, Any]], at: float) -> None:
+    def _on_events(self, index: int, events: list[dict[str, Any]], at: float, figures: dict[str, Any] | None) -> None:
+        if figures is not None:
+            self.policy.measured(index, figures)
         for event in events:
             gen = self.gens[event["gen_id"]]
             kind = event["type"]
@@ -381,7 +402,7 @@ async def run_policy(name: str, p: Params, convs: list[Conversation]) -> dict[st
         await asyncio.gather(*(converse(head, c, i, p.time_scale) for i, c in enumerate(convs)))
     finally:
         busy = head.close()
-    return summarize(head.tally, busy, time.perf_counter() - started, p.time_scale)
+    return {**summarize(head.tally, busy, time.perf_counter() - started, p.time_scale), **head.policy.report()}
 
 
 # --- figures --------------------------------------------------------------------------------------------
@@ -456,34 +477,35 @@ def print_report(p: Params, policies: dict[str, dict[str, Any]], r: dict[str, fl
         print(f"target {key}: {'met' if ok else 'NOT met'}")
 
 
-def parse_args() -> tuple[Params, list[str], Path]:
+def parse_args() -> tuple[Params, list[str], list[str], Path]:
     p = Params()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--time-scale", type=float, default=p.time_scale, help="multiply every simulated duration")
     parser.add_argument("--conversations", type=int, default=p.conversations)
     parser.add_argument("--arrival-gap", type=float, default=p.arrival_gap_s, help="mean seconds between conversations")
-    parser.add_argument("--load-tokens", type=int, default=p.load_tokens, help="cache_aware's load penalty")
     parser.add_argument("--seed", type=int, default=p.seed)
-    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; cache_aware@N sets N")
+    parser.add_argument("--profiles", default=",".join(PROFILES), help=f"comma-separated, of {', '.join(PROFILES)}")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; cache_aware@N fixes N")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     p.time_scale, p.conversations, p.arrival_gap_s = args.time_scale, args.conversations, args.arrival_gap
-    p.load_tokens, p.seed = args.load_tokens, args.seed
-    names = args.policies.split(",")
+    p.seed = args.seed
+    names, profiles = args.policies.split(","), args.profiles.split(",")
     missing = {"cache_aware", "round_robin"} - set(names)
     if missing:
         parser.error(f"--policies must include {' and '.join(sorted(missing))} (the ratios compare them)")
-    return p, names, args.out
+    if unknown := set(profiles) - set(PROFILES):
+        parser.error(f"unknown profiles {', '.join(sorted(unknown))}; known: {', '.join(PROFILES)}")
+    return p, names, profiles, args.out
 
 
-def main() -> None:
-    p, names, out = parse_args()
+def run_profile(p: Params, names: list[str]) -> dict[str, Any]:
     convs = workload(p)
     print(
         f"{p.nodes} nodes x {p.lanes} lanes, prefill {p.prefill_ms_per_token} ms/uncached token, "
-        f"decode {p.decode_tps} tok/s per lane; {len(convs)} conversations, "
-        f"{sum(len(c.users) for c in convs)} turns, {p.system_prompts} system prompts of {p.system_words} words; "
-        f"load_tokens {p.load_tokens}; time scale {p.time_scale}"
+        f"decode {p.decode_tps} steps/s (+{p.decode_slowdown_ms} ms a step per further lane); {len(convs)} "
+        f"conversations, {sum(len(c.users) for c in convs)} turns, {p.system_prompts} system prompts of "
+        f"{p.system_words} words; time scale {p.time_scale}"
     )
     policies = {}
     for name in names:
@@ -492,19 +514,26 @@ def main() -> None:
     r = ratios(policies)
     met = targets(r)
     print_report(p, policies, r, met)
+    return {"policies": policies, "ratios": r, "targets_met": met, "parameters": asdict(p)}
+
+
+def main() -> None:
+    base, names, profiles, out = parse_args()
+    results = {}
+    for profile in profiles:
+        print(f"--- profile {profile}", flush=True)
+        results[profile] = run_profile(replace(base, **PROFILES[profile]), names)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
             {
-                "policies": policies,
-                "ratios": r,
-                "targets_met": met,
-                "parameters": asdict(p),
+                "profiles": results,
                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "machine": {
                     "platform": platform.platform(),
                     "python": platform.python_version(),
                     "cpus": os.cpu_count(),
+                    "load_average_1m": round(os.getloadavg()[0], 2),
                 },
             },
             indent=2,

@@ -25,6 +25,15 @@ def test_the_slowdown_is_the_slope_of_step_time_over_decoding_lanes():
     assert pace.decode_slowdown_ms() == pytest.approx(8.0)
 
 
+def test_steps_slowed_by_another_process_do_not_move_the_slowdown():
+    pace = Pace()
+    for i in range(40):
+        for lanes, seconds in ((1, 0.040), (4, 0.064)):
+            # every fifth step of one lane count waits for a core another process holds: 3x as long
+            pace.step(lanes, 0, seconds * 3 if lanes == 1 and i % 5 == 4 else seconds)
+    assert pace.decode_slowdown_ms() == pytest.approx(8.0)
+
+
 def test_the_prefill_rate_is_prompt_tokens_over_the_time_beyond_the_decode_part_of_their_steps():
     pace = Pace()
     for lanes, seconds in ((1, 0.040), (2, 0.048)):

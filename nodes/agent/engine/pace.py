@@ -9,8 +9,9 @@ from __future__ import annotations
 # A step reading fewer prompt tokens than this says more about a step's fixed cost than about reading speed.
 MIN_PREFILL_TOKENS = 32
 PREFILL_DECAY = 0.95  # per measured prefill step: the rate follows the last few dozen reads
-DECODE_WEIGHT_CAP = 64  # samples per lane count that weigh in the slope (the estimates keep moving)
-DECODE_DOWN, DECODE_UP = 0.25, 0.03  # how far a faster and a slower step move a lane count's step time
+DECODE_WINDOW = 256  # a lane count's step time is the mean of about its last this many steps
+DECODE_WEIGHT_CAP = 64  # samples per lane count that weigh in the slope
+SPIKE, MAX_SPIKES = 1.5, 32  # a step this much slower than its lane count's mean is left out, this many in a row
 
 
 class Pace:
@@ -21,7 +22,7 @@ class Pace:
     """
 
     def __init__(self) -> None:
-        self._decode: dict[int, tuple[float, int]] = {}  # decoding lanes -> (step seconds, samples)
+        self._decode: dict[int, tuple[float, int, int]] = {}  # decoding lanes -> (step seconds, samples, spikes)
         self._prefill_s = 0.0
         self._prefill_tokens = 0.0
 
@@ -37,10 +38,15 @@ class Pace:
         self._prefill_tokens = PREFILL_DECAY * self._prefill_tokens + prefill_tokens
 
     def _decode_step(self, decoding: int, seconds: float) -> None:
-        # Down fast, up slowly: a step that shared the cores with another process is slow by chance, never fast, so
-        # this follows the steps' undisturbed time (a low quantile) rather than a mean that contention inflates.
-        mean, n = self._decode.get(decoding, (seconds, 0))
-        self._decode[decoding] = (mean + (seconds - mean) * (DECODE_DOWN if seconds < mean else DECODE_UP), n + 1)
+        # A step that shared the cores with another process is slow by chance, never fast: such a spike is left out
+        # (unless they keep coming: then the machine is slower now), and the rest are averaged, so the small
+        # difference a lane makes (1% of a GPU's step) stands out of the timer's jitter.
+        mean, n, spikes = self._decode.get(decoding, (seconds, 0, 0))
+        if n and seconds > SPIKE * mean and spikes < MAX_SPIKES:
+            self._decode[decoding] = (mean, n, spikes + 1)
+            return
+        n += 1
+        self._decode[decoding] = (mean + (seconds - mean) / min(n, DECODE_WINDOW), n, 0)
 
     def prefill_tps(self) -> float:
         return round(self._prefill_tokens / self._prefill_s, 1) if self._prefill_s > 0 else 0.0
@@ -53,7 +59,7 @@ class Pace:
         """(intercept, slope) of step seconds over decoding lanes, each lane count weighted by its samples."""
         if len(self._decode) < 2:
             return None
-        rows = [(lanes, mean, min(n, DECODE_WEIGHT_CAP)) for lanes, (mean, n) in self._decode.items()]
+        rows = [(lanes, mean, min(n, DECODE_WEIGHT_CAP)) for lanes, (mean, n, _) in self._decode.items()]
         w = sum(r[2] for r in rows)
         mx = sum(r[0] * r[2] for r in rows) / w
         my = sum(r[1] * r[2] for r in rows) / w
