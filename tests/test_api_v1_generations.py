@@ -481,3 +481,26 @@ async def test_a_node_lost_after_the_last_asked_for_token_ends_the_answer_withou
     assert answer.status == 200 and body["choices"][0]["message"]["content"] == "One, two"
     assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 3
     assert not second.specs
+
+
+async def test_the_next_turn_goes_back_to_the_node_that_holds_the_conversation_with_its_answer(bearer):
+    from fleet.links import registry
+    from nodes.link.prefix import prefix_keys
+
+    add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "node-a"))
+    add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "node-b"))
+    first = await request("POST", CHAT, key=bearer, body=chat())
+    served = first.json()["choices"][0]["message"]["content"]
+    answered = [*chat()["messages"], {"role": "assistant", "content": served}]
+    served_by = (await generations())[0]["nodes_used"][0]
+    node_id = next(s.node_id for s in registry().placement.nodes() if s.identity == served_by)
+
+    # done recorded the answer too (not only the prompt), and freed the lane
+    assert registry().placement.holders(prefix_keys(model="smollm2", messages=answered)[-1].key) == {node_id}
+    assert [s.running for s in registry().placement.nodes()] == [0, 0]
+    more = [*answered, {"role": "user", "content": "More"}]
+    second = await request("POST", CHAT, key=bearer, body=chat(messages=more))
+    assert second.status == 200
+    records = sorted(await generations(), key=lambda r: r["created_at"])
+    assert records[1]["nodes_used"] == [served_by]
+    assert records[1]["placement"]["matched_tokens"] > records[0]["placement"]["prompt_tokens_estimate"]
