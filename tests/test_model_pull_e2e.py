@@ -179,3 +179,25 @@ def test_a_pull_that_outlives_its_grant_asks_for_a_new_one_and_goes_on(tmp_path)
     finally:
         node.stop()
         head.stop()
+
+
+def test_with_no_head_answering_a_node_serves_the_copy_it_has_and_joins_when_the_head_is_back(tmp_path):
+    head = make_head(tmp_path / "away")
+    head.manage("model_add", MODEL, "--name", NAME)
+    head.start()
+    home = tmp_path / "node"
+    node = pulling_node(head, home, "pull-away")
+    try:
+        wait_for(lambda: joined(node), 240, f"the node did not join: {node.log()}")
+        node.stop()
+        head.stop()
+        node = pulling_node(head, home, "pull-away")
+        wait_for(lambda: "context window 8192 tokens" in node.log(), 240, f"the node did not load: {node.log()}")
+        assert f"no head answered; serving this node's copy of {NAME}" in node.log_path.read_text()
+        since = head_log_size(head)
+        head.start()
+        wait_for(lambda: joined(node), 120, f"the node did not join: {node.log()}")
+        assert bytes_served(head, since) == 0
+    finally:
+        node.stop()
+        head.stop()
