@@ -6,8 +6,9 @@ A tie goes to the least loaded node, then the least routed one, so idle nodes sh
 load_tokens(node) is learned per node, with nothing to tune: the prompt tokens that node could read in the time an
 extra running generation costs, prefill_tps x decode_slowdown_s x answer_tokens / 2 (what the node's engine measures
 and reports in its heartbeat: its prefill rate and how much each running generation slows a decode step; and the
-mean answer length of the generations done there, of which a running one has half left on average). A node that has not measured them yet costs no load (ties still
-go to the least loaded). A fixed `load_tokens` given to the state (FLEET_LOAD_TOKENS) overrides the learned one.
+mean answer length of the generations done there, of which a running one has half left on average). A node that
+has not measured them yet costs no load (ties still go to the least loaded). A fixed `load_tokens` given to the state
+(FLEET_LOAD_TOKENS) overrides the learned one.
 
 The index maps each prefix key to the nodes that hold it (and the generation that put it there), LRU-capped.
 Nodes report what they evict (the generations whose lane another one took) and when their cache was
