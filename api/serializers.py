@@ -13,6 +13,7 @@ from api.models import ApiKey
 from api.quotas import limits_for
 from nodes.models import FleetToken, Node
 from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message
+from sessions.services import nul_problem
 
 
 class NodeSerializer(serializers.ModelSerializer):
@@ -87,6 +88,12 @@ class MessageInSerializer(serializers.Serializer):
     tool_calls = serializers.ListField(child=serializers.DictField(), required=False)
     tool_call_id = serializers.CharField(required=False, allow_blank=True)
 
+    def validate_tool_calls(self, value):
+        problem = nul_problem(value, "tool_calls")
+        if problem:
+            raise serializers.ValidationError(problem)
+        return value
+
 
 class SessionSerializer(serializers.ModelSerializer):
     messages = MessageInSerializer(many=True, required=False, write_only=True,
@@ -98,6 +105,12 @@ class SessionSerializer(serializers.ModelSerializer):
         fields = ["id", "model", "title", "system_prompt", "metadata", "messages", "message_count", "created_at",
                   "updated_at"]
         read_only_fields = ["id", "created_at", "updated_at", "message_count"]
+
+    def validate_metadata(self, value):
+        problem = nul_problem(value, "metadata")
+        if problem:
+            raise serializers.ValidationError(problem)
+        return value
 
     def get_message_count(self, session: InferenceSession) -> int:
         # Lists annotate the count; a session just created or updated is counted here.

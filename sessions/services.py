@@ -131,7 +131,37 @@ def generation_record(trace: GenerationTrace) -> Generation:
 
 
 def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
+    """`value` as stored JSON. A NUL character becomes U+FFFD: PostgreSQL's jsonb cannot hold one, and a record
+    is never lost over a parameter's odd character."""
+    return _without_nul(json.loads(json.dumps(value, default=str)))
+
+
+def _without_nul(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {_without_nul(key): _without_nul(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_without_nul(item) for item in value]
+    return value
+
+
+def nul_problem(value: Any, where: str) -> str | None:
+    """Why a JSON value cannot be stored as given: a NUL character in one of its strings or keys (PostgreSQL
+    refuses them); None when it can."""
+    if isinstance(value, str):
+        return f"{where} holds a NUL character (\\u0000), which cannot be stored" if "\x00" in value else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            problem = nul_problem(key, where) or nul_problem(item, where)
+            if problem:
+                return problem
+    if isinstance(value, list):
+        for item in value:
+            problem = nul_problem(item, where)
+            if problem:
+                return problem
+    return None
 
 
 # --- handles --------------------------------------------------------------------------------------------------

@@ -147,6 +147,26 @@ def test_a_new_session_says_how_many_messages_it_holds(client):
     assert client.get("/api/sessions/").json()["results"][0]["message_count"] == 2
 
 
+@pytest.mark.parametrize("body, field", [
+    ({"model": "smollm2", "messages": [{"role": "assistant", "tool_calls": [{"\x00id": {}}]}]}, "messages"),
+    ({"model": "smollm2", "metadata": {"team": "a\x00b"}}, "metadata"),
+])
+def test_a_nul_character_in_stored_json_is_a_400_not_a_500(client, body, field):
+    """PostgreSQL's jsonb refuses NUL characters: schemathesis found a tool call with one as a 500 there."""
+    answer = client.post("/api/sessions/", body, format="json")
+    assert answer.status_code == 400 and field in answer.json(), answer.content
+    assert "NUL" in json.dumps(answer.json())
+
+
+async def test_a_nul_character_in_a_parameter_does_not_lose_the_record(bearer, fake_node):
+    from sessions.models import Generation
+
+    answer = await request("POST", CHAT, key=bearer, body=chat(stop=["a\x00b"]))
+    assert answer.status == 200
+    record = await Generation.objects.aget()
+    assert record.parameters["stop"] == ["a\ufffdb"]
+
+
 def test_the_schema_documents_the_error_statuses_and_soft_deletes():
     staff = APIClient()
     staff.force_authenticate(UserFactory(username="operator"))
