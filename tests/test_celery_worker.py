@@ -22,24 +22,30 @@ SEND = (
 )
 
 
-def test_worker_process_runs_the_sweep_task(tmp_path):
+def with_worker(tmp_path, script: str, name: str) -> tuple[dict[str, str], str]:
+    """Run `script` (it sends tasks and prints `key value` lines) against a head's broker while a real worker
+    process consumes it; its lines as a dict, and the worker's output."""
     head = make_head(tmp_path)
     worker = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "fleet", "worker", "--pool=solo", "--loglevel=INFO",
-         "-n", f"test-{head.port}@%h"],
+         "-n", f"{name}-{head.port}@%h"],
         cwd=ROOT, env=head.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        out = subprocess.run([sys.executable, "-c", SEND], cwd=ROOT, env=head.env, capture_output=True, text=True,
-                             timeout=120)
+        out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=head.env, capture_output=True, text=True,
+                             timeout=180)
         assert out.returncode == 0, out.stderr
-        lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
-        assert lines == {"first": "1", "second": "0", "state": "offline"}
     finally:
         worker.terminate()
         worker_out = worker.communicate(timeout=30)[0]
-    assert "nodes.tasks.node_sweep_lost" in worker_out and "succeeded" in worker_out
     wait_for(lambda: worker.returncode is not None, 5, "worker did not stop")
+    return dict(line.split(" ", 1) for line in out.stdout.strip().splitlines()), worker_out
+
+
+def test_worker_process_runs_the_sweep_task(tmp_path):
+    lines, worker_out = with_worker(tmp_path, SEND, "test")
+    assert lines == {"first": "1", "second": "0", "state": "offline"}
+    assert "nodes.tasks.node_sweep_lost" in worker_out and "succeeded" in worker_out
 
 
 MAINTAIN = (
@@ -70,20 +76,6 @@ MAINTAIN = (
 
 def test_worker_process_runs_the_maintenance_tasks_once_each(tmp_path):
     """Each maintenance task, sent twice to a real worker: the first run does what is due, the second nothing."""
-    head = make_head(tmp_path)
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "fleet", "worker", "--pool=solo", "--loglevel=INFO",
-         "-n", f"test-maintain-{head.port}@%h"],
-        cwd=ROOT, env=head.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        out = subprocess.run([sys.executable, "-c", MAINTAIN], cwd=ROOT, env=head.env, capture_output=True,
-                             text=True, timeout=180)
-        assert out.returncode == 0, out.stderr
-        lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
-        assert lines == {"sessions.tasks.session_expire": "1 0", "sessions.tasks.handle_expire": "1 0",
-                         "sessions.tasks.generation_purge": "1 0", "api.tasks.file_purge": "1 0",
-                         "left": "1 1 0 0"}
-    finally:
-        worker.terminate()
-        worker.communicate(timeout=30)
+    lines, _ = with_worker(tmp_path, MAINTAIN, "test-maintain")
+    assert lines == {"sessions.tasks.session_expire": "1 0", "sessions.tasks.handle_expire": "1 0",
+                     "sessions.tasks.generation_purge": "1 0", "api.tasks.file_purge": "1 0", "left": "1 1 0 0"}
