@@ -69,6 +69,7 @@ class RedisStore:
         self.p = f"{prefix}metrics:"
         self.process = process or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()  # one write at a time: a flush returns once what it took is in Redis
         self._pending: Totals = {}
         self._wake = threading.Event()
         self._writer: threading.Thread | None = None
@@ -97,7 +98,12 @@ class RedisStore:
 
     def flush(self) -> None:
         """Send this process's new counts and its waiting generations now. Raises redis.RedisError (the counts
-        are kept)."""
+        are kept). Waits for a write the writer thread has in flight, so the counts added before it are in Redis
+        when it returns."""
+        with self._flushing:
+            self._flush()
+
+    def _flush(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
         waiting = local_waiting()

@@ -2,6 +2,7 @@
 the live gauges, and the counts several head processes share through Redis. (A real generation: test_metrics_e2e.)"""
 
 import os
+import threading
 import time
 import uuid
 
@@ -179,6 +180,9 @@ def test_head_processes_add_to_the_same_counts_through_redis(monkeypatch):
     prefix = f"fleet-metrics-{uuid.uuid4().hex[:8]}:"
     one = metric_store.RedisStore(os.environ["REDIS_URL"], prefix=prefix, process="one")
     two = metric_store.RedisStore(os.environ["REDIS_URL"], prefix=prefix, process="two")
+    # Only the explicit flushes write here: a writer thread flushing later would send "one"'s waiting count after
+    # the patch below made it "two"'s (in a real process the count is that process's own).
+    one._writer = two._writer = threading.Thread(target=lambda: None)
     try:
         monkeypatch.setattr(metric_store, "local_waiting", lambda: {"m": 2})
         one.add({"fleet_completion_tokens": {metrics.field_name(["m", "a"]): 5.0}})
