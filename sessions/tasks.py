@@ -15,25 +15,27 @@ log = logging.getLogger("sessions")
 RETRY = {"autoretry_for": (OperationalError,), "retry_backoff": 5, "max_retries": 3, "ignore_result": False}
 
 
+def _run(job, days: int, done: str) -> int:
+    """Run one maintenance job with its setting in days; log what it did (`done`: "%d ... %d days")."""
+    count = job(days)
+    if count:
+        log.info(done, count, days)
+    return count
+
+
 @shared_task(name="sessions.tasks.session_expire", soft_time_limit=120, time_limit=180, **RETRY)
 def session_expire_task() -> int:
-    count = session_expire(ttl_days=settings.FLEET_SESSION_TTL_DAYS)
-    if count:
-        log.info("deleted %d session(s) untouched for %d days", count, settings.FLEET_SESSION_TTL_DAYS)
-    return count
+    return _run(lambda days: session_expire(ttl_days=days), settings.FLEET_SESSION_TTL_DAYS,
+                "deleted %d session(s) untouched for %d days")
 
 
 @shared_task(name="sessions.tasks.handle_expire", soft_time_limit=60, time_limit=90, **RETRY)
 def handle_expire_task() -> int:
-    count = handle_expire(ttl_days=settings.FLEET_HANDLE_TTL_DAYS)
-    if count:
-        log.info("freed %d handle(s) unused for %d days", count, settings.FLEET_HANDLE_TTL_DAYS)
-    return count
+    return _run(lambda days: handle_expire(ttl_days=days), settings.FLEET_HANDLE_TTL_DAYS,
+                "freed %d handle(s) unused for %d days")
 
 
 @shared_task(name="sessions.tasks.generation_purge", soft_time_limit=300, time_limit=360, **RETRY)
 def generation_purge_task() -> int:
-    count = generation_purge(retention_days=settings.FLEET_GENERATION_RETENTION_DAYS)
-    if count:
-        log.info("purged %d generation record(s) older than %d days", count, settings.FLEET_GENERATION_RETENTION_DAYS)
-    return count
+    return _run(lambda days: generation_purge(retention_days=days), settings.FLEET_GENERATION_RETENTION_DAYS,
+                "purged %d generation record(s) older than %d days")
