@@ -25,9 +25,7 @@ def body_limit(app):
     """ASGI wrapper for the HTTP app: refuse bodies over FLEET_MAX_BODY_BYTES with a 413, else replay the body."""
 
     async def limited(scope, receive, send):
-        # An upload for /v1/batches may be larger than any one request (api.batches checks it against this).
-        limit = settings.FLEET_BATCH_FILE_MAX_BYTES + 65536 if scope.get("path") == "/v1/files" \
-            else settings.FLEET_MAX_BODY_BYTES
+        limit = _limit(scope.get("path"))
         if _declared_length(scope) > limit:
             await _refuse(scope, send, limit)
             return
@@ -55,6 +53,16 @@ def body_limit(app):
         await app(scope, replay, send)
 
     return limited
+
+
+def _limit(path: str | None) -> int:
+    """An upload for /v1/batches may be larger than any one request (api.batches checks it against this), and so may
+    an audio file (api.transcriptions checks it against FLEET_MAX_AUDIO_BYTES); a form's other fields fit in 1 MiB."""
+    if path == "/v1/files":
+        return settings.FLEET_BATCH_FILE_MAX_BYTES + 65536
+    if path == "/v1/audio/transcriptions":
+        return max(settings.FLEET_MAX_AUDIO_BYTES + (1 << 20), settings.FLEET_MAX_BODY_BYTES)
+    return settings.FLEET_MAX_BODY_BYTES
 
 
 def _declared_length(scope) -> int:

@@ -26,6 +26,7 @@ v1_patterns = [
     path("chat/completions", v1.chat_completions, name="v1-chat-completions"),
     path("completions", v1.completions, name="v1-completions"),
     path("embeddings", v1.embeddings, name="v1-embeddings"),
+    path("audio/transcriptions", v1.audio_transcriptions, name="v1-audio-transcriptions"),
     path("files", v1_batches.files, name="v1-files"),
     path("files/<str:file_id>", v1_batches.file_detail, name="v1-file"),
     path("files/<str:file_id>/content", v1_batches.file_content, name="v1-file-content"),

@@ -30,6 +30,7 @@ from api.quotas import Ticket, quota_admit
 from api.responses import shape_for
 from api.specs import GenerationRequest, chat_request, completion_request
 from api.sse import first_event, sse_response
+from api.transcriptions import serve_transcription
 from fleet.links import registry
 from fleet.remote import remote_link
 from nodes import selectors as node_selectors
@@ -178,6 +179,11 @@ async def respond(gen: GenerationRequest, ticket: Ticket | None = None) -> HttpR
     response["X-Fleet-Node"] = run.node
     response["X-Fleet-Generation"] = gen.gen_id
     return response
+
+
+@openai_view("POST", tokens=True, stream=True)
+async def audio_transcriptions(request: HttpRequest) -> HttpResponse:
+    return await serve_transcription(request)
 
 
 # --- embeddings -----------------------------------------------------------------------------------------------

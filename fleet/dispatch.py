@@ -41,6 +41,7 @@ RETRYABLE_BEFORE_FIRST_TOKEN = RETRYABLE_CODES | {ErrorCode.ENGINE_UNAVAILABLE, 
 CAPABILITY_HINTS = {
     "batch_invariant": "start a node with `manage.py node_join --batch-invariant` (greedy output then never depends "
                        "on the batch, at some speed), or leave batch_invariant out",
+    "transcribe": "start a node with `manage.py node_join --transcribe whisper-tiny.en` and name that model",
 }
 
 
@@ -68,6 +69,7 @@ class Tokens:
     pieces: list[str]
     ids: list[int]
     logprobs: list[dict] | None = None
+    segments: list[dict] | None = None  # a transcription's segments (start, end, text, words)
 
 
 @dataclass
@@ -398,7 +400,7 @@ class GenerationStream:
         self.outcome.text += text
         self.outcome.ids.extend(event.ids)
         self.outcome.completion_tokens += len(event.ids)
-        return Tokens(self._seq, text, list(event.text), list(event.ids), event.logprobs)
+        return Tokens(self._seq, text, list(event.text), list(event.ids), event.logprobs, event.segments)
 
     def _on_done(self, event: Done, link) -> Finished:
         registry().lifecycle.done(link.node_id, self.spec, self.keys, answer=self.outcome.text, usage=event.usage,
@@ -473,6 +475,7 @@ def _status_for(code: str) -> int:
         ErrorCode.INVALID_REQUEST: 400,
         "deadline_exceeded": 504,
         ErrorCode.ENGINE_CRASHED: 502,
+        ErrorCode.MEDIA_UNAVAILABLE: 502,
     }.get(code, 500)
 
 

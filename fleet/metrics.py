@@ -59,8 +59,10 @@ PREEMPTIONS = Family("fleet_preemptions", "Batch lines that gave their lane to a
                      "continues later from its tokens); node is where it ran", ("model", "node"))
 LINK_DROPS = Family("fleet_link_drops", "Links of registered nodes that closed", ("node",))
 LINK_REFUSALS = Family("fleet_link_refusals", "Node links the head refused, by close code", ("reason",))
+BLOB_BYTES = Family("fleet_blob_bytes_served", "Bytes of blobs (registry models, media such as audio) the head sent to "
+                    "nodes; a node that holds a blob fetches nothing", ())
 COUNTED = (GENERATIONS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY,
-           PLACEMENTS, FAILOVERS, PREEMPTIONS, LINK_DROPS, LINK_REFUSALS)
+           PLACEMENTS, FAILOVERS, PREEMPTIONS, LINK_DROPS, LINK_REFUSALS, BLOB_BYTES)
 
 
 # --- counting, at the events -----------------------------------------------------------------------------------
@@ -128,6 +130,10 @@ def failover(*, model: str, node: str, code: str) -> None:
 
 def preempted(*, model: str, node: str) -> None:
     Counts().add(PREEMPTIONS, (model, node)).save()
+
+
+def blob_served(*, size: int) -> None:
+    Counts().add(BLOB_BYTES, (), size).save()
 
 
 def link_dropped(*, node: str) -> None:

@@ -250,6 +250,8 @@ FLEET_LINK_MAX_FRAME_BYTES = env_int("FLEET_LINK_MAX_FRAME_BYTES", 4 * 1024 * 10
 # reads it; a chat with more than FLEET_MAX_MESSAGES messages is a 400.
 FLEET_MAX_BODY_BYTES = env_int("FLEET_MAX_BODY_BYTES", 4 * 1024 * 1024)
 FLEET_MAX_MESSAGES = env_int("FLEET_MAX_MESSAGES", 1024)
+# An audio file sent to /v1/audio/transcriptions: larger is a 413 (OpenAI's own limit is 25 MB).
+FLEET_MAX_AUDIO_BYTES = env_int("FLEET_MAX_AUDIO_BYTES", 25 * 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = FLEET_MAX_BODY_BYTES
 
 # /metrics answers a scraper that sends `Authorization: Bearer <this>` (or a staff session); unset: staff only.

@@ -180,9 +180,39 @@ def model_grant(*, name: str, identity: str) -> PullGrant:
     if model is None:
         return PullGrant(model=name, error=f"the head has no model named {name!r}; add it on the head "
                                            "(`manage.py model_add PATH --name NAME`, the admin or /api/models/)")
-    grant = signing.TimestampSigner(salt=GRANT_SALT).sign_object({"sha256": model.sha256, "node": identity})
     return PullGrant(model=name, sha256=model.sha256, size=model.size, path=blob_url_path(model.sha256),
-                     grant=grant, expires_s=float(settings.FLEET_PULL_GRANT_S))
+                     grant=blob_grant(sha256=model.sha256, identity=identity),
+                     expires_s=float(settings.FLEET_PULL_GRANT_S))
+
+
+def blob_grant(*, sha256: str, identity: str = "") -> str:
+    """A grant to pull the blob `sha256` for FLEET_PULL_GRANT_S seconds (`identity`: the node it was made for)."""
+    return signing.TimestampSigner(salt=GRANT_SALT).sign_object({"sha256": sha256, "node": identity})
+
+
+# --- media (audio a request sent) ---------------------------------------------------------------------------
+
+
+def media_put(source: BinaryIO) -> tuple[str, int]:
+    """Keep an uploaded media file in the blobs by its sha256 (once: the same file again is not stored twice).
+    Returns (sha256, size)."""
+    staged = _uploads() / f"media-{uuid.uuid4().hex}"
+    try:
+        sha256 = _copy_hashing(source, staged)
+        size = staged.stat().st_size
+        if blob_path(sha256).exists():
+            staged.unlink()
+        else:
+            os.replace(staged, blob_path(sha256))
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
+    return sha256, size
+
+
+def media_ref(*, sha256: str, size: int) -> dict[str, object]:
+    """How a generation names a media blob to its node: by hash, with where and the grant to fetch it once."""
+    return {"sha256": sha256, "size": size, "path": blob_url_path(sha256), "grant": blob_grant(sha256=sha256)}
 
 
 def model_grant_open(*, grant: str, sha256: str) -> Path:

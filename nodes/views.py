@@ -12,6 +12,7 @@ import re
 
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
+from fleet import metrics
 from nodes.registry import CHUNK, GrantRefused, model_grant_open
 
 log = logging.getLogger("nodes")
@@ -72,6 +73,7 @@ async def model_blob(request, sha256: str) -> HttpResponse:
     response = StreamingHttpResponse(_read(path, first, last), status=status,
                                      content_type="application/octet-stream")
     response["Content-Length"] = str(last - first + 1)
+    metrics.blob_served(size=last - first + 1)
     response["Accept-Ranges"] = "bytes"
     if status == 206:
         response["Content-Range"] = f"bytes {first}-{last}/{size}"

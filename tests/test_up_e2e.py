@@ -32,6 +32,7 @@ def test_up_serves_the_admin_and_a_local_node_then_stops_cleanly(tmp_path):
         key = re.search(r"API key:\s+(\S+)", text).group(1)
         base = f"http://127.0.0.1:{port}"
         wait_for(lambda: "smollm2" in httpx.get(f"{base}/healthz").json()["models"], 180, "the local node never joined")
+        assert "whisper-tiny.en" in httpx.get(f"{base}/healthz").json()["models"]  # it transcribes too (--transcribe)
         reply = httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
                            json={"model": "smollm2", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]})
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"]

@@ -22,6 +22,8 @@ import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from nodes.agent import keys
+from nodes.agent.media import MediaCache, media_ready
+from nodes.agent.pull import http_base
 from nodes.link.channel import MAX_FRAME, SecureChannel
 from nodes.link.codes import ErrorCode, refusal
 from nodes.link.handshake import HeadKeyChanged, Initiator, fingerprint, parse_token
@@ -80,7 +82,7 @@ def _event_to_message(event: dict[str, Any]):
                         replica=event.get("replica", 0), evicted=list(event.get("evicted", [])))
     if kind == "tokens":
         return TokenBatch(gen_id=event["gen_id"], seq=event["seq"], text=event["text"], ids=event["ids"],
-                          logprobs=event.get("logprobs"))
+                          logprobs=event.get("logprobs"), segments=event.get("segments"))
     if kind == "done":
         return Done(gen_id=event["gen_id"], seq=event["seq"], finish_reason=event["finish_reason"],
                     usage=event["usage"], timings=event["timings"], lane=event.get("lane", 0),
@@ -116,6 +118,8 @@ class NodeAgent:
         self.cache_cleared = True
         self.heartbeat_s = 5.0
         self.joined = False  # the current session registered
+        self.media = MediaCache(config.home)
+        self.head_url = ""  # the head's HTTP address, where media blobs are fetched from
 
     def on_engine_event(self, event: dict[str, Any]) -> None:
         """Engine callback (on the loop): forward to the head while a link is up."""
@@ -181,6 +185,7 @@ class NodeAgent:
                                       ping_timeout=20, close_timeout=2) as ws, _refusals():
             channel = await self._handshake(ws)
             registered = await self._register(ws, channel)
+            self.head_url = http_base(head)
             self.joined = True  # this session ran: whatever ends it, the backoff starts over
             log.info("fleet node %r joined %s as %s (%s)", self.config.identity, head,
                      ", ".join(registered.model_names), registered.node_id)
@@ -210,7 +215,7 @@ class NodeAgent:
         info = self.engine.info()
         await ws.send(channel.seal(Register(
             identity=self.config.identity,
-            models=[{"name": info["model_name"], "context_window": info["context_window"]}],
+            models=_served_models(info),
             lanes=info["lanes"], context_window=info["context_window"], capabilities=info["capabilities"],
             engine=info["engine"], engine_version=info["engine_version"], version=self.config.version,
             labels=self.config.labels, replicas=info.get("replicas", []), cache_cleared=self.cache_cleared,
@@ -261,6 +266,11 @@ class NodeAgent:
             self.outbox.put_nowait(Error(gen_id=msg.gen_id, code=ErrorCode.INVALID_REQUEST, message=str(exc)))
             return
         self.running.add(msg.gen_id)
+        if spec.audio is not None and (problem := await media_ready(self.media, self.head_url, spec)):
+            self.running.discard(msg.gen_id)
+            if self.outbox is not None:
+                self.outbox.put_nowait(Error(gen_id=msg.gen_id, code=ErrorCode.MEDIA_UNAVAILABLE, message=problem))
+            return
         # A worker that is restarting answers engine_unavailable at once, and the head places the generation on
         # another node (it stopped sending here when the heartbeat said the engine was not ready).
         await self.engine.submit(spec)
@@ -287,6 +297,15 @@ class NodeAgent:
             due = time.monotonic() + self.heartbeat_s
             while time.monotonic() < due and self.engine.alive == ready:
                 await asyncio.sleep(READY_POLL_S)
+
+
+def _served_models(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """The models to register: the engine's, and its speech model (`--transcribe`) under its own name."""
+    models = info.get("models") or [{"name": info["model_name"], "context_window": info["context_window"]}]
+    speech = info.get("speech_model")
+    if speech and all(m["name"] != speech for m in models):
+        models = [*models, {"name": speech, "context_window": info["context_window"]}]
+    return models
 
 
 def heartbeat_of(stats: dict, *, engine_ready: bool) -> Heartbeat:

@@ -14,7 +14,7 @@ from nodes.agent import keys, pull
 from nodes.agent.dialer import BACKOFF_MAX_S, BACKOFF_START_S, AgentConfig, NodeAgent, Refused
 from nodes.agent.engine.base import EngineConfig
 from nodes.agent.gguf_info import GgufError, read_gguf
-from nodes.agent.models import ModelNotFound, is_registry_name, resolve_model
+from nodes.agent.models import ModelNotFound, is_registry_name, resolve_model, resolve_speech_model
 from nodes.agent.replicas import ReplicaConfigError, ReplicaSet, cpu_groups, gpu_groups
 from nodes.agent.window import Window, WindowError, mem_available, size_window
 from nodes.link import logs
@@ -44,6 +44,7 @@ class NodeOptions:
     home: Path = field(default_factory=lambda: Path(os.environ.get("FLEET_HOME") or Path.home() / ".fleet"))
     mock: dict | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    transcribe: str | None = None  # a speech model served beside the text model: a known id or a CTranslate2 folder
 
 
 class NodeError(Exception):
@@ -98,6 +99,7 @@ def engine_configs(options: NodeOptions, pulled: Path | None = None) -> tuple[li
         max_context, why = window.tokens, window.why
     gpus, cpus = gpu_groups(options.replicas, options.gpus), cpu_groups(options.replicas)
     park = str(options.home / "park" / name) if options.park else None
+    speech_path, speech_name = resolve_speech_model(options.transcribe) if options.transcribe else (None, "")
     configs = []
     for index in range(options.replicas):
         env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus[index])} if gpus[index] else {}
@@ -106,6 +108,7 @@ def engine_configs(options: NodeOptions, pulled: Path | None = None) -> tuple[li
             max_context=max_context, park_dir=f"{park}/r{index}" if park else None, mock=options.mock,
             cpu_affinity=cpus[index] if options.replicas > 1 else None, env=env, threads=len(cpus[index]),
             batch_invariant=options.batch_invariant,
+            speech_model_path=str(speech_path) if speech_path else None, speech_model_name=speech_name,
         ))
     return configs, name, why
 

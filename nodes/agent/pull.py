@@ -143,6 +143,19 @@ def pull(base_url: str, grant: PullGrant, home: Path, progress: Progress | None 
     return final
 
 
+def fetch_blob(url: str, grant: str, sha256: str, size: int, target: Path) -> None:
+    """Fetch a `size`-byte blob into `target` in Range pieces; a copy whose sha256 differs is a PullError. Blocking."""
+    part = target.with_name(target.name + ".part")
+    done = 0
+    with open(part, "wb") as out:
+        while done < size:
+            done = _fetch_piece(url, grant, done, min(size, done + PIECE) - 1, out, lambda _done: None, done)
+    if sha256_of(part) != sha256:
+        part.unlink()
+        raise PullError(f"the fetched blob does not match its sha256 {sha256}")
+    os.replace(part, target)
+
+
 def http_base(head: str) -> str:
     """The head's HTTP address from what node_join dials: host:port, or a ws(s):// link URI."""
     if head.startswith(("ws://", "wss://")):

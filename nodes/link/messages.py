@@ -173,6 +173,8 @@ class TokenBatch(Message):
     text: list[str]
     ids: list[int]
     logprobs: list[dict[str, Any]] | None = None
+    # a transcription's segments in this batch ({"start", "end", "text", "words"}; times in seconds), one per text
+    segments: list[dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)

@@ -46,11 +46,17 @@ class GenerateSpec:
     resume_ids: list[int] = field(default_factory=list)
     embedding: bool = False
     batch_invariant: bool = False  # run only where a greedy generation's tokens do not depend on its batch
+    # A transcription: the audio blob by content hash ({"sha256", "size", "path", "grant"}: the node fetches it from
+    # the head once and caches it) and its options ({"language", "word_timestamps", "temperature"}); `prompt` is the
+    # text that guides it (may be empty). The node answers with one token batch per segment.
+    audio: dict[str, Any] | None = None
+    transcribe: dict[str, Any] = field(default_factory=dict)
 
     def needs(self) -> list[str]:
         """The node capabilities this generation cannot run without (placement filters on them)."""
         wanted = {"grammar": bool(self.grammar or self.json_schema), "logprobs": self.logprobs,
-                  "embeddings": self.embedding, "batch_invariant": self.batch_invariant}
+                  "embeddings": self.embedding, "batch_invariant": self.batch_invariant,
+                  "transcribe": self.audio is not None}
         return [name for name, needed in wanted.items() if needed]
 
     def to_dict(self) -> dict[str, Any]:

@@ -31,6 +31,9 @@ class Command(BaseCommand):
         parser.add_argument("--model", default="smollm2", help="model for the local node (smollm2)")
         parser.add_argument("--max-batch", type=int, default=4, help="lanes of the local node (4)")
         parser.add_argument("--no-node", action="store_true", help="do not start a local node")
+        parser.add_argument("--transcribe", default="whisper-tiny.en",
+                            help="speech model the local node also serves for /v1/audio/transcriptions "
+                                 "(whisper-tiny.en); an empty value serves none")
         parser.add_argument("--no-celery", action="store_true", help="do not start the Celery worker")
 
     def handle(self, *args, **options):
@@ -89,6 +92,8 @@ class Command(BaseCommand):
                 f"{options['host']}:{options['port']}"
             commands["node"] = [python, manage, "node_join", head, "--model", options["model"], "--identity", "local",
                                 "--max-batch", str(options["max_batch"]), "--offline"]
+            if options["transcribe"]:
+                commands["node"] += ["--transcribe", options["transcribe"]]
         children = {}
         for name, argv in commands.items():
             # Own process groups: Ctrl-C reaches `up`, which stops each child in order.

@@ -48,6 +48,10 @@ class EngineConfig:
     # Today's slower settings that make a greedy generation's tokens independent of what shares its batch
     # (no flash attention); off by default, when llama.cpp's fastest settings are used (`node_join --batch-invariant`).
     batch_invariant: bool = False
+    # A speech model served beside the text model (`node_join --transcribe`): a CTranslate2 Whisper folder, run by
+    # faster-whisper in this same worker process (nodes.agent.engine.speech).
+    speech_model_path: str | None = None
+    speech_model_name: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -5,16 +5,19 @@ it does housekeeping (parking lanes) and blocks on the pipe. Messages are plain 
 agent -> child: ("submit", spec_dict), ("cancel", gen_id), ("state_op", op_id, op, args), ("stop",);
 child -> agent: ("progress", f), ("ready", info), ("load_error", text), ("events", [event]), ("stats", stats),
 ("result", op_id, ok, result).
+With a speech model (`--transcribe`) a Transcriber lives here too: a spec with audio, or naming that model, goes to it,
+and its thread sends its events through the same (locked) pipe.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nodes.agent.engine.base import (
     Engine,
@@ -27,6 +30,9 @@ from nodes.agent.engine.base import (
 from nodes.link.codes import ErrorCode
 from nodes.link.spec import GenerateSpec, SpecError
 
+if TYPE_CHECKING:
+    from nodes.agent.engine.speech import Transcriber
+
 STATS_EVERY_S = 1.0
 
 
@@ -37,21 +43,54 @@ def child_main(conn: Connection, config_data: dict[str, Any]) -> None:
     os.environ.update({str(k): str(v) for k, v in config.env.items()})
     if config.cpu_affinity:
         os.sched_setaffinity(0, config.cpu_affinity)
+    pipe = _Pipe(conn)
     try:
-        engine = create_engine(config, on_progress=_progress_sender(conn))
+        engine = create_engine(config, on_progress=_progress_sender(pipe))
+        transcriber = _transcriber(config, pipe)
     except Exception as exc:  # any load failure goes back as a message, never as a silent exit
-        conn.send(("load_error", str(exc) if isinstance(exc, EngineLoadError) else f"{type(exc).__name__}: {exc}"))
+        pipe.send(("load_error", str(exc) if isinstance(exc, EngineLoadError) else f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", engine.info()))
+    pipe.send(("ready", _info(engine, transcriber)))
     try:
-        _ChildLoop(conn, engine).run()
+        _ChildLoop(pipe, engine, transcriber).run()
     except (EOFError, OSError):
         pass  # the agent went away: nothing left to serve
     finally:
         engine.close()
+        if transcriber is not None:
+            transcriber.close()
 
 
-def _progress_sender(conn: Connection) -> Callable[[float], None]:
+class _Pipe:
+    """The child's end of the pipe, its sends locked: a transcription's thread sends events too."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn, self.lock = conn, threading.Lock()
+        self.poll, self.recv = conn.poll, conn.recv
+
+    def send(self, message: tuple) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+
+def _transcriber(config: EngineConfig, pipe: _Pipe) -> Transcriber | None:
+    if not config.speech_model_path:
+        return None
+    from nodes.agent.engine.speech import Transcriber
+
+    return Transcriber(config.speech_model_path, config.speech_model_name,
+                       lambda events: pipe.send(("events", events)), threads=config.threads)
+
+
+def _info(engine: Engine, transcriber: Transcriber | None) -> dict[str, Any]:
+    """The engine's info, plus the speech model and the `transcribe` capability when this worker has one."""
+    info = engine.info()
+    if transcriber is not None:
+        info = {**info, "speech_model": transcriber.name, "capabilities": {**info["capabilities"], "transcribe": True}}
+    return info
+
+
+def _progress_sender(conn: _Pipe) -> Callable[[float], None]:
     last = [-1.0]
 
     def send(fraction: float) -> None:
@@ -65,9 +104,10 @@ def _progress_sender(conn: Connection) -> Callable[[float], None]:
 class _ChildLoop:
     """Serves the pipe: steps while busy, blocks while idle, reports stats about once a second."""
 
-    def __init__(self, conn: Connection, engine: Engine) -> None:
+    def __init__(self, conn: _Pipe, engine: Engine, transcriber: Transcriber | None = None) -> None:
         self.conn = conn
         self.engine = engine
+        self.transcriber = transcriber
         self.last_stats_at = 0.0
         self.last_load: tuple[int, int] | None = None
 
@@ -98,8 +138,10 @@ class _ChildLoop:
                 gen_id = str(message[1].get("gen_id", ""))
                 self.conn.send(("events", [error_event(gen_id, ErrorCode.INVALID_REQUEST, str(exc))]))
                 return True
-            events = self.engine.submit(spec)
+            events = self.submit(spec)
         elif kind == "cancel":
+            if self.transcriber is not None:
+                self.transcriber.cancel(message[1])
             events = self.engine.cancel(message[1])
         elif kind == "state_op":
             self.conn.send(("result", message[1], *self.state_op(message[2], message[3])))
@@ -109,6 +151,15 @@ class _ChildLoop:
         if events:
             self.conn.send(("events", events))
         return True
+
+    def submit(self, spec: GenerateSpec) -> list:
+        """A transcription (or a generation naming the speech model) to the transcriber, the rest to the engine."""
+        speech = self.transcriber is not None and spec.model == self.transcriber.name
+        if spec.audio is None and not speech:
+            return self.engine.submit(spec)
+        if self.transcriber is None:
+            return [error_event(spec.gen_id, ErrorCode.INVALID_REQUEST, "this node has no speech model")]
+        return self.transcriber.submit(spec)
 
     def state_op(self, op: str, args: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
         try:

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from nodes.agent.main import NodeOptions, run_node
-from nodes.agent.models import ModelNotFound, is_registry_name, resolve_model
+from nodes.agent.models import ModelNotFound, is_registry_name, resolve_model, resolve_speech_model
 from nodes.agent.replicas import ReplicaConfigError, cpu_groups, gpu_groups
 
 
@@ -77,6 +77,10 @@ class Command(BaseCommand):
         parser.add_argument("--batch-invariant", action="store_true",
                             help="flash attention off: a greedy generation's tokens never depend on what shares its "
                                  "batch (slower; requests with batch_invariant go only to such nodes)")
+        parser.add_argument("--transcribe", metavar="SPEECH_MODEL",
+                            help="also serve /v1/audio/transcriptions with this speech model: whisper-tiny.en (the "
+                                 "bundled one) or a CTranslate2 Whisper model folder; run by faster-whisper in the "
+                                 "engine worker")
 
     def handle(self, *args, **options):
         try:
@@ -84,6 +88,8 @@ class Command(BaseCommand):
                 resolve_model(options["model"])
             gpu_groups(options["replicas"], options["gpus"])
             cpu_groups(options["replicas"])
+            if options["transcribe"]:
+                resolve_speech_model(options["transcribe"])
         except (ModelNotFound, ReplicaConfigError) as exc:
             sys.stderr.write(f"node_join: {exc}\n")
             sys.exit(2)
@@ -96,7 +102,7 @@ class Command(BaseCommand):
             model_name=options["model_name"], offline=options["offline"], park=options["park"],
             labels=dict(options["label"]),
             replicas=options["replicas"], gpus=options["gpus"], accept_new_head=options["accept_new_head"],
-            batch_invariant=options["batch_invariant"], home=settings.FLEET_HOME,
+            batch_invariant=options["batch_invariant"], home=settings.FLEET_HOME, transcribe=options["transcribe"],
         ))
         if code:
             sys.exit(code)

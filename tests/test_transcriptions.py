@@ -1,0 +1,95 @@
+"""/v1/audio/transcriptions on the head, with fake node links: what placement does with a transcription, what the
+node is sent (the audio by hash, never its bytes), and the errors a client can cause. (Real node:
+test_transcriptions_e2e.)"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+import numpy as np
+import pytest
+
+from nodes.registry import blob_path
+from tests.api_support import FakeLink, Script, add_fake_node, request
+from tests.speech import write_wav
+
+pytest_plugins = ["tests.api_fixtures"]
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+URL = "/v1/audio/transcriptions"
+SPEECH = ["chat", "completion", "transcribe"]
+
+
+@pytest.fixture(autouse=True)
+def _home(settings, tmp_path):
+    settings.FLEET_HOME = tmp_path
+
+
+@pytest.fixture
+def wav_bytes(tmp_path) -> bytes:
+    return write_wav(tmp_path / "quiet.wav", np.zeros(1600, dtype=np.int16)).read_bytes()
+
+
+def form(fields: dict[str, str], file: bytes, name: str = "speech.wav") -> tuple[bytes, dict[str, str]]:
+    """A multipart/form-data body as the openai client sends it."""
+    boundary = uuid.uuid4().hex
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+             for k, v in fields.items()]
+    parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
+                 "Content-Type: application/octet-stream\r\n\r\n".encode() + file + b"\r\n")
+    headers = {"content-type": f"multipart/form-data; boundary={boundary}"}
+    return b"".join(parts) + f"--{boundary}--\r\n".encode(), headers
+
+
+async def transcribe(bearer: str, file: bytes, **fields: str):
+    body, headers = form({"model": "whisper-tiny.en", **fields}, file)
+    return await request("POST", URL, key=bearer, raw=body, headers=headers)
+
+
+async def test_the_node_gets_the_audio_by_hash_with_a_grant_and_the_head_keeps_it_once(bearer, wav_bytes):
+    link = add_fake_node(FakeLink(script=Script(tokens=[" Hi", " there"])), model="whisper-tiny.en",
+                         capabilities=SPEECH)
+    for _ in range(2):
+        answer = await transcribe(bearer, wav_bytes, language="en")
+        assert answer.status == 200, answer.chunks
+    sha256 = hashlib.sha256(wav_bytes).hexdigest()
+    audio = link.specs[0]["audio"]
+    assert audio["sha256"] == sha256 and audio["size"] == len(wav_bytes) and audio["grant"]
+    assert audio["path"] == f"/models/blobs/{sha256}"
+    assert link.specs[0]["transcribe"]["language"] == "en"
+    assert blob_path(sha256).read_bytes() == wav_bytes
+    assert [p.name for p in blob_path(sha256).parent.iterdir() if p.is_file()] == [sha256]  # stored once
+
+
+async def test_with_no_node_that_transcribes_it_is_a_400_naming_the_capability(bearer, wav_bytes):
+    link = add_fake_node(FakeLink(identity="text-only"), model="whisper-tiny.en", capabilities=["chat"])
+    answer = await transcribe(bearer, wav_bytes)
+    assert answer.status == 400
+    error = answer.json()["error"]
+    assert error["code"] == "capability_unavailable" and error["param"] == "transcribe"
+    assert "text-only" in error["message"] and "--transcribe" in error["message"]
+    assert not link.specs
+
+
+async def test_a_model_no_node_serves_is_a_404(bearer, wav_bytes):
+    add_fake_node(FakeLink(), model="whisper-tiny.en", capabilities=SPEECH)
+    body, headers = form({"model": "whisper-large"}, wav_bytes)
+    answer = await request("POST", URL, key=bearer, raw=body, headers=headers)
+    assert answer.status == 404 and answer.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"response_format": "xml"}, "response_format"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"timestamp_granularities[]": "word"}, "timestamp_granularities"),  # only with verbose_json
+])
+async def test_a_wrong_field_is_a_400_naming_it(bearer, wav_bytes, fields, param):
+    answer = await transcribe(bearer, wav_bytes, **fields)
+    assert answer.status == 400 and answer.json()["error"]["param"] == param
+
+
+async def test_json_instead_of_a_form_is_a_415(bearer):
+    answer = await request("POST", URL, key=bearer, body={"model": "whisper-tiny.en"})
+    assert answer.status == 415 and "multipart/form-data" in answer.json()["error"]["message"]
