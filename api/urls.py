@@ -4,7 +4,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView
 from rest_framework.routers import DefaultRouter
 
-from api import docs, model_registry, openapi_v1, v1, v1_batches, views
+from api import deployments, docs, model_registry, openapi_v1, v1, v1_batches, views
 
 # No `.json` suffix routes: `?format=` does the same, and the actions (drain, revoke, messages) take no `format`.
 router = DefaultRouter()
@@ -17,6 +17,7 @@ router.register("grammars", views.GrammarHandleViewSet, basename="grammar")
 router.register("logit-biases", views.LogitBiasHandleViewSet, basename="logit-bias")
 router.register("generations", views.GenerationViewSet, basename="generation")
 router.register("models", model_registry.ModelViewSet, basename="model")
+router.register("deployments", deployments.DeploymentViewSet, basename="deployment")
 
 v1_patterns = [
     path("openapi.json", openapi_v1.openapi_v1, name="v1-openapi"),

@@ -138,6 +138,12 @@ class RedisPlacementState:
         if cache_cleared:
             self.forget_node(slot.node_id, keep=warm)
 
+    def node_models(self, node_id: str, models: list[str], lanes: int) -> None:
+        """A node loaded or unloaded a model: it serves these from now on, with this many lanes (running ones stay)."""
+        key = f"{self.p}node:{node_id}"
+        if self.r.exists(key):
+            self.r.hset(key, mapping={"models": json.dumps(list(models)), "lanes": lanes})
+
     def node_alive(self, node_id: str) -> None:
         """Heartbeat: a node whose head process died drops out of placement after node_ttl_s."""
         self.r.expire(f"{self.p}node:{node_id}", self.node_ttl_s)

@@ -1,9 +1,18 @@
 """Admin for nodes and fleet tokens: the operator's view of who is in the fleet and with which credential."""
 
+from django import forms
 from django.contrib import admin, messages
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 
-from nodes.models import FleetToken, Model, Node, RevokedNodeKey
+from nodes.deployments import (
+    DeploymentError,
+    deployment_check,
+    deployment_create,
+    deployment_delete,
+    deployment_states,
+    deployment_update,
+)
+from nodes.models import Deployment, FleetToken, Model, Node, RevokedNodeKey
 from nodes.registry import model_delete
 from nodes.services import fleet_token_create, fleet_token_revoke, node_release_key, node_revoke, node_set_hold
 
@@ -193,3 +202,50 @@ class ModelAdmin(admin.ModelAdmin):
     @admin.display(description="sha256")
     def sha256_short(self, model):
         return f"{model.sha256[:12]}…"
+
+
+class DeploymentForm(forms.ModelForm):
+    class Meta:
+        model = Deployment
+        fields = ("model", "nodes", "labels", "lanes", "context")
+
+    def clean(self):
+        data = super().clean()
+        try:
+            deployment_check(nodes=data.get("nodes") or [], labels=data.get("labels") or {},
+                             lanes=data.get("lanes") or 0, context=data.get("context") or 0)
+        except DeploymentError as exc:
+            raise forms.ValidationError(str(exc)) from None
+        return data
+
+
+@admin.register(Deployment)
+class DeploymentAdmin(admin.ModelAdmin):
+    """Put a registry model on nodes by name or label; each node-model pair's state as the nodes report it."""
+
+    form = DeploymentForm
+    list_display = ("model", "nodes", "labels", "lanes", "context", "states")
+    list_select_related = ("model",)
+    readonly_fields = ("states", "created_at", "updated_at")
+    fields = ("model", "nodes", "labels", "lanes", "context", "states", "created_at", "updated_at")
+
+    def save_model(self, request, obj, form, change):
+        values = {name: form.cleaned_data[name] for name in DeploymentForm.Meta.fields}
+        if change:
+            deployment_update(deployment=obj, **values)
+        else:
+            obj.pk = deployment_create(**values).pk
+
+    def delete_model(self, request, obj):
+        deployment_delete(deployment=obj)
+
+    def delete_queryset(self, request, queryset):
+        for deployment in queryset:
+            deployment_delete(deployment=deployment)
+
+    @admin.display(description="on the nodes")
+    def states(self, deployment):
+        pairs = deployment_states(deployment=deployment)
+        if not pairs:
+            return "no node reported it yet"
+        return format_html_join(format_html("<br>"), "{}: {}", ((p.node.identity, p.describe()) for p in pairs))

@@ -26,8 +26,8 @@ from django.db import IntegrityError
 from fleet import metrics
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
+from nodes import link_deploy, services
 from nodes import registry as model_registry
-from nodes import services
 from nodes.link.channel import SecureChannel
 from nodes.link.codes import CloseCode
 from nodes.link.handshake import LOCAL_TOKEN_ID, Responder, TokenRefused
@@ -41,6 +41,8 @@ from nodes.link.messages import (
     Generate,
     Heartbeat,
     LinkError,
+    Models,
+    ModelState,
     Pull,
     Register,
     Registered,
@@ -161,6 +163,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         self.peer = (self.scope.get("client") or [None])[0]
         self.node_id = ""
         self.identity = ""
+        self.fleet_names: dict[str, str] = {}  # the node's own model names -> the names the head registered them as
         self.channel_: SecureChannel | None = None
         self.responder: Responder | None = None
         self.token: FleetToken | None = None
@@ -269,6 +272,10 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
                 await self._relay(msg)
         elif isinstance(msg, Heartbeat):
             await self._on_heartbeat(msg)
+        elif isinstance(msg, Models) and self.node_id:
+            await link_deploy.on_models(self, msg)
+        elif isinstance(msg, ModelState) and self.node_id:
+            await link_deploy.on_model_state(self, msg)
         elif isinstance(msg, StateResult):
             fut = self.pending_ops.pop(msg.op_id, None)
             if fut is not None and not fut.done():
@@ -334,6 +341,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             reg = await register(**fields)
         node = reg.node
         self.node_id, self.identity = str(node.id), node.identity
+        self.fleet_names = dict(zip(fields["models"], reg.model_names, strict=False))
         registry_ = registry()
         old = registry_.links.get(self.node_id)
         if old is not None and old is not self:
@@ -358,6 +366,8 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             log.warning("fleet node %r: %s", node.identity, warning)
         registry_.lanes.notify()
         fleet_changed()
+        await link_deploy.forget_gone(self, reg.model_names)
+        await link_deploy.send_deployments(self, joined=True)
 
     async def _on_heartbeat(self, msg: Heartbeat) -> None:
         if not self.node_id:
@@ -508,6 +518,11 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
     async def link_close(self, event: dict) -> None:
         """The operator revoked this link's token or node key (in any head process): close it now."""
         await self._refuse(event["code"], event["reason"])
+
+    async def node_deploy(self, event: dict) -> None:
+        """A deployment changed, or another node now serves a model this one keeps for it: send the list again."""
+        if self.node_id and not self.closing:
+            await link_deploy.send_deployments(self)
 
     async def node_hold(self, event: dict) -> None:
         self.held = not event["schedulable"]

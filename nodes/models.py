@@ -183,3 +183,69 @@ class Model(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class Deployment(models.Model):
+    """A registry model put on nodes: those named in `nodes`, and those whose labels include every pair in `labels`.
+
+    Each matching node is told over its link to load it (pulling it first) with `lanes` lanes of `context` tokens
+    (0: sized for the node's free memory); a node that stops matching unloads it once another node serves it.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    model = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="deployments")
+    nodes = models.JSONField(default=list, blank=True, help_text="Node identities to put the model on.")
+    labels = models.JSONField(default=dict, blank=True,
+                              help_text="Also every node with all these labels (node_join --label KEY=VALUE).")
+    lanes = models.PositiveIntegerField(default=4, help_text="Lanes of the model's engine worker on each node.")
+    context = models.PositiveIntegerField(
+        default=0, help_text="Context window a lane, in tokens; 0 sizes it for each node's free memory.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.model.name} on {', '.join(self.nodes + [f'{k}={v}' for k, v in self.labels.items()])}"
+
+    def matches(self, node: Node) -> bool:
+        labels = node.labels or {}
+        return node.identity in self.nodes or (
+            bool(self.labels) and all(labels.get(k) == v for k, v in self.labels.items()))
+
+
+class NodeModel(models.Model):
+    """Where a deployed model stands on one node, as the node last reported it (`model_state` on the link): pulling
+    (with its progress), loading, serving, draining, or failed and why. Gone when the node unloaded it."""
+
+    class State(models.TextChoices):
+        PULLING = "pulling", "pulling"
+        LOADING = "loading", "loading"
+        SERVING = "serving", "serving"
+        DRAINING = "draining", "draining"
+        FAILED = "failed", "failed"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="deployed_models")
+    model = models.CharField(max_length=64, db_index=True)
+    state = models.CharField(max_length=16, choices=State.choices)
+    progress = models.FloatField(default=0.0, help_text="0..1 of the pull, while pulling.")
+    detail = models.CharField(max_length=500, blank=True, help_text="Why it failed.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["model", "node__identity"]
+        constraints = [models.UniqueConstraint(fields=["node", "model"], name="nodemodel_one_per_pair")]
+
+    def __str__(self) -> str:
+        return f"{self.model} on {self.node}: {self.describe()}"
+
+    def describe(self) -> str:
+        """pulling 43%, loading, serving, failed: why."""
+        if self.state == self.State.PULLING:
+            return f"pulling {int(self.progress * 100)}%"
+        if self.state == self.State.FAILED:
+            return f"failed: {self.detail}"
+        return self.state

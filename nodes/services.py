@@ -16,7 +16,7 @@ from fleet import secretbox
 from nodes.link.codes import CloseCode
 from nodes.link.handshake import LOCAL_TOKEN_ID, fingerprint, format_token, make_secret, parse_token
 from nodes.link.noise import generate_static, public_key
-from nodes.models import FleetToken, HeadKey, LinkEvent, Node, RevokedNodeKey
+from nodes.models import FleetToken, HeadKey, LinkEvent, Model, Node, RevokedNodeKey
 
 log = logging.getLogger("nodes")
 
@@ -220,8 +220,9 @@ def node_register(
     the one bound to it (the first join, or the first after a release, binds it). Raises JoinRefused."""
     served = _served_model_names()
     names, warnings = [], []
-    for own in models:
-        name, warning = node_fleet_model_name(own, served=served)
+    in_registry = set(Model.objects.filter(name__in=models).values_list("name", flat=True))
+    for own in models:  # a registry model (a deployed one) keeps its name
+        name, warning = (own, None) if own in in_registry else node_fleet_model_name(own, served=served)
         names.append(name)
         if warning:
             warnings.append(warning)

@@ -119,6 +119,7 @@ class World:
             "nodes.revokednodekey": lambda: model.objects.get_or_create(public_key="ab" * 32, identity="gone")[0],
             "api.batchfile": lambda: self.batch_file, "api.batch": lambda: self.batch,
             "nodes.model": lambda: registry_model("walk-model"),
+            "nodes.deployment": lambda: deployment(),
         }.get(label)
         if built is None:
             pytest.fail(f"the URL walk has no object of {label}: add one to World.object_of")
@@ -132,6 +133,13 @@ def registry_model(name: str):
     return Model.objects.get_or_create(name=name, defaults={
         "sha256": "ab" * 32, "size": 1, "architecture": "llama", "quantization": "Q4_1", "context_length": 8,
         "kv_bytes_per_token": 1})[0]
+
+
+def deployment():
+    """A deployment of a registry model on a node by name (no node is linked: nobody is told)."""
+    from nodes.models import Deployment
+
+    return Deployment.objects.create(model=registry_model("walk-model"), nodes=["walk-node"])
 
 
 @pytest.fixture(autouse=True)
@@ -192,6 +200,7 @@ API_OBJECTS: dict[str, Callable[[World], Any]] = {
     "node": lambda w: w.node, "fleet-token": lambda w: w.token, "api-key": lambda w: w.owner_key,
     "session": lambda w: w.session, "grammar": lambda w: w.grammar, "logit-bias": lambda w: w.bias,
     "generation": lambda w: w.generation, "model": lambda w: registry_model("walk-model"),
+    "deployment": lambda w: deployment(),
 }
 API_FRESH: dict[str, Callable[[World], Any]] = {
     "fleet-token": lambda w: fleet_token_create(name="spare")[0],
@@ -200,6 +209,7 @@ API_FRESH: dict[str, Callable[[World], Any]] = {
     "grammar": lambda w: GrammarHandleFactory(owner=w.owner, api_key=w.owner_key),
     "logit-bias": lambda w: LogitBiasHandleFactory(owner=w.owner, api_key=w.owner_key),
     "model": lambda w: registry_model(f"walk-{uuid.uuid4().hex[:8]}"),
+    "deployment": lambda w: deployment(),
 }
 
 NAMED: dict[str, list[Case]] = {
@@ -258,6 +268,8 @@ NAMED: dict[str, list[Case]] = {
     "model-upload-start": [Case("POST", statuses(401, 403, 403, 201))],
     # staff: a part with no ?offset is a 400 that says to give one
     "model-upload-part": [Case("PUT", statuses(401, 403, 403, 400), kwargs=lambda w: {"upload_id": "0" * 32})],
+    "deployment-list": [Case("GET", STAFF_ONLY)],
+    "deployment-detail": [Case("GET", STAFF_ONLY), Case("DELETE", statuses(401, 403, 403, 204))],
     # the registry's files answer only to a node's pull grant: no API key or staff session opens them
     "model-blob": [Case("GET", statuses(401, 401, 401, 401), kwargs=lambda w: {"sha256": "ab" * 32})],
     # The admin's own pages.

@@ -32,6 +32,7 @@ from nodes.link.messages import (
     Bye,
     Cancel,
     Check,
+    Deploy,
     Done,
     Error,
     Generate,
@@ -120,6 +121,13 @@ class NodeAgent:
         self.joined = False  # the current session registered
         self.media = MediaCache(config.home)
         self.head_url = ""  # the head's HTTP address, where media blobs are fetched from
+        self.deployer = None  # applies the head's `deploy` (nodes.agent.deploy.Deployer); None: deploys are ignored
+
+    def send(self, msg) -> None:
+        """Put a message on the link while one is up; dropped otherwise (what it said is said again at the next
+        join: the node registers with its models and the head sends its deployments)."""
+        if self.outbox is not None:
+            self.outbox.put_nowait(msg)
 
     def on_engine_event(self, event: dict[str, Any]) -> None:
         """Engine callback (on the loop): forward to the head while a link is up."""
@@ -255,6 +263,8 @@ class NodeAgent:
                 await self.engine.cancel(msg.gen_id)
             elif isinstance(msg, StateOp):
                 asyncio.ensure_future(self._on_state_op(msg))
+            elif isinstance(msg, Deploy) and self.deployer is not None:
+                self.deployer.apply(msg)
             elif isinstance(msg, Bye):
                 return
 

@@ -7,13 +7,16 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from nodes.agent import keys, pull
+from nodes.agent.deploy import Deployer
 from nodes.agent.dialer import BACKOFF_MAX_S, BACKOFF_START_S, AgentConfig, NodeAgent, Refused
 from nodes.agent.engine.base import EngineConfig
 from nodes.agent.gguf_info import GgufError, read_gguf
+from nodes.agent.model_set import ModelSet
 from nodes.agent.models import ModelNotFound, is_registry_name, resolve_model, resolve_speech_model
 from nodes.agent.replicas import ReplicaConfigError, ReplicaSet, cpu_groups, gpu_groups
 from nodes.agent.window import Window, WindowError, mem_available, size_window
@@ -127,8 +130,10 @@ def device_window(path: Path, options: NodeOptions) -> Window:
         raise NodeError(f"{exc}, or pin the window with --max-context") from None
 
 
-async def pulled_model(options: NodeOptions, asker: NodeAgent) -> Path:
-    """The node's verified copy of registry model `options.model`, pulled from the head when it lacks it."""
+async def pulled_model(options: NodeOptions, asker: NodeAgent,
+                       on_progress: Callable[[float], None] | None = None) -> Path:
+    """The node's verified copy of registry model `options.model`, pulled from the head when it lacks it
+    (`on_progress(fraction)` as it goes, besides the bar)."""
     local = await asyncio.to_thread(pull.local_copy, options.home, options.model)
     if options.offline:
         if local is None:
@@ -142,9 +147,15 @@ async def pulled_model(options: NodeOptions, asker: NodeAgent) -> Path:
         return local[0]
     if local is not None and local[1] == answer[1].sha256:
         return local[0]
+    bar = pull.Progress(f"pulling {options.model}", answer[1].size)
+
+    def progress(done: int) -> None:
+        bar(done)
+        if on_progress is not None:
+            on_progress(done / max(answer[1].size, 1))
     for _ in range(GRANT_RENEWALS):
         try:
-            return await asyncio.to_thread(pull.pull, pull.http_base(answer[0]), answer[1], options.home)
+            return await asyncio.to_thread(pull.pull, pull.http_base(answer[0]), answer[1], options.home, progress)
         except pull.GrantExpired:
             log.info("fleet node: the grant to pull %s expired; asking the head for a new one", options.model)
             answer = await _ask_for_grant(options, asker, keep_trying=True)
@@ -199,11 +210,26 @@ async def _run(options: NodeOptions, resolve_head) -> None:
     bar(100)
     log.info("fleet node: %s loaded, context window %d tokens (%s), %d lanes", name, info["context_window"], why,
              info["lanes"])
-    agent = NodeAgent(agent_config, engine, resolve_head=resolve_head)
+    models = ModelSet(engine)
+    agent = NodeAgent(agent_config, models, resolve_head=resolve_head)
+    models.forward = agent.on_engine_event
+    agent.deployer = deployer_for(options, agent, models)
     try:
         await agent.run()
     finally:
-        await engine.stop()
+        await models.stop()
+
+
+def deployer_for(options: NodeOptions, agent: NodeAgent, models: ModelSet) -> Deployer:
+    """What applies the head's deployments on this node: pulls as `--model NAME` does, one engine worker a model."""
+    from nodes.agent.engine.worker import EngineWorker
+
+    async def fetch(name: str, on_progress: Callable[[float], None]) -> Path:
+        return await pulled_model(replace(options, model=name), agent, on_progress)
+
+    return Deployer(models, fetch=fetch, send=agent.send,
+                    make_worker=lambda config: EngineWorker(config, on_event=models.on_event),
+                    batch_invariant=options.batch_invariant)
 
 
 def run_node(options: NodeOptions) -> int:

@@ -30,6 +30,17 @@ class FinishReason(StrEnum):
     DEADLINE = "deadline"
 
 
+class ModelPhase(StrEnum):
+    """Where a deployed model stands on a node (`model_state` on the link; the head keeps the last one per pair)."""
+
+    PULLING = "pulling"
+    LOADING = "loading"
+    SERVING = "serving"
+    DRAINING = "draining"  # no new generations; those running finish, then the worker stops
+    FAILED = "failed"
+    UNLOADED = "unloaded"  # gone from the node: the head forgets the pair
+
+
 class CloseCode(IntEnum):
     """Why the head closed a node's link. Codes in REFUSALS end the node (exit status 2): redialing cannot help."""
 

@@ -42,6 +42,9 @@ class MessageType(StrEnum):
     CHECK = "check"
     PULL = "pull"
     PULL_GRANT = "pull_grant"
+    DEPLOY = "deploy"
+    MODELS = "models"
+    MODEL_STATE = "model_state"
 
 
 class Message:
@@ -249,6 +252,41 @@ class PullGrant(Message):
     error: str = ""
 
 
+@dataclass(slots=True)
+class Deploy(Message):
+    """head -> node: every registry model the operator's deployments put on this node, whole each time (sent after
+    Registered and whenever a deployment changes). The node loads each one it lacks in an engine worker of its own,
+    pulling it first, and unloads a model it loaded for a deployment that is no longer listed (after draining it).
+    Its own `--model` is never unloaded.
+    """
+
+    TYPE: ClassVar[MessageType] = MessageType.DEPLOY
+    models: list[dict[str, Any]]  # [{"name": str, "sha256": str, "lanes": int, "context": int (0: sized)}]
+
+
+@dataclass(slots=True)
+class Models(Message):
+    """node -> head: the models this node now serves (all of them, its own `--model` first), after one was loaded
+    or before one is drained. The head places generations of exactly these names here from then on."""
+
+    TYPE: ClassVar[MessageType] = MessageType.MODELS
+    models: list[dict[str, Any]]  # [{"name": str, "context_window": int, "lanes": int}]
+    lanes: int
+    context_window: int
+
+
+@dataclass(slots=True)
+class ModelState(Message):
+    """node -> head: where one deployed model stands on this node (a ModelPhase), with `progress` 0..1 while pulling
+    and `detail` saying why when it failed. `unloaded` ends the pair."""
+
+    TYPE: ClassVar[MessageType] = MessageType.MODEL_STATE
+    model: str
+    state: str
+    progress: float = 0.0
+    detail: str = ""
+
+
 REGISTRY: dict[str, type[Message]] = {
     cls.TYPE.value: cls
     for cls in (
@@ -267,6 +305,9 @@ REGISTRY: dict[str, type[Message]] = {
         Check,
         Pull,
         PullGrant,
+        Deploy,
+        Models,
+        ModelState,
     )
 }
 

@@ -132,6 +132,13 @@ class PlacementState:
             if cache_cleared:
                 self._forget_node_locked(slot.node_id, set(warm))
 
+    def node_models(self, node_id: str, models: list[str], lanes: int) -> None:
+        """A node loaded or unloaded a model: it serves these from now on, with this many lanes (running ones stay)."""
+        with self._lock:
+            slot = self._nodes.get(node_id)
+            if slot is not None:
+                slot.models, slot.lanes = list(models), lanes
+
     def node_alive(self, node_id: str) -> None:
         """Liveness is the link itself in one process; the Redis state expires silent nodes instead."""
 

@@ -1,0 +1,158 @@
+"""The node's side of deployments: load what the head's `deploy` lists, each model in an engine worker of its own.
+
+A model the node lacks is pulled first (nodes.agent.pull, through the same grant as `node_join --model NAME`). It is
+loaded only when the RAM available holds its weights and its lanes' KV cache (the same rule as the window sizing in
+nodes.agent.window); else it fails with the figures. The node serves what it served meanwhile, and announces the new
+model (`models`) once its worker is ready. A model no longer listed is unannounced first, then drained (what runs
+there finishes), then its worker stops. Each step goes to the head as a `model_state`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from nodes.agent.engine.base import EngineConfig
+from nodes.agent.gguf_info import GgufError, read_gguf
+from nodes.agent.model_set import ModelSet
+from nodes.agent.window import WindowError, mem_available, size_window
+from nodes.link.codes import ModelPhase
+from nodes.link.messages import Deploy, Models, ModelState
+
+log = logging.getLogger("nodes.agent")
+
+DRAIN_GRACE_S = 2.0  # a generation the head placed before it read the node's new model list may still be on its way
+DRAIN_POLL_S = 0.2
+PROGRESS_EVERY_S = 0.5
+
+
+class DeployRefused(Exception):
+    """This node cannot serve the model (not on the node and not pullable, or no room for it); says why."""
+
+
+def deployed_window(path: Path, *, lanes: int, context: int, available: int) -> int:
+    """The context window a lane of `path` gets on this device (`context`, or sized when 0); DeployRefused with the
+    figures when its weights and KV cache do not fit in the RAM available."""
+    try:
+        info = read_gguf(path)
+    except (GgufError, OSError) as exc:
+        raise DeployRefused(f"the model file is refused: {exc}") from None
+    try:
+        window = size_window(kv_bytes_per_token=info.kv_bytes_per_token, trained=context or info.context_length,
+                             lanes=lanes, model_bytes=info.size, available=available)
+    except WindowError as exc:
+        raise DeployRefused(f"not enough memory: {exc}") from None
+    if context and window.tokens < context:
+        raise DeployRefused(f"not enough memory for {lanes} lanes of {context:,} tokens: {window.why}")
+    return window.tokens
+
+
+class Deployer:
+    """Applies `deploy` messages to a ModelSet. `fetch(name, progress)` returns the node's verified copy of a registry
+    model (pulling it; progress(fraction) as it goes); `send` puts a message on the link (dropped while it is down);
+    `make_worker(config)` builds an engine worker whose events go to the set."""
+
+    def __init__(self, models: ModelSet, *, fetch: Callable[[str, Callable[[float], None]], Awaitable[Path]],
+                 send: Callable[[Any], None], make_worker: Callable[[EngineConfig], Any],
+                 batch_invariant: bool = False) -> None:
+        self.models = models
+        self.fetch, self.send, self.make_worker = fetch, send, make_worker
+        self.batch_invariant = batch_invariant
+        self.tasks: dict[str, asyncio.Task] = {}  # name -> its load or unload
+        self.last: dict[str, ModelState] = {}  # name -> the last state reported
+
+    def apply(self, msg: Deploy) -> None:
+        """Start what `msg` adds, unload what it no longer lists; report again where each listed model stands."""
+        wanted = {m["name"]: m for m in msg.models if isinstance(m, dict) and isinstance(m.get("name"), str)}
+        for name, spec in wanted.items():
+            self._want(name, spec)
+        for name, last in list(self.last.items()):
+            gone = last.state in (ModelPhase.DRAINING, ModelPhase.UNLOADED) or name == self.models.primary_name
+            if name not in wanted and not gone:
+                self._unwant(name)
+
+    def _want(self, name: str, spec: dict[str, Any]) -> None:
+        busy = name in self.tasks and not self.tasks[name].done()
+        if name == self.models.primary_name or (name in self.models.serving and not busy):
+            self.report(name, ModelPhase.SERVING)
+        elif busy and self.last[name].state != ModelPhase.DRAINING:
+            self.send(self.last[name])
+        else:  # new, failed before, or draining (loaded again once drained)
+            previous = self.tasks.get(name)
+            self.tasks[name] = asyncio.ensure_future(self._load(name, spec, previous))
+
+    def _unwant(self, name: str) -> None:
+        """Serving: drain, then unload. Pulling or loading: stop (its worker is stopped in _load). Failed: forget."""
+        if name in self.models.serving:
+            self.tasks[name] = asyncio.ensure_future(self._unload(name))
+            return
+        task = self.tasks.get(name)
+        if task is not None and not task.done():
+            task.cancel()
+        self.report(name, ModelPhase.UNLOADED)
+
+    def report(self, name: str, state: ModelPhase, *, progress: float = 0.0, detail: str = "") -> None:
+        self.last[name] = ModelState(model=name, state=state.value, progress=round(progress, 3), detail=detail[:500])
+        self.send(self.last[name])
+
+    def announce(self) -> None:
+        info = self.models.info()
+        self.send(Models(models=info["models"], lanes=info["lanes"], context_window=info.get("context_window", 0)))
+
+    async def _load(self, name: str, spec: dict[str, Any], previous: asyncio.Task | None) -> None:
+        if previous is not None and not previous.done():
+            await asyncio.shield(previous)  # a drain of the same name: load again once it is done
+        worker = None
+        try:
+            self.report(name, ModelPhase.PULLING)
+            path = await self.fetch(name, self._progress(name))
+            self.report(name, ModelPhase.LOADING)
+            lanes, context = int(spec.get("lanes") or 1), int(spec.get("context") or 0)
+            window = await asyncio.to_thread(deployed_window, path, lanes=lanes, context=context,
+                                             available=mem_available())
+            worker = self.make_worker(EngineConfig(model_path=str(path), model_name=name, lanes=lanes,
+                                                   max_context=window, batch_invariant=self.batch_invariant))
+            info = await worker.start()
+        except asyncio.CancelledError:
+            if worker is not None:
+                await worker.stop()
+            raise
+        except Exception as exc:  # DeployRefused, EngineLoadError, a failed pull: reported, never raised
+            log.warning("fleet node: could not deploy %s: %s", name, exc)
+            if worker is not None:
+                await worker.stop()
+            self.report(name, ModelPhase.FAILED, detail=str(exc) or type(exc).__name__)
+            return
+        self.models.add(name, worker)
+        self.announce()  # before `serving`: the head routes the name here when it reads that
+        log.info("fleet node: %s deployed, context window %d tokens, %d lanes", name, info["context_window"],
+                 info["lanes"])
+        self.report(name, ModelPhase.SERVING)
+
+    async def _unload(self, name: str) -> None:
+        engine = self.models.retire(name)
+        self.announce()
+        self.report(name, ModelPhase.DRAINING)
+        await asyncio.sleep(DRAIN_GRACE_S)
+        while self.models.running(engine):
+            await asyncio.sleep(DRAIN_POLL_S)
+        self.models.drop(name)
+        await engine.stop()
+        log.info("fleet node: %s unloaded", name)
+        self.report(name, ModelPhase.UNLOADED)
+
+    def _progress(self, name: str) -> Callable[[float], None]:
+        """A pull's progress callback (called on the pull's thread): at most one report each PROGRESS_EVERY_S."""
+        loop = asyncio.get_running_loop()
+        last = [0.0]
+
+        def progress(fraction: float) -> None:
+            now = time.monotonic()
+            if now - last[0] >= PROGRESS_EVERY_S or fraction >= 1.0:
+                last[0] = now
+                loop.call_soon_threadsafe(lambda: self.report(name, ModelPhase.PULLING, progress=fraction))
+        return progress

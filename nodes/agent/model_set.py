@@ -1,0 +1,110 @@
+"""A node's engines, one per model it serves, presented to the agent as one engine.
+
+The node's own `--model` (its primary: an EngineWorker or a ReplicaSet) serves from the start; the operator's
+deployments add an EngineWorker each (nodes.agent.deploy). A generation goes to the engine of its model. A model being
+unloaded is draining: no longer announced, but a generation the head placed before it read that still runs there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from nodes.agent.engine.base import error_event
+from nodes.link.codes import ErrorCode
+from nodes.link.spec import GenerateSpec
+
+SUMMED = ("lanes_busy", "lanes", "kv_used", "kv_total", "tokens_per_s")
+
+
+class ModelSet:
+    """The primary engine plus the deployed ones; the agent's `engine`. `forward` gets every engine's events."""
+
+    def __init__(self, primary: Any, *, forward: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        self.primary = primary
+        self.forward = forward or (lambda event: None)
+        self.serving: dict[str, Any] = {}  # name -> EngineWorker, announced to the head
+        self.draining: dict[str, Any] = {}  # name -> EngineWorker, unannounced, finishing what runs there
+        self.retired: set[str] = set()  # unloaded: a late generation of these is sent elsewhere, not to the primary
+        self.where: dict[str, Any] = {}  # gen_id -> the deployed engine running it
+
+    # -- what the node serves ------------------------------------------------------------------------------------
+
+    @property
+    def primary_name(self) -> str:
+        return self.primary.info().get("model_name", "")
+
+    def models(self) -> list[dict[str, Any]]:
+        """Every model served, the primary first: what `register` and `models` tell the head."""
+        own = self.primary.info()
+        rows = [{"name": own.get("model_name", ""), "context_window": own.get("context_window", 0),
+                 "lanes": own.get("lanes", 0)}]
+        if own.get("speech_model"):  # `--transcribe`: served beside the text model by the same worker
+            rows.append({"name": own["speech_model"], "context_window": own.get("context_window", 0), "lanes": 0})
+        for name, engine in self.serving.items():
+            info = engine.info()
+            rows.append({"name": name, "context_window": info["context_window"], "lanes": info["lanes"]})
+        return rows
+
+    def add(self, name: str, engine: Any) -> None:
+        self.retired.discard(name)
+        self.serving[name] = engine
+
+    def retire(self, name: str) -> Any:
+        """Stop announcing `name`; its engine drains (generations placed before the head knew still run there)."""
+        engine = self.draining[name] = self.serving.pop(name)
+        return engine
+
+    def drop(self, name: str) -> Any:
+        """The drained engine of `name`, no longer routed to (the caller stops it)."""
+        self.retired.add(name)
+        return self.draining.pop(name)
+
+    def running(self, engine: Any) -> int:
+        return sum(1 for e in self.where.values() if e is engine)
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """A deployed engine's event hook."""
+        if event["type"] in ("done", "error"):
+            self.where.pop(event["gen_id"], None)
+        self.forward(event)
+
+    # -- the engine interface --------------------------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        models = self.models()
+        return {**self.primary.info(), "models": models, "lanes": sum(m["lanes"] for m in models)}
+
+    @property
+    def alive(self) -> bool:
+        return self.primary.alive
+
+    def stats(self) -> dict[str, Any]:
+        stats = dict(self.primary.stats())
+        for engine in (*self.serving.values(), *self.draining.values()):
+            other = engine.stats()
+            for key in SUMMED:
+                stats[key] = stats.get(key, 0) + other.get(key, 0)
+        return stats
+
+    async def submit(self, spec: GenerateSpec) -> None:
+        engine = self.serving.get(spec.model) or self.draining.get(spec.model)
+        if engine is None and spec.model in self.retired:
+            self.forward(error_event(spec.gen_id, ErrorCode.ENGINE_UNAVAILABLE, f"this node unloaded {spec.model!r}; "
+                                     "place it on a node serving it", retryable=True))
+            return
+        if engine is None:
+            await self.primary.submit(spec)
+            return
+        self.where[spec.gen_id] = engine
+        await engine.submit(spec)
+
+    async def cancel(self, gen_id: str) -> None:
+        await self.where.get(gen_id, self.primary).cancel(gen_id)
+
+    async def state_op(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        return await self.serving.get(args.get("model") or "", self.primary).state_op(op, args)
+
+    async def stop(self) -> None:
+        for engine in (*self.serving.values(), *self.draining.values(), self.primary):
+            await engine.stop()

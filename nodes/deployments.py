@@ -1,0 +1,139 @@
+"""Deployments: registry models put on nodes chosen by name or by label, and where each node-model pair stands.
+
+The head tells each node over its link what its deployments put there (`deploy`, the whole list each time: after it
+registers, and whenever a deployment changes). A model moved off a node stays there until a node it moved to serves
+it (make before break), so a client asking for it never finds no node serving it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from django.db import transaction
+
+from nodes.link.codes import ModelPhase
+from nodes.models import Deployment, Model, Node, NodeModel
+from nodes.services import node_group
+
+MAX_LANES = 256
+MAX_CONTEXT = 1 << 20
+LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,62}")
+
+
+class DeploymentError(ValueError):
+    """A deployment that cannot be made as asked; says what to change."""
+
+
+def deployment_check(*, nodes: list, labels: dict, lanes: int, context: int) -> None:
+    """Raises DeploymentError unless the selector and sizes make a deployment."""
+    if not isinstance(nodes, list) or not all(isinstance(n, str) and 0 < len(n) <= 200 for n in nodes):
+        raise DeploymentError("nodes must be a list of node identities (the names they joined with)")
+    if not isinstance(labels, dict) or not all(isinstance(k, str) and LABEL_RE.fullmatch(k) and isinstance(v, str)
+                                               and len(v) <= 200 for k, v in labels.items()):
+        raise DeploymentError("labels must map label names to string values, as node_join --label KEY=VALUE sets")
+    if not nodes and not labels:
+        raise DeploymentError("choose the nodes: name them in nodes, or give labels they must have")
+    if not 1 <= lanes <= MAX_LANES:
+        raise DeploymentError(f"lanes must be from 1 to {MAX_LANES}")
+    if not 0 <= context <= MAX_CONTEXT:
+        raise DeploymentError(f"context must be from 0 (sized for each node) to {MAX_CONTEXT} tokens")
+
+
+@transaction.atomic
+def deployment_create(*, model: Model, nodes: list, labels: dict, lanes: int = 4, context: int = 0) -> Deployment:
+    """Put `model` on the chosen nodes; each is told over its link once this commits."""
+    deployment_check(nodes=nodes, labels=labels, lanes=lanes, context=context)
+    deployment = Deployment.objects.create(model=model, nodes=nodes, labels=labels, lanes=lanes, context=context)
+    transaction.on_commit(_tell_online_nodes)
+    return deployment
+
+
+@transaction.atomic
+def deployment_update(*, deployment: Deployment, **changes) -> Deployment:
+    """Change the model, nodes, labels, lanes or context; nodes that stop matching unload it once another serves it.
+    Lanes and context apply where it loads next (a node serving it keeps its worker)."""
+    for name, value in changes.items():
+        setattr(deployment, name, value)
+    deployment_check(nodes=deployment.nodes, labels=deployment.labels, lanes=deployment.lanes,
+                     context=deployment.context)
+    deployment.save()
+    transaction.on_commit(_tell_online_nodes)
+    return deployment
+
+
+@transaction.atomic
+def deployment_delete(*, deployment: Deployment) -> None:
+    """Take the model off its nodes (each drains it: what runs there finishes)."""
+    deployment.delete()
+    transaction.on_commit(_tell_online_nodes)
+
+
+# --- what a node should serve ----------------------------------------------------------------------------------
+
+
+def node_deployments(*, node_id) -> list[dict]:
+    """The `deploy` list for a node: the models its deployments choose, and those it serves for a deployment that
+    moved away while no node the deployment chooses serves them yet."""
+    node = Node.objects.get(pk=node_id)
+    deployments = list(Deployment.objects.select_related("model").order_by("created_at"))
+    wanted = {d.model.name: d for d in deployments if d.matches(node)}
+    for pair in NodeModel.objects.filter(node=node, state=NodeModel.State.SERVING).exclude(model__in=list(wanted)):
+        moved = [d for d in deployments if d.model.name == pair.model]
+        if moved and not _served_as_chosen(pair.model, moved, exclude=node):
+            wanted[pair.model] = moved[-1]
+    return [{"name": name, "sha256": d.model.sha256, "lanes": d.lanes, "context": d.context}
+            for name, d in wanted.items()]
+
+
+def _served_as_chosen(model: str, deployments: list[Deployment], *, exclude: Node) -> bool:
+    pairs = (NodeModel.objects.filter(model=model, state=NodeModel.State.SERVING).exclude(node=exclude)
+             .exclude(node__state=Node.State.OFFLINE).select_related("node"))
+    return any(d.matches(pair.node) for pair in pairs for d in deployments)
+
+
+# --- what nodes report ---------------------------------------------------------------------------------------------
+
+
+def node_model_record(*, node_id, model: str, state: str, progress: float = 0.0, detail: str = "") -> list[str]:
+    """Keep what a node reported of a deployed model (`unloaded` forgets the pair). Returns the other nodes to tell
+    their deployments again: when it starts serving, those keeping it for a deployment that moved here let it go."""
+    if not Model.objects.filter(name=model).exists():
+        return []  # not a registry model: nothing was deployed under that name
+    if state == ModelPhase.UNLOADED:
+        NodeModel.objects.filter(node_id=node_id, model=model).delete()
+        return []
+    NodeModel.objects.update_or_create(node_id=node_id, model=model, defaults={
+        "state": state, "progress": max(0.0, min(progress, 1.0)), "detail": detail[:500]})
+    if state != ModelPhase.SERVING:
+        return []
+    others = NodeModel.objects.filter(model=model).exclude(node_id=node_id).values_list("node_id", flat=True)
+    return [str(pk) for pk in others]
+
+
+def node_models_forget(*, node_id, keep: list[str]) -> None:
+    """A node (re)joined serving `keep`: the pairs of other models are gone with its last run."""
+    NodeModel.objects.filter(node_id=node_id).exclude(model__in=keep).delete()
+
+
+def node_models_set(*, node_id, names: list[str]) -> None:
+    """The models a node now serves (it loaded or unloaded one); a transition, written once."""
+    Node.objects.filter(pk=node_id).update(models_served=names)
+
+
+def tell_nodes(node_ids: list[str]) -> None:
+    """Have each node's link consumer, in whichever head process holds it, send the node its deployments again."""
+    from asgiref.sync import async_to_sync
+    from channels.layers import get_channel_layer
+
+    layer = get_channel_layer()
+    for node_id in node_ids if layer is not None else []:
+        async_to_sync(layer.group_send)(node_group(node_id), {"type": "node.deploy"})
+
+
+def _tell_online_nodes() -> None:
+    tell_nodes([str(pk) for pk in Node.objects.exclude(state=Node.State.OFFLINE).values_list("pk", flat=True)])
+
+
+def deployment_states(*, deployment: Deployment) -> list[NodeModel]:
+    """Every node-model pair of the deployment's model, as the nodes last reported them."""
+    return list(NodeModel.objects.filter(model=deployment.model.name).select_related("node"))

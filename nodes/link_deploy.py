@@ -1,0 +1,80 @@
+"""The node-link consumer's part in deployments (nodes.deployments): it sends a node its `deploy` list, and takes the
+node's `models` (what it serves now: placement follows at once) and `model_state` (each node-model pair's state)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from channels.db import database_sync_to_async
+
+from fleet.links import registry
+from fleet.live import fleet_changed
+from nodes import deployments
+from nodes.link.codes import ModelPhase
+from nodes.link.messages import Deploy, LinkError, Models, ModelState
+from nodes.services import node_group
+
+log = logging.getLogger("fleet")
+
+MAX_MODELS = 64
+
+
+def _models_problem(msg: Models) -> str | None:
+    rows = msg.models
+    if not rows or len(rows) > MAX_MODELS or not all(isinstance(m, dict) for m in rows):
+        return f"models must list 1 to {MAX_MODELS} maps"
+    for m in rows:
+        name, window, lanes = m.get("name"), m.get("context_window", 0), m.get("lanes", 0)
+        if not (isinstance(name, str) and 0 < len(name) <= 64 and "\x00" not in name):
+            return "every model needs a name of 1 to 64 characters"
+        if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**31 for n in (window, lanes)):
+            return "context_window and lanes must be whole numbers from 0 to 2**31-1"
+    return None if 0 <= msg.lanes < 2**31 else "lanes must be from 0 to 2**31-1"
+
+
+def _state_problem(msg: ModelState) -> str | None:
+    if not (0 < len(msg.model) <= 64 and "\x00" not in msg.model and "\x00" not in msg.detail):
+        return "model must be a name of 1 to 64 characters, detail hold no NUL character"
+    if msg.state not in set(ModelPhase):
+        return f"state {msg.state[:20]!r} is none of {', '.join(ModelPhase)}"
+    return None if math.isfinite(msg.progress) else "progress must be a number from 0 to 1"
+
+
+async def send_deployments(consumer, *, joined: bool = False) -> None:
+    """Send the node every model its deployments put there (when one changes, and when it registers: then only when
+    there is something to say, a model to load or a loaded one it may have to unload)."""
+    wanted = await database_sync_to_async(deployments.node_deployments)(node_id=consumer.node_id)
+    if wanted or not joined or len(consumer.fleet_names) > 1:
+        await consumer._send(Deploy(models=wanted))
+
+
+async def forget_gone(consumer, names: list[str]) -> None:
+    """A node (re)joined serving `names`: what it reported of other models went with its last run."""
+    await database_sync_to_async(deployments.node_models_forget)(node_id=consumer.node_id, keep=names)
+
+
+async def on_models(consumer, msg: Models) -> None:
+    """The node loaded or unloaded a model: place by its new list now. A model it joined with keeps the name the head
+    registered it as."""
+    if problem := _models_problem(msg):
+        raise LinkError(f"models: {problem}")
+    names = list(dict.fromkeys(consumer.fleet_names.get(m["name"], m["name"]) for m in msg.models))
+    registry().placement.node_models(consumer.node_id, names, msg.lanes)
+    await database_sync_to_async(deployments.node_models_set)(node_id=consumer.node_id, names=names)
+    log.info("fleet node %r serves %s (%d lanes)", consumer.identity, ", ".join(names), msg.lanes)
+    registry().lanes.notify()
+    fleet_changed()
+
+
+async def on_model_state(consumer, msg: ModelState) -> None:
+    """Keep the pair's state; once the node serves it, nodes keeping it for a deployment that moved let it go."""
+    if problem := _state_problem(msg):
+        raise LinkError(f"model_state: {problem}")
+    others = await database_sync_to_async(deployments.node_model_record)(
+        node_id=consumer.node_id, model=msg.model, state=msg.state, progress=msg.progress, detail=msg.detail)
+    if msg.state != ModelPhase.PULLING:
+        log.info("fleet node %r: %s %s%s", consumer.identity, msg.model, msg.state,
+                 f": {msg.detail}" if msg.detail else "")
+    for node_id in others:
+        await consumer.channel_layer.group_send(node_group(node_id), {"type": "node.deploy"})

@@ -1,0 +1,172 @@
+"""Deployments without processes: the services (which nodes a deployment chooses, make before break when it moves),
+`/api/deployments/` (validation, each pair's state), and the node's Deployer over fake engine workers (it announces a
+loaded model before saying it serves it, drains one it unloads, refuses one that does not fit with the figures)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from rest_framework.test import APIClient
+
+from nodes import deployments
+from nodes.agent.deploy import Deployer, DeployRefused, deployed_window
+from nodes.agent.engine.local import bundled_model_path
+from nodes.agent.model_set import ModelSet
+from nodes.link.codes import ModelPhase
+from nodes.link.messages import Deploy, Models, ModelState
+from nodes.link.spec import GenerateSpec
+from nodes.models import Model, NodeModel
+from tests.factories import NodeFactory, UserFactory
+
+NAME = "qwen-tiny"
+
+
+def registry_model(name: str = NAME) -> Model:
+    return Model.objects.create(name=name, sha256="ab" * 32, size=1000, architecture="llama", quantization="Q8_0",
+                                context_length=8192, kv_bytes_per_token=23040)
+
+
+@pytest.fixture
+def staff():
+    api = APIClient()
+    api.force_authenticate(UserFactory(username="operator"))
+    return api
+
+
+# --- the head ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_a_deployment_chooses_nodes_by_name_or_by_all_its_labels():
+    model = registry_model()
+    a = NodeFactory(identity="a", labels={"gpu": "a100", "zone": "eu"})
+    b = NodeFactory(identity="b", labels={"gpu": "a100"})
+    c = NodeFactory(identity="c")
+    deployments.deployment_create(model=model, nodes=["c"], labels={"gpu": "a100", "zone": "eu"}, lanes=2)
+    wanted = {node.identity: deployments.node_deployments(node_id=node.pk) for node in (a, b, c)}
+    assert wanted["a"] == wanted["c"] == [{"name": NAME, "sha256": "ab" * 32, "lanes": 2, "context": 0}]
+    assert wanted["b"] == []
+
+
+@pytest.mark.django_db
+def test_a_moved_model_stays_on_its_old_node_until_a_node_it_moved_to_serves_it():
+    model = registry_model()
+    old, new = NodeFactory(identity="old"), NodeFactory(identity="new")
+    deployment = deployments.deployment_create(model=model, nodes=["old"], labels={})
+    deployments.node_model_record(node_id=old.pk, model=NAME, state="serving")
+    deployments.deployment_update(deployment=deployment, nodes=["new"])
+    assert [m["name"] for m in deployments.node_deployments(node_id=old.pk)] == [NAME]  # kept: nobody else serves it
+    deployments.node_model_record(node_id=new.pk, model=NAME, state="loading")
+    assert [m["name"] for m in deployments.node_deployments(node_id=old.pk)] == [NAME]
+    to_tell = deployments.node_model_record(node_id=new.pk, model=NAME, state="serving")
+    assert to_tell == [str(old.pk)]
+    assert deployments.node_deployments(node_id=old.pk) == []  # let go: its node drains it
+    deployments.node_model_record(node_id=old.pk, model=NAME, state="unloaded")
+    assert list(NodeModel.objects.values_list("node__identity", "state")) == [("new", "serving")]
+
+
+@pytest.mark.django_db
+def test_the_api_makes_deployments_and_shows_each_pair_as_pulling_serving_or_failed(staff):
+    registry_model()
+    a, b = NodeFactory(identity="a"), NodeFactory(identity="b")
+    made = staff.post("/api/deployments/", {"model": NAME, "nodes": ["a", "b"], "lanes": 2}, format="json")
+    assert made.status_code == 201, made.content
+    deployments.node_model_record(node_id=a.pk, model=NAME, state="pulling", progress=0.43)
+    deployments.node_model_record(node_id=b.pk, model=NAME, state="failed", detail="not enough memory: 1.0 GB")
+    shown = staff.get(f"/api/deployments/{made.json()['id']}/").json()
+    assert {s["node"]: s["summary"] for s in shown["states"]} == {"a": "pulling 43%",
+                                                                  "b": "failed: not enough memory: 1.0 GB"}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("body", "says"), [
+    ({"model": NAME, "lanes": 2}, "choose the nodes"),
+    ({"model": "nope", "nodes": ["a"]}, "does not exist"),
+    ({"model": NAME, "nodes": ["a"], "lanes": 0}, "lanes must be from 1"),
+    ({"model": NAME, "labels": {"": "x"}}, "labels must map"),
+])
+def test_a_deployment_that_cannot_be_made_is_a_400_saying_why(staff, body, says):
+    registry_model()
+    answer = staff.post("/api/deployments/", body, format="json")
+    assert answer.status_code == 400
+    assert says in str(answer.json())
+
+
+@pytest.mark.django_db
+def test_deployments_are_for_staff_only():
+    api = APIClient()
+    api.force_authenticate(UserFactory(username="someone", is_staff=False, is_superuser=False))
+    assert api.get("/api/deployments/").status_code == 403
+
+
+# --- the node ---------------------------------------------------------------------------------------------------
+
+
+class FakeWorker:
+    def __init__(self, name: str, lanes: int = 2) -> None:
+        self.name, self.lanes, self.stopped, self.submitted = name, lanes, False, []
+
+    def info(self):
+        return {"model_name": self.name, "context_window": 1024, "lanes": self.lanes}
+
+    def stats(self):
+        return {"lanes": self.lanes, "lanes_busy": 0}
+
+    alive = True
+
+    async def start(self):
+        return self.info()
+
+    async def submit(self, spec):
+        self.submitted.append(spec.gen_id)
+
+    async def stop(self):
+        self.stopped = True
+
+
+async def _deploy_then_unload(monkeypatch) -> tuple[list, ModelSet, FakeWorker]:
+    import nodes.agent.deploy as deploy
+
+    monkeypatch.setattr(deploy, "DRAIN_GRACE_S", 0.05)
+    monkeypatch.setattr(deploy, "deployed_window", lambda path, **kw: 1024)
+    sent, made = [], []
+    models = ModelSet(FakeWorker("own", lanes=4))
+
+    async def fetch(name, progress):
+        progress(0.5)  # called on the pull's thread, as pull.pull does: reported from the loop
+        await asyncio.sleep(0)
+        return Path("/models/x.gguf")
+
+    def make_worker(config):
+        made.append(FakeWorker(config.model_name, config.lanes))
+        return made[-1]
+
+    deployer = Deployer(models, fetch=fetch, send=sent.append, make_worker=make_worker)
+    deployer.apply(Deploy(models=[{"name": NAME, "lanes": 2, "context": 0}]))
+    await deployer.tasks[NAME]
+    await models.submit(GenerateSpec(gen_id="g1", model=NAME, prompt="hi"))
+    deployer.apply(Deploy(models=[]))
+    await asyncio.sleep(0.2)
+    assert not made[0].stopped  # g1 still runs there: drained first
+    models.on_event({"type": "done", "gen_id": "g1"})
+    await deployer.tasks[NAME]
+    return sent, models, made[0]
+
+
+def test_the_node_announces_a_deployed_model_before_serving_it_and_drains_it_before_unloading(monkeypatch):
+    sent, models, worker = asyncio.run(_deploy_then_unload(monkeypatch))
+    states = [(m.state, m.progress) if isinstance(m, ModelState) else [r["name"] for r in m.models] for m in sent]
+    assert states[:2] == [("pulling", 0.0), ("pulling", 0.5)]
+    assert states[2:] == [("loading", 0.0), ["own", NAME], ("serving", 0.0), ["own"], ("draining", 0.0),
+                          ("unloaded", 0.0)]
+    assert isinstance(sent[3], Models) and sent[3].lanes == 6  # its own 4 lanes and the deployed 2
+    assert worker.submitted == ["g1"] and worker.stopped
+
+
+def test_a_model_that_does_not_fit_is_refused_with_the_figures():
+    with pytest.raises(DeployRefused, match=r"not enough memory for 2 lanes of 8,192 tokens: .*GB of RAM available"):
+        deployed_window(Path(bundled_model_path()), lanes=2, context=8192, available=300_000_000)
+    assert deployed_window(Path(bundled_model_path()), lanes=2, context=0, available=64_000_000_000) == 8192
+    assert ModelPhase.SERVING == "serving"
