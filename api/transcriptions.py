@@ -19,7 +19,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
-from api.audio import AUDIO_FORMATS, RESPONSE_FORMATS, audio_format, subtitles, transcript_text, verbose
+from api.audio import AUDIO_FORMATS, RESPONSE_FORMATS, audio_format, subtitles, verbose
 from api.errors import OpenAIError, invalid
 from api.generation import Run
 from api.specs import GenerationRequest
@@ -35,6 +35,7 @@ UNLIMITED_TOKENS = 1 << 30  # a transcription ends with its audio, never by a to
 class Transcript:
     """What a finished transcription answers with."""
 
+    text: str  # what the node streamed, whole
     segments: list[dict[str, Any]]
     duration: float
     language: str
@@ -131,21 +132,20 @@ async def _next(run: Run, segments: list[dict[str, Any]]) -> Any:
 def _transcript(run: Run, segments: list[dict[str, Any]], options: dict[str, Any]) -> Transcript:
     timings = run.finished.timings if run.finished else {}
     language = next((s.get("language") for s in segments if s.get("language")), options["language"] or "en")
-    return Transcript(segments, float(timings.get("audio_s", 0.0)), language)
+    return Transcript(run.text.strip(), segments, float(timings.get("audio_s", 0.0)), language)
 
 
 def _answer(run: Run, transcript: Transcript, options: dict[str, Any]) -> HttpResponse:
     fmt = options["response_format"]
     if fmt in ("text", "srt", "vtt"):
-        body = transcript_text(transcript.segments) if fmt == "text" else \
-            subtitles(transcript.segments, vtt=fmt == "vtt")
+        body = transcript.text if fmt == "text" else subtitles(transcript.segments, vtt=fmt == "vtt")
         response = HttpResponse(body + "\n", content_type="text/vtt" if fmt == "vtt" else "text/plain; charset=utf-8")
     elif fmt == "verbose_json":
         response = JsonResponse({**verbose(transcript.segments, language=transcript.language,
                                            duration=transcript.duration, words=options["words"]),
                                  "usage": transcript.usage()})
     else:
-        response = JsonResponse({"text": transcript_text(transcript.segments), "usage": transcript.usage()})
+        response = JsonResponse({"text": transcript.text, "usage": transcript.usage()})
     response["X-Fleet-Node"] = run.node
     response["X-Fleet-Generation"] = run.request.gen_id
     return response
@@ -169,8 +169,8 @@ async def _events(run: Run, event: Any, segments: list[dict[str, Any]]):
                 yield sse_event({"type": "transcript.text.delta", "delta": event.text})
             elif isinstance(event, Finished):
                 duration = float(event.timings.get("audio_s", 0.0))
-                yield sse_event({"type": "transcript.text.done", "text": transcript_text(segments),
-                                 "usage": Transcript(segments, duration, "").usage()})
+                yield sse_event({"type": "transcript.text.done", "text": run.text.strip(),
+                                 "usage": Transcript(run.text, segments, duration, "").usage()})
             event = await _next(run, segments)
     except OpenAIError as exc:
         yield sse_event(exc.body())

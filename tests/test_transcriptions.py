@@ -93,3 +93,16 @@ async def test_a_wrong_field_is_a_400_naming_it(bearer, wav_bytes, fields, param
 async def test_json_instead_of_a_form_is_a_415(bearer):
     answer = await request("POST", URL, key=bearer, body={"model": "whisper-tiny.en"})
     assert answer.status == 415 and "multipart/form-data" in answer.json()["error"]["message"]
+
+
+async def test_a_node_that_fails_before_the_first_segment_is_failed_over(bearer, wav_bytes):
+    crashing = add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "crashing",
+                                      script=Script(error=("engine_crashed", "the worker died"))),
+                             model="whisper-tiny.en", lanes=4, capabilities=SPEECH)  # idler: placed there first
+    steady = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "steady",
+                                    script=Script(tokens=[" Hello", " again"])),
+                           model="whisper-tiny.en", lanes=1, capabilities=SPEECH)
+    answer = await transcribe(bearer, wav_bytes, response_format="text")
+    assert answer.status == 200 and answer.headers["x-fleet-node"] == "steady"
+    assert b"".join(answer.chunks).decode() == "Hello again\n"
+    assert len(crashing.specs) == 1 and steady.specs[0]["audio"] == crashing.specs[0]["audio"]
