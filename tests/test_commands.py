@@ -62,7 +62,8 @@ def test_create_api_key_prints_it_once():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([], "the following arguments are required: --model"),
+        ([], "give --model (a text model), --transcribe (a speech model), or both"),
+        (["--transcribe", "/no/such/folder"], "is no CTranslate2 model folder (no model.bin there)"),
         (["--model", "smollm2", "--max-batch", "eight"], "'eight' is not a number"),
         (["--model", "smollm2", "--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["--model", "/no/such/model.gguf"], "model file '/no/such/model.gguf' does not exist"),

@@ -93,6 +93,8 @@ def engine_configs(options: NodeOptions, pulled: Path | None = None) -> tuple[li
         path, own_name = None, options.model_name or options.model
     elif pulled is not None:
         path, own_name = pulled, options.model
+    elif not options.model:  # a speech model alone (`--transcribe` without `--model`)
+        path, own_name = None, resolve_speech_model(options.transcribe or "")[1]
     else:
         path, own_name = resolve_model(options.model)
     name = options.model_name or own_name

@@ -52,6 +52,8 @@ class EngineConfig:
     # faster-whisper in this same worker process (nodes.agent.engine.speech).
     speech_model_path: str | None = None
     speech_model_name: str = ""
+    # LoRA adapters loaded with the model at start (`node_join --lora NAME=PATH`): name -> GGUF LoRA path.
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,7 +129,12 @@ def error_event(gen_id: str, code: str, message: str, retryable: bool = False) -
 
 
 def create_engine(config: EngineConfig, on_progress: Any = None) -> Engine:
-    """Build the engine `config` asks for: the mock when `config.mock` is set, else llama.cpp."""
+    """Build the engine `config` asks for: the mock when `config.mock` is set, none for a node that serves a speech
+    model alone (its worker's Transcriber does the work), else llama.cpp."""
+    if config.model_path is None and config.mock is None and config.speech_model_path:
+        from nodes.agent.engine.speech import SpeechOnlyEngine
+
+        return SpeechOnlyEngine(config)
     if config.mock is not None:
         from nodes.agent.engine.mock import MockEngine
 

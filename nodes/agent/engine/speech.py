@@ -14,7 +14,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nodes.agent.engine.base import FINISH_CANCELLED, FINISH_STOP, EngineLoadError, Event, accepted_event, error_event
+from nodes.agent.engine.base import (
+    FINISH_CANCELLED,
+    FINISH_STOP,
+    EngineLoadError,
+    Event,
+    StateOpError,
+    accepted_event,
+    error_event,
+)
 from nodes.link.codes import ErrorCode
 from nodes.link.spec import GenerateSpec
 
@@ -109,3 +117,39 @@ def _done_event(gen_id: str, seq: int, reason: str, tokens: int, duration: float
             "usage": {"prompt_tokens": 0, "completion_tokens": tokens},
             "timings": {"audio_s": round(float(duration), 3), "total_ms": round(took * 1000, 1)},
             "lane": 0, "evicted": []}
+
+
+class SpeechOnlyEngine:
+    """The text engine of a node that serves a speech model alone (`node_join --transcribe` without `--model`): it
+    has no text model, so every generation reaches the worker's Transcriber (child.py) and this answers the rest."""
+
+    def __init__(self, config: Any) -> None:
+        self.name, self.lanes = config.speech_model_name, config.lanes
+
+    def info(self) -> dict[str, Any]:
+        from faster_whisper import __version__
+
+        return {"model_name": self.name, "context_window": 0, "lanes": self.lanes, "capabilities": {},
+                "engine": "faster-whisper", "engine_version": __version__}
+
+    def submit(self, spec: GenerateSpec) -> list[Event]:
+        return [error_event(spec.gen_id, ErrorCode.INVALID_REQUEST, f"this node serves only the speech model "
+                            f"{self.name!r}: send audio to /v1/audio/transcriptions")]
+
+    def cancel(self, gen_id: str) -> list[Event]:
+        return []
+
+    def step(self) -> list[Event]:
+        return []
+
+    def busy(self) -> bool:
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        return {"lanes_busy": 0, "lanes": self.lanes}
+
+    def state_op(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        raise StateOpError(ErrorCode.UNKNOWN_OP, f"this node serves only the speech model {self.name!r}")
+
+    def close(self) -> None:
+        pass

@@ -54,9 +54,10 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("head", nargs="?", help="head address host:port (default: find it by mDNS)")
-        parser.add_argument("--model", required=True,
+        parser.add_argument("--model", default="",
                             help="a .gguf path, a bundled model id (smollm2), or the name of a model in the head's "
-                                 "registry (pulled into $FLEET_HOME/models/ unless this node has it)")
+                                 "registry (pulled into $FLEET_HOME/models/ unless this node has it); may be left out "
+                                 "when --transcribe names a speech model to serve alone")
         parser.add_argument("--token", help="fleet token <id>.<secret> (kept in $FLEET_HOME/fleet/token)")
         parser.add_argument("--max-context", type=_positive_int,
                             help="per-lane context window in tokens (default: sized for this device's free memory, "
@@ -83,8 +84,12 @@ class Command(BaseCommand):
                                  "engine worker")
 
     def handle(self, *args, **options):
+        if not options["model"] and not options["transcribe"]:
+            sys.stderr.write("node_join: give --model (a text model), --transcribe (a speech model), or both\n")
+            sys.exit(2)
         try:
-            if not is_registry_name(options["model"]):  # a registry name is asked of the head, or found in $FLEET_HOME
+            # a registry name is asked of the head, or found in $FLEET_HOME
+            if options["model"] and not is_registry_name(options["model"]):
                 resolve_model(options["model"])
             gpu_groups(options["replicas"], options["gpus"])
             cpu_groups(options["replicas"])

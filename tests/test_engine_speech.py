@@ -1,0 +1,50 @@
+"""A speech model in the engine worker process (nodes.agent.engine.speech), alone (`node_join --transcribe` without
+`--model`): the real faster-whisper model transcribes a WAV the test speaks, as a generation's events."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from nodes.agent.engine import EngineConfig, EngineWorker
+from nodes.agent.main import NodeOptions, engine_configs
+from nodes.agent.models import resolve_speech_model
+from nodes.link.spec import GenerateSpec
+from tests.speech import speak
+from tests.test_engine_worker import Recorder
+
+MODEL = "whisper-tiny.en"
+
+
+def test_a_node_without_a_text_model_gets_one_worker_with_only_the_speech_model(tmp_path):
+    configs, name, _ = engine_configs(NodeOptions(head=None, model="", transcribe=MODEL, home=tmp_path))
+    assert name == MODEL and len(configs) == 1
+    assert configs[0].model_path is None and Path(configs[0].speech_model_path, "model.bin").is_file()
+
+
+@pytest.fixture
+async def worker():
+    path, name = resolve_speech_model(MODEL)
+    recorder = Recorder()
+    worker = EngineWorker(EngineConfig(model_name=name, lanes=2, speech_model_path=str(path),
+                                       speech_model_name=name), on_event=recorder)
+    info = await worker.start()
+    yield worker, recorder, info
+    await worker.stop()
+
+
+async def test_the_worker_transcribes_by_segments_and_refuses_a_chat(worker, tmp_path):
+    worker, recorder, info = worker
+    assert info["capabilities"] == {"transcribe": True} and info["speech_model"] == MODEL
+    wav = speak("The weather today is sunny and warm.", tmp_path / "weather.wav")
+    await worker.submit(GenerateSpec(gen_id="t1", model=MODEL, prompt="", audio={"local_path": str(wav)}))
+    done = await recorder.wait_for("t1", ("done", "error"))
+    assert done["type"] == "done" and done["timings"]["audio_s"] > 1, done
+    tokens = recorder.of("t1", "tokens")
+    assert tokens and all(t["segments"][0]["end"] > t["segments"][0]["start"] for t in tokens)
+    assert {"weather", "sunny", "warm"} <= set(re.findall(r"[a-z]+", "".join(t["text"][0] for t in tokens).lower()))
+    await worker.submit(GenerateSpec(gen_id="t2", model=MODEL, messages=[{"role": "user", "content": "Hi"}]))
+    refused = await recorder.wait_for("t2", ("done", "error"))
+    assert refused["code"] == "invalid_request" and "/v1/audio/transcriptions" in refused["message"]
