@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import urllib.request
 
+import httpx
 import numpy as np
 import pytest
 from openai import BadRequestError, OpenAI
@@ -24,8 +25,10 @@ def speech_head(tmp_path_factory):
     head = make_head(tmp_path_factory.mktemp("speech"), extra_env={"FLEET_MAX_AUDIO_BYTES": str(AUDIO_LIMIT)})
     head.start()
     node = start_node(head, "--transcribe", MODEL, "--max-batch", "2", "--max-context", "512", identity="ears")
-    head.wait_nodes(1, timeout=180)
+    alone = start_node(head, "--transcribe", MODEL, identity="ears-only", model="")  # no text model
+    head.wait_nodes(2, timeout=180)
     yield head
+    alone.stop()
     node.stop()
     head.stop()
 
@@ -109,3 +112,17 @@ def test_a_file_over_the_limit_is_a_413(speech_head, tmp_path):
     with open(big, "rb") as upload, pytest.raises(Exception) as caught:
         client_of(speech_head).audio.transcriptions.create(model=MODEL, file=upload)
     assert caught.value.status_code == 413 and caught.value.body["code"] == "file_too_large"
+
+
+def test_a_node_that_serves_the_speech_model_alone_transcribes_too(speech_head, wav):
+    api = httpx.Client(base_url=speech_head.url, headers={"Authorization": f"Bearer {speech_head.api_key}"})
+    nodes = {n["identity"]: n for n in api.get("/api/nodes/").json()["results"]}
+    assert nodes["ears-only"]["models_served"] == [MODEL] and nodes["ears-only"]["capabilities"]["transcribe"]
+    api.post(f"/api/nodes/{nodes['ears']['id']}/cordon/").raise_for_status()  # nothing new goes to the other node
+    try:
+        with open(wav, "rb") as audio:
+            raw = client_of(speech_head).audio.transcriptions.with_raw_response.create(model=MODEL, file=audio)
+        assert raw.headers["x-fleet-node"] == "ears-only"
+        assert WORDS.issubset(words_of(raw.parse().text))
+    finally:
+        api.post(f"/api/nodes/{nodes['ears']['id']}/uncordon/").raise_for_status()

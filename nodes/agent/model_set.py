@@ -39,7 +39,8 @@ class ModelSet:
         own = self.primary.info()
         rows = [{"name": own.get("model_name", ""), "context_window": own.get("context_window", 0),
                  "lanes": own.get("lanes", 0)}]
-        if own.get("speech_model"):  # `--transcribe`: served beside the text model by the same worker
+        # `--transcribe`: served beside the text model by the same worker (or alone, when it is the worker's model)
+        if own.get("speech_model") and own["speech_model"] != rows[0]["name"]:
             rows.append({"name": own["speech_model"], "context_window": own.get("context_window", 0), "lanes": 0})
         for name, engine in self.serving.items():
             info = engine.info()
