@@ -248,4 +248,4 @@ class DeploymentAdmin(admin.ModelAdmin):
         pairs = deployment_states(deployment=deployment)
         if not pairs:
             return "no node reported it yet"
-        return format_html_join(format_html("<br>"), "{}: {}", ((p.node.identity, p.describe()) for p in pairs))
+        return format_html_join("", "{}: {}<br>", ((p.node.identity, p.describe()) for p in pairs))

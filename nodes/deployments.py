@@ -102,10 +102,11 @@ def node_model_record(*, node_id, model: str, state: str, progress: float = 0.0,
     if state == ModelPhase.UNLOADED:
         NodeModel.objects.filter(node_id=node_id, model=model).delete()
         return []
+    was = NodeModel.objects.filter(node_id=node_id, model=model).values_list("state", flat=True).first()
     NodeModel.objects.update_or_create(node_id=node_id, model=model, defaults={
         "state": state, "progress": max(0.0, min(progress, 1.0)), "detail": detail[:500]})
-    if state != ModelPhase.SERVING:
-        return []
+    if state != ModelPhase.SERVING or was == ModelPhase.SERVING:
+        return []  # only a pair that starts serving lets others go (a node says `serving` again at every deploy)
     others = NodeModel.objects.filter(model=model).exclude(node_id=node_id).values_list("node_id", flat=True)
     return [str(pk) for pk in others]
 

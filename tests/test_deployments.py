@@ -62,6 +62,8 @@ def test_a_moved_model_stays_on_its_old_node_until_a_node_it_moved_to_serves_it(
     assert [m["name"] for m in deployments.node_deployments(node_id=old.pk)] == [NAME]
     to_tell = deployments.node_model_record(node_id=new.pk, model=NAME, state="serving")
     assert to_tell == [str(old.pk)]
+    # said again (at every deploy it gets): nobody is told again, or two nodes would tell each other forever
+    assert deployments.node_model_record(node_id=new.pk, model=NAME, state="serving") == []
     assert deployments.node_deployments(node_id=old.pk) == []  # let go: its node drains it
     deployments.node_model_record(node_id=old.pk, model=NAME, state="unloaded")
     assert list(NodeModel.objects.values_list("node__identity", "state")) == [("new", "serving")]
@@ -170,3 +172,20 @@ def test_a_model_that_does_not_fit_is_refused_with_the_figures():
         deployed_window(Path(bundled_model_path()), lanes=2, context=8192, available=300_000_000)
     assert deployed_window(Path(bundled_model_path()), lanes=2, context=0, available=64_000_000_000) == 8192
     assert ModelPhase.SERVING == "serving"
+
+
+@pytest.mark.django_db
+def test_the_admin_adds_a_deployment_and_lists_each_pairs_state(client):
+    model = registry_model()
+    node = NodeFactory(identity="gpu-1", labels={"gpu": "a100"})
+    client.force_login(UserFactory(username="operator"))
+    added = client.post("/admin/nodes/deployment/add/", {"model": model.pk, "nodes": "[]", "labels": '{"gpu": "a100"}',
+                                                         "lanes": "2", "context": "0"})
+    assert added.status_code == 302, added.content.decode()[-2000:]
+    assert deployments.node_deployments(node_id=node.pk) == [{"name": NAME, "sha256": "ab" * 32, "lanes": 2,
+                                                              "context": 0}]
+    deployments.node_model_record(node_id=node.pk, model=NAME, state="pulling", progress=0.43)
+    assert "gpu-1: pulling 43%" in client.get("/admin/nodes/deployment/").content.decode()
+    refused = client.post("/admin/nodes/deployment/add/", {"model": model.pk, "nodes": "[]", "labels": "{}",
+                                                           "lanes": "2", "context": "0"})
+    assert "choose the nodes" in refused.content.decode()

@@ -4,6 +4,7 @@ label), then moving it from one node to the other while a client streams, with n
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import httpx
@@ -86,19 +87,24 @@ def test_a_model_deployed_by_label_is_served_by_both_nodes_then_moves_without_fa
     with api(head) as rest:
         assert rest.patch(f"/api/deployments/{deployment}/", json={"labels": {}, "nodes": ["dep-a"]}).status_code == 200
     wait_states(head, nodes, deployment, {"dep-a": "serving"})
-    results, failures, stop = [], [], threading.Event()
+    results, failures, stop, takes = [], [], threading.Event(), itertools.count()
 
     def stream() -> None:
-        i = 0
         while not stop.is_set():
-            i += 1
             try:
-                results.append(ask(head, client, f"Say a word about the sea, take {i}."))
+                results.append(ask(head, client, f"Say a word about the sea, take {next(takes)}."))
             except Exception as exc:  # a failed request is what this test is about
                 failures.append(repr(exc))
 
-    streamer = threading.Thread(target=stream, daemon=True)
-    streamer.start()
+    def watch_models() -> None:  # what a client choosing a model sees: the name is never missing from /v1/models
+        while not stop.wait(0.1):
+            if NAME not in [m.id for m in client.models.list().data]:
+                failures.append(f"{NAME} missing from /v1/models")
+
+    streamers = [threading.Thread(target=stream, daemon=True) for _ in range(2)]  # one always starts a new request
+    streamers.append(threading.Thread(target=watch_models, daemon=True))
+    for streamer in streamers:
+        streamer.start()
     try:
         wait_for(lambda: len(results) >= 2, 60, f"the client got no answers: {failures}")
         with api(head) as rest:
@@ -109,7 +115,8 @@ def test_a_model_deployed_by_label_is_served_by_both_nodes_then_moves_without_fa
         wait_for(lambda: len(results) >= after + 2, 60, f"no answers after the move: {failures}")
     finally:
         stop.set()
-        streamer.join(120)
+        for streamer in streamers:
+            streamer.join(120)
     assert failures == []
     assert {node for node, _ in results} == {"dep-a", "dep-b"}
     assert results[-1][0] == "dep-b"
