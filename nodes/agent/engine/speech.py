@@ -37,9 +37,7 @@ class Transcriber:
 
     def __init__(self, path: str, name: str, send: Callable[[list[Event]], None], threads: int | None = None):
         try:
-            from faster_whisper import WhisperModel
-
-            self.model = WhisperModel(path, device="auto", compute_type="auto", cpu_threads=threads or 0)
+            self.model = _load(path, threads)
         except Exception as exc:  # a missing package, a folder that is no CTranslate2 model
             raise EngineLoadError(f"the speech model {name!r} could not be loaded from {path}: {exc}") from exc
         self.name, self.send = name, send
@@ -99,6 +97,18 @@ class Transcriber:
             self.send([_segment_event(spec.gen_id, seq, segment, info.language)])
             seq, tokens = seq + 1, tokens + len(segment.tokens)
         self.send([_done_event(spec.gen_id, seq, reason, tokens, info.duration, time.monotonic() - started)])
+
+
+def _load(path: str, threads: int | None) -> Any:
+    """The model on the GPU when CTranslate2 finds one it can use, else on the CPU (a GPU without CUDA's libraries
+    fails to load there, and a node should still serve)."""
+    from faster_whisper import WhisperModel
+
+    try:
+        return WhisperModel(path, device="auto", compute_type="auto", cpu_threads=threads or 0)
+    except (RuntimeError, ValueError) as exc:
+        log.warning("fleet node: the speech model could not load on the GPU (%s); loading it on the CPU", exc)
+        return WhisperModel(path, device="cpu", compute_type="auto", cpu_threads=threads or 0)
 
 
 def _segment_event(gen_id: str, seq: int, segment: Any, language: str) -> Event:
