@@ -44,7 +44,7 @@ def deployment_create(*, model: Model, nodes: list, labels: dict, lanes: int = 4
     """Put `model` on the chosen nodes; each is told over its link once this commits."""
     deployment_check(nodes=nodes, labels=labels, lanes=lanes, context=context)
     deployment = Deployment.objects.create(model=model, nodes=nodes, labels=labels, lanes=lanes, context=context)
-    transaction.on_commit(_tell_online_nodes)
+    deployments_changed()
     return deployment
 
 
@@ -57,7 +57,7 @@ def deployment_update(*, deployment: Deployment, **changes) -> Deployment:
     deployment_check(nodes=deployment.nodes, labels=deployment.labels, lanes=deployment.lanes,
                      context=deployment.context)
     deployment.save()
-    transaction.on_commit(_tell_online_nodes)
+    deployments_changed()
     return deployment
 
 
@@ -65,7 +65,7 @@ def deployment_update(*, deployment: Deployment, **changes) -> Deployment:
 def deployment_delete(*, deployment: Deployment) -> None:
     """Take the model off its nodes (each drains it: what runs there finishes)."""
     deployment.delete()
-    transaction.on_commit(_tell_online_nodes)
+    deployments_changed()
 
 
 # --- what a node should serve ----------------------------------------------------------------------------------
@@ -97,11 +97,11 @@ def _served_as_chosen(model: str, deployments: list[Deployment], *, exclude: Nod
 def node_model_record(*, node_id, model: str, state: str, progress: float = 0.0, detail: str = "") -> list[str]:
     """Keep what a node reported of a deployed model (`unloaded` forgets the pair). Returns the other nodes to tell
     their deployments again: when it starts serving, those keeping it for a deployment that moved here let it go."""
-    if not Model.objects.filter(name=model).exists():
-        return []  # not a registry model: nothing was deployed under that name
     if state == ModelPhase.UNLOADED:
         NodeModel.objects.filter(node_id=node_id, model=model).delete()
         return []
+    if not Model.objects.filter(name=model).exists():
+        return []  # not a registry model (or deleted since): nothing is deployed under that name
     was = NodeModel.objects.filter(node_id=node_id, model=model).values_list("state", flat=True).first()
     NodeModel.objects.update_or_create(node_id=node_id, model=model, defaults={
         "state": state, "progress": max(0.0, min(progress, 1.0)), "detail": detail[:500]})
@@ -129,6 +129,11 @@ def tell_nodes(node_ids: list[str]) -> None:
     layer = get_channel_layer()
     for node_id in node_ids if layer is not None else []:
         async_to_sync(layer.group_send)(node_group(node_id), {"type": "node.deploy"})
+
+
+def deployments_changed() -> None:
+    """Once this transaction commits, have every online node's link send the node its deployments again."""
+    transaction.on_commit(_tell_online_nodes)
 
 
 def _tell_online_nodes() -> None:

@@ -160,9 +160,13 @@ def model_upload_finish(*, upload_id: str, name: str) -> Model:
 
 
 def model_delete(*, model: Model) -> None:
-    """Delete the entry, and its file when no other name uses it."""
-    sha256 = model.sha256
+    """Delete the entry (and its deployments: their nodes drain it), and its file when no other name uses it."""
+    from nodes.deployments import deployments_changed
+
+    sha256, deployed = model.sha256, model.deployments.exists()
     model.delete()
+    if deployed:
+        deployments_changed()
     if not Model.objects.filter(sha256=sha256).exists():
         blob_path(sha256).unlink(missing_ok=True)
 

@@ -189,3 +189,20 @@ def test_the_admin_adds_a_deployment_and_lists_each_pairs_state(client):
     refused = client.post("/admin/nodes/deployment/add/", {"model": model.pk, "nodes": "[]", "labels": "{}",
                                                            "lanes": "2", "context": "0"})
     assert "choose the nodes" in refused.content.decode()
+
+
+@pytest.mark.django_db
+def test_deleting_a_deployed_registry_model_tells_every_online_node(monkeypatch, django_capture_on_commit_callbacks):
+    from nodes import registry
+
+    told = []
+    monkeypatch.setattr(deployments, "tell_nodes", told.extend)
+    model, node = registry_model(), NodeFactory(identity="a")
+    deployments.deployment_create(model=model, nodes=["a"], labels={})
+    deployments.node_model_record(node_id=node.pk, model=NAME, state="serving")
+    with django_capture_on_commit_callbacks(execute=True):
+        registry.model_delete(model=model)
+    assert told == [str(node.pk)]
+    assert deployments.node_deployments(node_id=node.pk) == []
+    deployments.node_model_record(node_id=node.pk, model=NAME, state="unloaded")  # the pair goes with it
+    assert not NodeModel.objects.exists()
