@@ -95,6 +95,9 @@ def _common() -> dict[str, Any]:
         "top_k": _integer(0, 1_000_000), "seed": _integer(-INT64 - 1, INT64),
         "ignore_eos": _opt({"type": "boolean"}),
         "batch_invariant": _opt({"type": "boolean"}),
+        "lora": _opt({"type": "array", "maxItems": specs.MAX_LORA, "items": {
+            "type": "object", "required": ["name"],
+            "properties": {"name": {"type": "string", "minLength": 1, "pattern": r"\S"}, "scale": _number(-16, 16)}}}),
         "stop": _opt({"oneOf": [{"type": "string", "minLength": 1},
                                 {"type": "array", "maxItems": specs.MAX_STOP,
                                  "items": {"type": "string", "minLength": 1}}]}),
@@ -236,8 +239,8 @@ def v1_schema() -> dict[str, Any]:
         "openapi": "3.0.3",
         "info": {"title": "Fleet OpenAI-compatible API", "version": "1",
                  "description": "OpenAI's /v1 shapes, served by a llama.cpp fleet. Errors are OpenAI's error "
-                                "object. Extensions (session, grammar, logit_bias_handle, deadline_ms, top_k, "
-                                "min_p, repeat_penalty, ignore_eos, batch_invariant) are described in docs/api.md."},
+                                "object. Extensions (session, grammar, logit_bias_handle, deadline_ms, top_k, min_p, "
+                                "repeat_penalty, ignore_eos, batch_invariant, lora) are described in docs/api.md."},
         "servers": [{"url": "/"}],
         "security": [{"apiKey": []}],
         "paths": {

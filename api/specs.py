@@ -56,7 +56,7 @@ class GenerationRequest:
         s = self.spec
         params = {k: getattr(s, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                                              "presence_penalty", "frequency_penalty", "repeat_penalty", "ignore_eos",
-                                             "logprobs", "top_logprobs", "batch_invariant")}
+                                             "logprobs", "top_logprobs", "batch_invariant", "lora")}
         params.update(stream=self.stream, grammar=bool(s.grammar), json_schema=bool(s.json_schema),
                       logit_bias=len(s.logit_bias), deadline=s.deadline)
         if self.tools:
@@ -149,6 +149,7 @@ def _base_spec(body: dict[str, Any]) -> GenerateSpec:
     spec.batch_invariant = _bool(body, "batch_invariant", False)
     spec.stop = _stop(body.get("stop"))
     spec.logit_bias = _logit_bias(body.get("logit_bias"))
+    spec.lora = _lora(body.get("lora"))
     return spec
 
 
@@ -194,6 +195,28 @@ def _bool(body, name, default: bool) -> bool:
     if not isinstance(value, bool):
         raise invalid(f"{name} must be true or false.", param=name)
     return value
+
+
+MAX_LORA = 8
+LORA_SHAPE = 'lora must be a list of {"name": adapter, "scale": number} objects (scale defaults to 1).'
+
+
+def _lora(lora: Any) -> list[list[Any]]:
+    """The `lora` extension field: adapters by name with scales, as [name, scale] pairs sorted by name."""
+    if lora is None:
+        return []
+    if not isinstance(lora, list) or len(lora) > MAX_LORA or not all(isinstance(item, dict) for item in lora):
+        raise invalid(f"{LORA_SHAPE} At most {MAX_LORA}.", param="lora")
+    pairs: dict[str, float] = {}
+    for item in lora:
+        name = item.get("name")
+        if not isinstance(name, str) or not name.strip() or name in pairs:
+            raise invalid(f"{LORA_SHAPE} Each names a different adapter.", param="lora")
+        scale = item.get("scale", 1.0)
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not -16 <= scale <= 16:
+            raise invalid(f"the scale of LoRA adapter {name!r} must be a number from -16 to 16.", param="lora")
+        pairs[name] = float(scale)
+    return [[name, scale] for name, scale in sorted(pairs.items())]
 
 
 def _stop(stop: Any) -> list[str]:

@@ -42,6 +42,7 @@ CAPABILITY_HINTS = {
     "batch_invariant": "start a node with `manage.py node_join --batch-invariant` (greedy output then never depends "
                        "on the batch, at some speed), or leave batch_invariant out",
     "transcribe": "start a node with `manage.py node_join --transcribe whisper-tiny.en` and name that model",
+    "lora": "load the adapter on a node serving the model (`manage.py node_join --lora NAME=PATH`)",
 }
 
 
@@ -287,7 +288,7 @@ class GenerationStream:
             lacking = sorted({n for lacks in missing.values() for n in lacks},
                              key=lambda n: sum(n in lacks for lacks in missing.values()), reverse=True)[0]
             names = ", ".join(sorted(s.identity for s in serving if lacking in missing[s.node_id]))
-            hint = CAPABILITY_HINTS.get(lacking, "use a node whose engine supports it")
+            hint = CAPABILITY_HINTS.get(lacking.partition(":")[0], "use a node whose engine supports it")
             raise GenerationError("capability_unavailable", f"This request needs {lacking}, and no node serving "
                                   f"{self.spec.model!r} has it (lacking it: {names}); {hint}.",
                                   status=400, param=lacking)

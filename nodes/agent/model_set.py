@@ -42,6 +42,9 @@ class ModelSet:
         # `--transcribe`: served beside the text model by the same worker (or alone, when it is the worker's model)
         if own.get("speech_model") and own["speech_model"] != rows[0]["name"]:
             rows.append({"name": own["speech_model"], "context_window": own.get("context_window", 0), "lanes": 0})
+        # `--lora`: each adapter is also served as MODEL:ADAPTER, so a plain OpenAI client picks it by model name
+        rows += [{"name": f"{rows[0]['name']}:{key[5:]}", "context_window": own.get("context_window", 0), "lanes": 0}
+                 for key, on in sorted((own.get("capabilities") or {}).items()) if key.startswith("lora:") and on]
         for name, engine in self.serving.items():
             info = engine.info()
             rows.append({"name": name, "context_window": info["context_window"], "lanes": info["lanes"]})

@@ -17,9 +17,14 @@ from nodes.link.prefix import PrefixKey, prefix_keys
 from nodes.link.spec import GenerateSpec
 
 
+def cache_space(spec: GenerateSpec) -> str:
+    """What a node's cached prompts are keyed by: the model, and the LoRA adapters their KV was computed under."""
+    return spec.model + "".join(f"\x1d{name}={scale:g}" for name, scale in sorted(spec.lora))
+
+
 def placement_keys(spec: GenerateSpec) -> list[PrefixKey]:
     """The prompt's prefix keys: what placement matches against what nodes hold."""
-    return prefix_keys(model=spec.model, prompt=spec.prompt, messages=spec.messages)
+    return prefix_keys(model=cache_space(spec), prompt=spec.prompt, messages=spec.messages)
 
 
 def held_keys(spec: GenerateSpec, keys: list[PrefixKey], answer: str) -> list[PrefixKey]:
@@ -27,7 +32,8 @@ def held_keys(spec: GenerateSpec, keys: list[PrefixKey], answer: str) -> list[Pr
     answer appended (its next turn starts with it)."""
     if spec.messages is None:
         return list(keys)
-    return keys + prefix_keys(model=spec.model, messages=[*spec.messages, {"role": "assistant", "content": answer}])
+    answered = [*spec.messages, {"role": "assistant", "content": answer}]
+    return keys + prefix_keys(model=cache_space(spec), messages=answered)
 
 
 class PlacementLifecycle:

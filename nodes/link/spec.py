@@ -51,13 +51,16 @@ class GenerateSpec:
     # text that guides it (may be empty). The node answers with one token batch per segment.
     audio: dict[str, Any] | None = None
     transcribe: dict[str, Any] = field(default_factory=dict)
+    # LoRA adapters to run with, as [name, scale] pairs (names the node loaded); generations with different sets
+    # never share a decode step.
+    lora: list[list[Any]] = field(default_factory=list)
 
     def needs(self) -> list[str]:
         """The node capabilities this generation cannot run without (placement filters on them)."""
         wanted = {"grammar": bool(self.grammar or self.json_schema), "logprobs": self.logprobs,
                   "embeddings": self.embedding, "batch_invariant": self.batch_invariant,
                   "transcribe": self.audio is not None}
-        return [name for name, needed in wanted.items() if needed]
+        return [name for name, needed in wanted.items() if needed] + [f"lora:{name}" for name, _ in self.lora]
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -22,6 +22,7 @@ from nodes.agent.engine.base import (
     EngineLoadError,
     StateOpError,
 )
+from nodes.agent.engine.lora import LoraAdapters
 from nodes.agent.engine.model import LoadedModel
 from nodes.agent.engine.park import LaneParking
 from nodes.agent.engine.runs import Run
@@ -106,6 +107,9 @@ class LlamaEngine(LaneEngine):
         if L.llama_n_ctx_seq(self.ctx) < window:
             raise EngineLoadError(f"llama.cpp gave each lane {L.llama_n_ctx_seq(self.ctx)} tokens, not {window}")
         self.mem = L.llama_get_memory(self.ctx)
+        self.lora = LoraAdapters(self.model.model)
+        for name, path in config.adapters.items():
+            self.lora.load(name, path)
         super().__init__(config, window, L.llama_n_batch(self.ctx))
         self.batch = TokenBatch(self.n_batch)
         self._embed_ctx: Any = None
@@ -124,8 +128,9 @@ class LlamaEngine(LaneEngine):
                 "embeddings": True,
                 "grammar": True,
                 "logprobs": True,
-                "lora": False,
+                "lora": True,
                 "batch_invariant": self.config.batch_invariant,
+                **{f"lora:{name}": True for name in sorted(self.lora.loaded)},
             },
             "engine": "llama.cpp",
             "engine_version": L.__version__,
@@ -149,6 +154,7 @@ class LlamaEngine(LaneEngine):
         for ctx in (self._embed_ctx, self.ctx):
             if ctx:
                 L.llama_free(ctx)
+        self.lora.close()
         self._embed_ctx = self.ctx = None
         self.model.close()
 
@@ -207,6 +213,26 @@ class LlamaEngine(LaneEngine):
         L.llama_memory_seq_cp(self.mem, source.index, lane.index, -1, -1)
         self._trim_lane(lane, keep)
 
+    def adapter_names(self) -> set[str]:
+        return set(self.lora.loaded)
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter while serving; requests may name it from the next submit on."""
+        self.lora.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Free a LoRA adapter no queued or running generation uses, and forget the lanes computed under it."""
+        users = [run.gen_id for run in [*self.queue, *(lane.run for lane in self.lanes if lane.run)]
+                 if any(n == name for n, _ in run.adapters)]
+        if users:
+            raise EngineError(ErrorCode.INVALID_REQUEST, f"LoRA adapter {name!r} is in use by {len(users)} "
+                              "generation(s); unload it when they end")
+        self.lora.unload(self.ctx, name)
+        for lane in self.lanes:
+            if any(n == name for n, _ in lane.adapters):
+                self._trim_lane(lane, 0)
+                lane.tokens, lane.holders, lane.adapters = [], [], ()
+
     def _lane_idle(self, lane: Lane) -> None:
         if self.parking is not None:
             self._unparked.add(lane.index)
@@ -218,7 +244,7 @@ class LlamaEngine(LaneEngine):
             return
         for index in sorted(self._unparked):
             lane = self.lanes[index]
-            if lane.run is None:
+            if lane.run is None and not lane.adapters:  # a restart restores lanes as the base model's
                 self.parking.park(lane)
         self._unparked.clear()
 
@@ -238,6 +264,7 @@ class LlamaEngine(LaneEngine):
             if work.sample:
                 outputs.append((work, index))
         batch.batch.n_tokens = batch.n
+        self.lora.apply(self.ctx, works[0].lane.run.adapters if works[0].lane.run else ())
         rc = L.llama_decode(self.ctx, batch.batch)
         if rc != 0:
             raise EngineError(ErrorCode.ENGINE_FAILED, f"llama_decode failed with code {rc}")

@@ -57,6 +57,7 @@ class Run:
     next_token: int | None = None  # sampled, not yet read into the KV cache
     seq: int = 1
     finished: bool = False
+    adapters: tuple = ()  # its LoRA adapter set (an AdapterKey); lanes of other sets never share its steps
     _held: list[Token] = field(default_factory=list)  # may still become a stop string
     _out: list[Token] = field(default_factory=list)  # settled, waiting for the next flush
     _out_since: float = 0.0

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nodes.agent.engine.adapters import AdapterKey, adapter_key
 from nodes.agent.engine.base import (
     FINISH_CANCELLED,
     FINISH_DEADLINE,
@@ -51,6 +52,7 @@ class Lane:
     run: Run | None = None
     holders: list[tuple[str, int]] = field(default_factory=list)  # (gen_id, prompt length) cached here
     last_used: float = 0.0
+    adapters: AdapterKey = ()  # the LoRA adapter set its KV was computed under
 
 
 @dataclass
@@ -104,6 +106,7 @@ class LaneEngine(ABC):
         self._rate: deque[tuple[float, int]] = deque()
         self.prefix_copies = 0
         self.pace = Pace()  # its prefill rate and decode slowdown, from the steps' own timings
+        self._step_adapters: AdapterKey = ()  # the adapter set of the last step, when sets take turns
 
     # -- what a model supplies ------------------------------------------------------------------------
 
@@ -143,6 +146,10 @@ class LaneEngine(ABC):
     def idle_work(self) -> None:  # noqa: B027 - optional hook
         """Housekeeping the worker runs when no lane is busy (the llama engine parks lanes to disk)."""
 
+    def adapter_names(self) -> set[str]:
+        """The LoRA adapters a request may name here."""
+        return set(self.config.adapters)
+
     # -- the Engine interface -------------------------------------------------------------------------
 
     def submit(self, spec: GenerateSpec) -> list[Event]:
@@ -153,9 +160,11 @@ class LaneEngine(ABC):
             return [error_event(spec.gen_id, ErrorCode.INVALID_REQUEST, "this node is not batch-invariant (it was not "
                                 "started with node_join --batch-invariant)")]
         try:
+            adapters = adapter_key(self._lora_asked(spec), self.adapter_names())
             run = self._prepare(spec, clock())
         except EngineError as exc:
             return [error_event(spec.gen_id, exc.code, exc.message, exc.retryable)]
+        run.adapters = adapters
         if spec.deadline is not None and time.time() >= spec.deadline:
             self._release_run(run)
             return [run.done_event(FINISH_DEADLINE, clock())]
@@ -219,6 +228,13 @@ class LaneEngine(ABC):
 
     # -- internals ------------------------------------------------------------------------------------
 
+    def _lora_asked(self, spec: GenerateSpec) -> list[list]:
+        """The request's `lora` pairs, and the adapter its model name picks (MODEL:ADAPTER, at scale 1)."""
+        named = spec.model.rpartition(":")[2] if ":" in spec.model else ""
+        if named in self.adapter_names() and all(name != named for name, _ in spec.lora):
+            return [*spec.lora, [named, 1.0]]
+        return spec.lora
+
     def _find(self, gen_id: str) -> Run | None:
         for run in self.queue:
             if run.gen_id == gen_id:
@@ -228,7 +244,7 @@ class LaneEngine(ABC):
                 return lane.run
         return None
 
-    def _pick_lane(self, tokens: list[int]) -> LanePick | None:
+    def _pick_lane(self, tokens: list[int], adapters: AdapterKey = ()) -> LanePick | None:
         """The free lane where `tokens` cost least: most tokens reused less tokens of the lane's cache thrown away.
 
         Tokens reused are the lane's own common prefix with the prompt or, when some other lane (busy or not)
@@ -236,8 +252,9 @@ class LaneEngine(ABC):
         node is reused from every lane, the choice among free lanes comes down to what each would discard, and
         a token or two in common never throws away another conversation's cache while an empty lane is free.
         Equal scores go to the lane that discards least, then to one that needs no copy, then to the least
-        recently used. At least the last prompt token is always read again: its logits give the first sample."""
-        commons = [common_prefix(lane.tokens, tokens) for lane in self.lanes]
+        recently used. At least the last prompt token is always read again: its logits give the first sample.
+        Only lanes computed under the same LoRA adapter set hold anything the prompt can reuse."""
+        commons = [common_prefix(lane.tokens, tokens) if lane.adapters == adapters else 0 for lane in self.lanes]
         shared = max(commons)
         source = self.lanes[commons.index(shared)] if shared else None
         best: tuple[tuple[int, int, bool, float], LanePick] | None = None
@@ -256,7 +273,7 @@ class LaneEngine(ABC):
     def _admit(self) -> list[Event]:
         events: list[Event] = []
         while self.queue:
-            pick = self._pick_lane(self.queue[0].tokens)
+            pick = self._pick_lane(self.queue[0].tokens, self.queue[0].adapters)
             if pick is None:
                 break
             lane, keep, common = pick.lane, pick.keep, pick.common
@@ -273,7 +290,7 @@ class LaneEngine(ABC):
             lane.holders = [(gen_id, n) for gen_id, n in lane.holders if n <= common and gen_id != run.gen_id]
             lane.holders.append((run.gen_id, len(run.tokens)))
             run.lane, run.cached_tokens = lane.index, keep
-            lane.run = run
+            lane.run, lane.adapters = run, run.adapters
             events.append(accepted_event(run.gen_id, run.prompt_tokens, keep, lane.index, run.evicted))
         return events
 
@@ -288,12 +305,13 @@ class LaneEngine(ABC):
 
     def _plan(self) -> list[Work]:
         """Decode tokens first (one per lane, so decoding never stalls behind a long prompt), then
-        prompt chunks in arrival order while the batch has room."""
+        prompt chunks in arrival order while the batch has room. Only lanes of one LoRA adapter set share a step."""
         works: list[Work] = []
         prefills: list[Lane] = []
+        adapters = self._next_adapters()
         for lane in self.lanes:
             run = lane.run
-            if run is None:
+            if run is None or run.adapters != adapters:
                 continue
             if len(lane.tokens) < len(run.tokens):
                 prefills.append(lane)
@@ -310,6 +328,16 @@ class LaneEngine(ABC):
             works.append(Work(lane, chunk, start, start + len(chunk) == len(run.tokens)))
             budget -= len(chunk)
         return works
+
+    def _next_adapters(self) -> AdapterKey:
+        """The adapter set this step runs: the only one in use, else the next in turn after the last step's."""
+        sets = sorted({lane.run.adapters for lane in self.lanes if lane.run is not None})
+        if len(sets) > 1:
+            later = [key for key in sets if key > self._step_adapters]
+            self._step_adapters = later[0] if later else sets[0]
+        elif sets:
+            self._step_adapters = sets[0]
+        return self._step_adapters
 
     def _absorb(self, works: list[Work], samples: dict[int, Sample], started: float, now: float) -> list[Event]:
         events: list[Event] = []

@@ -36,6 +36,22 @@ def _label(value: str) -> tuple[str, str]:
     return key, label
 
 
+def _lora(value: str) -> tuple[str, str]:
+    """--lora NAME=PATH (or PATH: named for its file) -> (name, path)."""
+    import argparse
+    import re
+    from pathlib import Path
+
+    name, sep, path = value.partition("=")
+    if not sep:
+        name, path = Path(value).stem, value
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", name):
+        raise argparse.ArgumentTypeError(f"{name!r} is not an adapter name (letters, digits, '.', '_', '-')")
+    if not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"no LoRA adapter file at {path}")
+    return name, str(Path(path).resolve())
+
+
 def _one_line_error(message: str) -> None:
     sys.stderr.write(f"node_join: {message} (see `manage.py node_join --help`)\n")
     sys.exit(2)
@@ -78,6 +94,9 @@ class Command(BaseCommand):
         parser.add_argument("--batch-invariant", action="store_true",
                             help="flash attention off: a greedy generation's tokens never depend on what shares its "
                                  "batch (slower; requests with batch_invariant go only to such nodes)")
+        parser.add_argument("--lora", type=_lora, action="append", default=[], metavar="NAME=PATH",
+                            help="load a GGUF LoRA adapter for the model (repeat for more); requests pick it as model "
+                                 "MODEL:NAME or with the lora field")
         parser.add_argument("--transcribe", metavar="SPEECH_MODEL",
                             help="also serve /v1/audio/transcriptions with this speech model: whisper-tiny.en (the "
                                  "bundled one) or a CTranslate2 Whisper model folder; run by faster-whisper in the "
@@ -105,7 +124,7 @@ class Command(BaseCommand):
             head=options["head"], model=options["model"], token=options["token"],
             max_context=options["max_context"], max_batch=options["max_batch"], identity=options["identity"],
             model_name=options["model_name"], offline=options["offline"], park=options["park"],
-            labels=dict(options["label"]),
+            labels=dict(options["label"]), adapters=dict(options["lora"]),
             replicas=options["replicas"], gpus=options["gpus"], accept_new_head=options["accept_new_head"],
             batch_invariant=options["batch_invariant"], home=settings.FLEET_HOME, transcribe=options["transcribe"],
         ))
