@@ -194,10 +194,17 @@ class Registration:
 
 
 def _served_model_names() -> set[str]:
+    """The text models the fleet serves (speech models, `node_join --transcribe`, are no names to take)."""
     names: set[str] = set(getattr(settings, "FLEET_MODELS", []) or [])
-    for served in Node.objects.exclude(state=Node.State.OFFLINE).values_list("models_served", flat=True):
-        names.update(served or [])
+    rows = Node.objects.exclude(state=Node.State.OFFLINE).values_list("models_served", "capabilities")
+    for served, capabilities in rows:
+        names.update(set(served or []) - _speech_models(capabilities))
     return names
+
+
+def _speech_models(capabilities) -> set[str]:
+    speech = capabilities.get("speech_models") if isinstance(capabilities, dict) else None
+    return {m for m in speech if isinstance(m, str)} if isinstance(speech, list) else set()
 
 
 def node_fleet_model_name(own: str, *, served: set[str]) -> tuple[str, str | None]:
@@ -221,8 +228,10 @@ def node_register(
     served = _served_model_names()
     names, warnings = [], []
     in_registry = set(Model.objects.filter(name__in=models).values_list("name", flat=True))
-    for own in models:  # a registry model (a deployed one) keeps its name
-        name, warning = (own, None) if own in in_registry else node_fleet_model_name(own, served=served)
+    speech = _speech_models(capabilities)
+    for own in models:  # a registry model (a deployed one) and a speech model keep their names
+        keep = own in in_registry or own in speech
+        name, warning = (own, None) if keep else node_fleet_model_name(own, served=served)
         names.append(name)
         if warning:
             warnings.append(warning)

@@ -102,6 +102,22 @@ def test_model_name_rules():
     assert node_fleet_model_name("qwen", served=set()) == ("qwen", None)
 
 
+def test_a_speech_model_keeps_its_name_and_lends_it_to_no_text_model():
+    """`node_join --transcribe`: the one-model rename above never makes a text model of a speech model or back."""
+    speech = {"chat": True, "transcribe": True, "speech_models": ["whisper-tiny.en"]}
+
+    def join(identity, models, capabilities):
+        return node_register(identity=identity, public_key=identity.encode().hex().ljust(64, "0"), address="10.0.0.7",
+                             token=None, models=models, lanes=2, context_window=512, capabilities=capabilities,
+                             engine="llama.cpp", version="1", labels={}, replicas=[])
+
+    assert join("ears-only", ["whisper-tiny.en"], speech).node.models_served == ["whisper-tiny.en"]
+    both = join("ears", ["smollm2", "whisper-tiny.en"], speech)
+    assert both.node.models_served == ["smollm2", "whisper-tiny.en"] and not both.warnings
+    assert join("gpu-9", ["SmolLM2-135M"], {"chat": True}).node.models_served == ["smollm2"]  # the rule still holds
+    assert join("ears-2", ["whisper-tiny.en"], speech).node.models_served == ["whisper-tiny.en"]
+
+
 def test_sweep_marks_silent_nodes_offline_idempotently():
     old = timezone.now() - timedelta(minutes=10)
     stale = NodeFactory(last_seen_at=old)

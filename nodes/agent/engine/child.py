@@ -86,7 +86,9 @@ def _info(engine: Engine, transcriber: Transcriber | None) -> dict[str, Any]:
     """The engine's info, plus the speech model and the `transcribe` capability when this worker has one."""
     info = engine.info()
     if transcriber is not None:
-        info = {**info, "speech_model": transcriber.name, "capabilities": {**info["capabilities"], "transcribe": True}}
+        # `speech_models`: the head never renames these to (or names another model after) a text model
+        capabilities = {**info["capabilities"], "transcribe": True, "speech_models": [transcriber.name]}
+        info = {**info, "speech_model": transcriber.name, "capabilities": capabilities}
     return info
 
 
