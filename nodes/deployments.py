@@ -26,10 +26,11 @@ class DeploymentError(ValueError):
 
 def deployment_check(*, nodes: list, labels: dict, lanes: int, context: int) -> None:
     """Raises DeploymentError unless the selector and sizes make a deployment."""
-    if not isinstance(nodes, list) or not all(isinstance(n, str) and 0 < len(n) <= 200 for n in nodes):
+    if not isinstance(nodes, list) or not all(isinstance(n, str) and 0 < len(n) <= 200 and "\x00" not in n
+                                              for n in nodes):
         raise DeploymentError("nodes must be a list of node identities (the names they joined with)")
     if not isinstance(labels, dict) or not all(isinstance(k, str) and LABEL_RE.fullmatch(k) and isinstance(v, str)
-                                               and len(v) <= 200 for k, v in labels.items()):
+                                               and len(v) <= 200 and "\x00" not in v for k, v in labels.items()):
         raise DeploymentError("labels must map label names to string values, as node_join --label KEY=VALUE sets")
     if not nodes and not labels:
         raise DeploymentError("choose the nodes: name them in nodes, or give labels they must have")

@@ -88,12 +88,21 @@ def test_the_api_makes_deployments_and_shows_each_pair_as_pulling_serving_or_fai
     ({"model": "nope", "nodes": ["a"]}, "does not exist"),
     ({"model": NAME, "nodes": ["a"], "lanes": 0}, "lanes must be from 1"),
     ({"model": NAME, "labels": {"": "x"}}, "labels must map"),
+    ({"model": NAME, "labels": {"g\u0000": "a"}}, "labels must map"),  # PostgreSQL's jsonb refuses NUL
+    ({"model": NAME, "labels": {"gpu": "a\u0000"}}, "Null characters are not allowed"),
 ])
 def test_a_deployment_that_cannot_be_made_is_a_400_saying_why(staff, body, says):
     registry_model()
     answer = staff.post("/api/deployments/", body, format="json")
     assert answer.status_code == 400
     assert says in str(answer.json())
+
+
+def test_a_nul_in_a_node_name_or_label_value_is_refused_by_the_service_too():  # the admin's JSON fields reach it
+    with pytest.raises(deployments.DeploymentError, match="nodes must be a list"):
+        deployments.deployment_check(nodes=["a\x00"], labels={}, lanes=1, context=0)
+    with pytest.raises(deployments.DeploymentError, match="labels must map"):
+        deployments.deployment_check(nodes=[], labels={"gpu": "a\x00"}, lanes=1, context=0)
 
 
 @pytest.mark.django_db
