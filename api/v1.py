@@ -32,7 +32,7 @@ from api.specs import GenerationRequest, chat_request, completion_request
 from api.sse import first_event, sse_response
 from api.transcriptions import serve_transcription
 from fleet.links import registry
-from fleet.remote import remote_link
+from fleet.remote import aremote_link
 from nodes import selectors as node_selectors
 from nodes.link.messages import LinkError
 
@@ -117,7 +117,7 @@ def json_body(request: HttpRequest) -> dict[str, Any]:
 
 async def served_models() -> list[str]:
     """Models served by a node linked to this head, and by online nodes anywhere in the fleet."""
-    live = set(registry().placement.models())
+    live = set(await registry().aplacement.models())
     recorded = await sync_to_async(node_selectors.node_models_served)()
     return sorted(live | set(recorded))
 
@@ -193,7 +193,7 @@ async def audio_transcriptions(request: HttpRequest) -> HttpResponse:
 async def embeddings(request: HttpRequest) -> HttpResponse:
     body = json_body(request)
     model, texts, encoding = _embedding_input(body)
-    node, link = _embedding_node(model)
+    node, link = await _embedding_node(model)
     try:
         result = await link.state_op("embed", {"texts": texts, "model": model}, EMBED_TIMEOUT_S)
     except TimeoutError:
@@ -230,18 +230,19 @@ def _embedding_input(body: dict[str, Any]) -> tuple[str, list[str], str]:
     return model.strip(), texts, encoding
 
 
-def _embedding_node(model: str) -> tuple[str, Any]:
+async def _embedding_node(model: str) -> tuple[str, Any]:
     """A node serving the model, the least busy first (an embedding takes no generation lane); one linked to
     this head process before one linked to another (which the request then reaches through the channel layer)."""
     reg = registry()
-    slots = [s for s in reg.placement.nodes() if model in s.models and "embeddings" in s.capabilities]
+    nodes = await reg.aplacement.nodes()
+    slots = [s for s in nodes if model in s.models and "embeddings" in s.capabilities]
     if not slots:
-        served = ", ".join(reg.placement.models()) or "none"
+        served = ", ".join(sorted({m for s in nodes for m in s.models})) or "none"
         raise OpenAIError(404, f"The model {model!r} is not served by any node that embeds (served: {served}).",
                           code="model_not_found", param="model")
     for slot in sorted(slots, key=lambda s: (s.node_id not in reg.links, not s.schedulable, s.running - s.lanes,
                                              s.identity)):
-        link = reg.links.get(slot.node_id) or remote_link(slot.node_id)
+        link = reg.links.get(slot.node_id) or await aremote_link(slot.node_id)
         if link is not None:
             return slot.identity, link
     raise OpenAIError(503, f"No node serving {model!r} can be reached now; retry shortly.", code="node_unavailable")

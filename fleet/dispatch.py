@@ -31,6 +31,9 @@ STUCK_AFTER_S = 300.0  # no frame at all from a node for this long, on a generat
 # While a node is silent, this often the head checks that the link it sent the generation over is still the node's
 # (a link torn down and rebuilt, in this process or another, never delivers that generation's frames).
 LINK_CHECK_S = 5.0
+# A generation waiting for a lane is woken by events (a lane freed, a node joined, here or in another head process);
+# it also looks again this often, in case a wake was lost with a Redis connection.
+WAKE_CHECK_S = 5.0
 # Only a lost node is retried elsewhere. An engine that crashed on a generation is not: the same request could
 # crash every node it is sent to (llama.cpp aborts on some inputs), so it ends with a clear error instead.
 RETRYABLE_CODES = {ErrorCode.NODE_LOST}
@@ -103,16 +106,17 @@ class Outcome:
 
 class _Waiters:
     """Generations waiting for a lane, so the earliest deadline gets the next free lane of its model; every
-    interactive generation goes before every batch line (batch lines keep deadline order among themselves)."""
+    interactive generation goes before every batch line (batch lines keep deadline order among themselves). The
+    order itself, and the waking, is the registry's LaneSignal; these entries are what the counts report."""
 
     def __init__(self) -> None:
         self.entries: list[tuple[float, str, str, bool]] = []  # (deadline, gen_id, model, batch)
 
     def ahead_of(self, gen_id: str, model: str, deadline: float, batch: bool = False) -> int:
-        return sum(1 for d, g, m, b in self.entries if m == model and (b, d, g) < (batch, deadline, gen_id))
+        return registry().lanes.ahead(model, (batch, deadline, gen_id))
 
     def interactive(self, model: str) -> int:
-        return sum(1 for _, _, m, b in self.entries if m == model and not b)
+        return registry().lanes.ahead(model, (True,))  # every interactive key sorts before any batch line's
 
 
 _waiters = _Waiters()
@@ -169,9 +173,9 @@ class GenerationStream:
         while attempt < MAX_ATTEMPTS:
             attempt += 1
             choice = await self._place(excluded)
-            link = reg.links.get(choice.node_id) or _remote_link(choice.node_id)
+            link = reg.links.get(choice.node_id) or await _remote_link(choice.node_id)
             if link is None:  # the node left between choosing and sending
-                reg.lifecycle.ended(choice.node_id, self.spec.gen_id)
+                await reg.lifecycle.aended(choice.node_id, self.spec.gen_id)
                 continue
             self._record_choice(choice)
             try:
@@ -186,7 +190,7 @@ class GenerationStream:
                                  "at": self._preempted_at}
                 attempt -= 1
             except _NodeFailed as failed:
-                reg.lifecycle.lost(choice.node_id, self.spec.gen_id)
+                await reg.lifecycle.alost(choice.node_id, self.spec.gen_id)
                 excluded.add(choice.node_id)
                 self._failure = {"code": failed.code, "message": failed.message, "at": time.time()}
                 if self.outcome.completion_tokens >= self.spec.max_tokens:
@@ -216,38 +220,57 @@ class GenerationStream:
         """Reserve a lane, waiting in deadline order; past the deadline, fail without ever starting."""
         reg = registry()
         model = self.spec.model
-        entry = (self.deadline, self.spec.gen_id, model, self.batch)
+        entry, key = (self.deadline, self.spec.gen_id, model, self.batch), (self.batch, self.deadline, self.spec.gen_id)
         _waiters.entries.append(entry)
+        reg.lanes.join(model, key)
         fleet_changed()
         try:
             while True:
-                if model not in reg.placement.models():
-                    served = ", ".join(reg.placement.models()) or "none"
-                    raise GenerationError("model_not_found", f"The model {model!r} is not served by any node "
-                                          f"(served: {served}).", status=404, param="model")
-                unable = self._unable(reg)
-                ahead = _waiters.ahead_of(self.spec.gen_id, model, self.deadline, self.batch)
-                if not self.batch and ahead >= reg.placement.free_lanes(model):
-                    await self._preempt_a_batch_line(exclude=excluded | unable)
-                if ahead < reg.placement.free_lanes(model) and self._within_share(reg):
-                    choice = reg.lifecycle.choose(self.spec, self.keys, exclude=excluded | unable)
-                    if choice is None and excluded:
-                        choice = reg.lifecycle.choose(self.spec, self.keys, exclude=unable)
-                    if choice is not None:
-                        if not self._counted:
-                            self._counted = True
-                            _running[(model, self.batch)] = _running.get((model, self.batch), 0) + 1
-                        return choice
+                choice = await self._try_place(reg, excluded)
+                if choice is not None:
+                    return choice
                 left = self.deadline - time.time()
                 if left <= 0:
                     raise GenerationError("deadline_exceeded", "Every lane serving this model stayed busy until the "
                                           "request's deadline; retry later or raise deadline_ms.", status=503,
                                           retry_after=1, kind="server_error")
-                await reg.lanes.wait(min(left, 0.25))
+                await reg.lanes.wait(key, min(left, WAKE_CHECK_S))
         finally:
             _waiters.entries.remove(entry)
+            reg.lanes.leave(model, key)
             reg.lanes.notify()
             fleet_changed()  # placed (a lane taken), or gone from the queue
+
+    async def _try_place(self, reg, excluded: set[str]):
+        """A lane now if this generation's turn has come and one is free (None: wait for the next wake)."""
+        model = self.spec.model
+        nodes = await reg.aplacement.nodes()
+        if not any(model in s.models for s in nodes):
+            served = ", ".join(sorted({m for s in nodes for m in s.models})) or "none"
+            raise GenerationError("model_not_found", f"The model {model!r} is not served by any node "
+                                  f"(served: {served}).", status=404, param="model")
+        unable = self._unable(nodes)
+        ahead = _waiters.ahead_of(self.spec.gen_id, model, self.deadline, self.batch)
+        free = sum(s.free for s in nodes if model in s.models and s.schedulable)
+        if not self.batch and ahead >= free:
+            await self._preempt_a_batch_line(exclude=excluded | unable)
+            free = await reg.aplacement.free_lanes(model)
+        if ahead >= free or not self._within_share(nodes):
+            return None
+        counting = not self._counted
+        if counting:  # counted before choosing, which may await Redis: two batch lines must not both pass the share
+            self._count(1)
+        choice = await reg.lifecycle.achoose(self.spec, self.keys, exclude=excluded | unable)
+        if choice is None and excluded:
+            choice = await reg.lifecycle.achoose(self.spec, self.keys, exclude=unable)
+        if choice is None and counting:
+            self._count(-1)
+        return choice
+
+    def _count(self, delta: int) -> None:
+        """In _running from its first placement to its end."""
+        self._counted = delta > 0
+        _running[(self.spec.model, self.batch)] = _running.get((self.spec.model, self.batch), 0) + delta
 
     async def _preempt_a_batch_line(self, *, exclude: set[str]) -> None:
         """No lane for this interactive generation (nor for those ahead of it): take one from the batch line of its
@@ -262,26 +285,26 @@ class GenerationStream:
         """Give this batch line's lane to an interactive generation: freed now, the node told to stop it."""
         node_id, link = self._current
         self._preempting, self._preempted_at = True, time.time()
-        registry().lifecycle.preempted(node_id, self.spec.gen_id)
+        await registry().lifecycle.apreempted(node_id, self.spec.gen_id)
         metrics.preempted(model=self.spec.model, node=link.identity)
         await _cancel_quietly(link, self.spec.gen_id, "preempted by an interactive generation")
 
-    def _within_share(self, reg) -> bool:
+    def _within_share(self, nodes) -> bool:
         """A batch line may take any free lane while no interactive generation of its model waits here, else only
         while batch lines hold fewer than FLEET_BATCH_SHARE of the model's lanes (one at least)."""
         model = self.spec.model
         if not self.batch or not _waiters.interactive(model):
             return True
-        lanes = sum(s.lanes for s in reg.placement.nodes() if model in s.models)
+        lanes = sum(s.lanes for s in nodes if model in s.models)
         return _running.get((model, True), 0) < max(1, int(lanes * settings.FLEET_BATCH_SHARE))
 
-    def _unable(self, reg) -> set[str]:
+    def _unable(self, nodes) -> set[str]:
         """The nodes serving the model that lack a capability this request needs (never placed there); a 400
         naming the capability and those nodes when every node lacks it."""
         needs = self.spec.needs()
         if not needs:
             return set()
-        serving = [s for s in reg.placement.nodes() if self.spec.model in s.models]
+        serving = [s for s in nodes if self.spec.model in s.models]
         missing = {s.node_id: [n for n in needs if n not in s.capabilities] for s in serving}
         unable = {node_id for node_id, lacks in missing.items() if lacks}
         if serving and len(unable) == len(serving):
@@ -317,7 +340,7 @@ class GenerationStream:
                 if isinstance(event, Error | NodeLost):
                     finished = True
                 if isinstance(event, Accepted):
-                    started = self._on_accepted(event, link)
+                    started = await self._on_accepted(event, link)
                     if started is not None:
                         yield started
                 elif isinstance(event, TokenBatch):
@@ -335,13 +358,13 @@ class GenerationStream:
                     finished = True
                     if self._preempting and event.finish_reason == FinishReason.CANCELLED:
                         raise _Preempted
-                    yield self._on_done(event, link)
+                    yield await self._on_done(event, link)
                     return
                 elif isinstance(event, Error):
-                    reg.lifecycle.ended(link.node_id, self.spec.gen_id)
+                    await reg.lifecycle.aended(link.node_id, self.spec.gen_id)
                     if event.code == ErrorCode.ENGINE_UNAVAILABLE:
                         # its heartbeat puts it back once the engine is up; until then nothing more goes there
-                        reg.placement.set_schedulable(link.node_id, False)
+                        await reg.aplacement.set_schedulable(link.node_id, False)
                     retryable = RETRYABLE_CODES if self.outcome.completion_tokens else RETRYABLE_BEFORE_FIRST_TOKEN
                     if event.code in retryable:
                         raise _NodeFailed(event.code, event.message)
@@ -368,7 +391,7 @@ class GenerationStream:
                 return await relay.get(timeout=max(min(silent_until - time.monotonic(), LINK_CHECK_S), 0.0))
             except TimeoutError:
                 if time.monotonic() < silent_until:
-                    if _link_gone(link):
+                    if await _link_gone(link):
                         raise _NodeFailed(ErrorCode.NODE_LOST, f"node {link.identity!r}'s link was replaced "
                                                                "while it ran this generation") from None
                     continue
@@ -385,8 +408,8 @@ class GenerationStream:
             return max(self.spec.deadline - time.time(), 0) + 5
         return STUCK_AFTER_S
 
-    def _on_accepted(self, event: Accepted, link) -> Started | None:
-        registry().lifecycle.accepted(link.node_id, event.evicted)
+    async def _on_accepted(self, event: Accepted, link) -> Started | None:
+        await registry().lifecycle.aaccepted(link.node_id, event.evicted)
         resumed = bool(self.outcome.completion_tokens)
         if not resumed:
             self.outcome.prompt_tokens, self.outcome.cached_tokens = event.prompt_tokens, event.cached_tokens
@@ -403,9 +426,9 @@ class GenerationStream:
         self.outcome.completion_tokens += len(event.ids)
         return Tokens(self._seq, text, list(event.text), list(event.ids), event.logprobs, event.segments)
 
-    def _on_done(self, event: Done, link) -> Finished:
-        registry().lifecycle.done(link.node_id, self.spec, self.keys, answer=self.outcome.text, usage=event.usage,
-                                  evicted=event.evicted)
+    async def _on_done(self, event: Done, link) -> Finished:
+        await registry().lifecycle.adone(link.node_id, self.spec, self.keys, answer=self.outcome.text,
+                                         usage=event.usage, evicted=event.evicted)
         self.outcome.finish_reason = event.finish_reason
         self.outcome.timings = dict(event.timings)
         usage = {
@@ -435,21 +458,21 @@ class GenerationStream:
                 log.debug("cancel of %s on %s failed", self.spec.gen_id, node_id, exc_info=True)
 
 
-def _link_gone(link) -> bool:
+async def _link_gone(link) -> bool:
     """Whether the link a generation was sent over is no longer its node's: in this process, another link object
     holds the node; for a node held by another process, its channel changed or it left placement."""
     from fleet.remote import RemoteLink
 
     reg = registry()
     if isinstance(link, RemoteLink):
-        return reg.placement.channel_of(link.node_id) != link.channel
+        return await reg.aplacement.channel_of(link.node_id) != link.channel
     return reg.links.get(link.node_id) is not link
 
 
-def _remote_link(node_id: str):
-    from fleet.remote import remote_link
+async def _remote_link(node_id: str):
+    from fleet.remote import aremote_link
 
-    return remote_link(node_id)
+    return await aremote_link(node_id)
 
 
 async def _cancel_quietly(link, gen_id: str, reason: str = "client went away") -> None:

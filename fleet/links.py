@@ -8,13 +8,16 @@ in-process queue: no channel layer, no ORM, no re-encoding on the hot path.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from django.conf import settings
 
-from nodes.link.lifecycle import PlacementLifecycle
+from nodes.link.lifecycle import PlacementLifecycle, aio
 from nodes.link.placement import PlacementState
 
 log = logging.getLogger("fleet")
@@ -58,34 +61,84 @@ class Relay:
             self.overflowed = True
 
     async def get(self, timeout: float | None) -> Any:
-        return await asyncio.wait_for(self.queue.get(), timeout)
+        if not self.queue.empty():  # the usual case under load: no timer, no task for a frame already here
+            return self.queue.get_nowait()
+        async with asyncio.timeout(timeout):
+            return await self.queue.get()
 
 
 class LaneSignal:
-    """Wakes generations waiting for a lane when one frees or a node joins."""
+    """Generations waiting for a lane, per model in the order lanes go to them (batch lines after interactive ones,
+    then by deadline), woken by events, never by polling: a lane freed or a node joined, in this process
+    (`notify`) or in another head process (the Redis placement's lanes channel). Each wake reads a model's free
+    lanes once and wakes that many of its first waiters (one at least: it may preempt a batch line), not all."""
 
-    def __init__(self) -> None:
-        self._waiters: set[asyncio.Future] = set()
+    def __init__(self, free_lanes: Callable[[str], Awaitable[int]], listen: Callable | None = None) -> None:
+        self._free_lanes, self._listen = free_lanes, listen
+        self._order: dict[str, list[tuple]] = {}  # model -> waiters' keys, sorted
+        self._events: dict[tuple, asyncio.Event] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pass: asyncio.Task | None = None
+        self._again = False
+        self._listener: asyncio.Task | None = None
+
+    def join(self, model: str, key: tuple) -> None:
+        self._loop = asyncio.get_running_loop()
+        bisect.insort(self._order.setdefault(model, []), key)
+        self._events[key] = asyncio.Event()
+        if self._listen is not None and (self._listener is None or self._listener.done()):
+            self._listener = asyncio.ensure_future(self._listen(self.notify))
+
+    def leave(self, model: str, key: tuple) -> None:
+        keys = self._order.get(model, [])
+        at = bisect.bisect_left(keys, key)
+        if at < len(keys) and keys[at] == key:
+            del keys[at]
+        if not keys:
+            self._order.pop(model, None)
+        self._events.pop(key, None)
+
+    def ahead(self, model: str, key: tuple) -> int:
+        """How many of the model's waiters go before `key`."""
+        return bisect.bisect_left(self._order.get(model, []), key)
+
+    async def wait(self, key: tuple, timeout: float) -> None:
+        """Until woken (at once if a wake came while this waiter was not asleep) or `timeout` s."""
+        event = self._events[key]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+        event.clear()
 
     def notify(self) -> None:
-        for fut in list(self._waiters):
-            if not fut.done():
-                fut.get_loop().call_soon_threadsafe(_set_if_pending, fut)
-
-    async def wait(self, timeout: float) -> None:
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.add(fut)
+        """A lane may be free: wake the waiters it could go to. Callable from any thread."""
+        loop = self._loop
+        if loop is None or not self._order:
+            return
         try:
-            await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            pass
-        finally:
-            self._waiters.discard(fut)
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here:
+            self._schedule()
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(self._schedule)
 
+    def _schedule(self) -> None:
+        if self._pass is not None and not self._pass.done():
+            self._again = True  # one more pass once this one ends: what it read may be stale already
+        elif self._order:
+            self._pass = asyncio.ensure_future(self._wake())
 
-def _set_if_pending(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
+    async def _wake(self) -> None:
+        self._again = True
+        while self._again:
+            self._again = False
+            for model in list(self._order):
+                free = await self._free_lanes(model)
+                for key in self._order.get(model, [])[:max(free, 1)]:
+                    event = self._events.get(key)
+                    if event is not None:
+                        event.set()
 
 
 class Registry:
@@ -102,7 +155,13 @@ class Registry:
                                                  node_ttl_s=settings.FLEET_NODE_TIMEOUT_S * 3)
         else:
             self.placement = PlacementState(load_tokens=settings.FLEET_LOAD_TOKENS)
-        self.lanes = LaneSignal()
+        self.lanes = LaneSignal(lambda model: self.aplacement.free_lanes(model),
+                                listen=getattr(self.aplacement, "listen", None))
+
+    @property
+    def aplacement(self) -> Any:
+        """The placement state's operations as coroutines (redis.asyncio over Redis): what async code calls."""
+        return aio(self.placement)
 
     @property
     def lifecycle(self) -> PlacementLifecycle:

@@ -107,10 +107,11 @@ class RemoteLink:
         return reply.get("result") or {}
 
 
-def remote_link(node_id: str) -> RemoteLink | None:
+async def aremote_link(node_id: str) -> RemoteLink | None:
+    """A handle on a node whose link another head process holds (None: no process holds it)."""
     reg = registry()
-    channel = reg.placement.channel_of(node_id)
+    channel = await reg.aplacement.channel_of(node_id)
     if not channel:
         return None
-    slot = next((s for s in reg.placement.nodes() if s.node_id == node_id), None)
+    slot = next((s for s in await reg.aplacement.nodes() if s.node_id == node_id), None)
     return RemoteLink(node_id, slot.identity if slot else node_id, channel)

@@ -49,7 +49,6 @@ from nodes.link.messages import (
     StateOp,
     StateResult,
     TokenBatch,
-    encode,
 )
 from nodes.link.placement import NodeSlot
 from nodes.models import FleetToken, LinkEvent, Node
@@ -158,6 +157,15 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             if getattr(self, "node_id", "") and (registry().links.get(self.node_id) is self or self.running):
                 await self.disconnect(1001)
 
+    async def dispatch(self, message: dict) -> None:
+        # Channels sweeps stale database connections before every message, a thread hop each: the head's largest
+        # cost under load (bench/scale.py's profile), one per token batch. This consumer reaches the database only
+        # through database_sync_to_async, which sweeps around each use, so a node's frames skip it.
+        if message["type"] == "websocket.receive":
+            await self.websocket_receive(message)
+        else:
+            await super().dispatch(message)
+
     async def connect(self) -> None:
         global _handshakes_in_progress
         self.peer = (self.scope.get("client") or [None])[0]
@@ -211,7 +219,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             return
         try:
             if self.channel_ is not None:
-                await self._on_message(self.channel_.open(bytes_data))
+                await self._on_message(*self.channel_.open_with_body(bytes_data))
             elif self.responder is None:
                 await self._hello(bytes_data)
             else:
@@ -259,17 +267,17 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         if self.token is not None:
             await self.channel_layer.group_add(token_group(self.token.public_id), self.channel_name)
 
-    async def _on_message(self, msg: Any) -> None:
+    async def _on_message(self, msg: Any, body: bytes = b"") -> None:
         if isinstance(msg, TokenBatch | Accepted | Done | Error):
             if msg.gen_id not in self.running:
                 if msg.gen_id in self.ended:
                     return  # a straggler after a cancel raced the node's own end of the generation
                 raise LinkError(f"{type(msg).__name__} for generation {msg.gen_id[:40]!r}, which this node lacks")
             if isinstance(msg, Done | Error):
-                self._generation_ended(msg.gen_id)
-                await self._relay(msg, last=True)
+                await self._generation_ended(msg.gen_id)
+                await self._relay(msg, body, last=True)
             else:
-                await self._relay(msg)
+                await self._relay(msg, body)
         elif isinstance(msg, Heartbeat):
             await self._on_heartbeat(msg)
         elif isinstance(msg, Models) and self.node_id:
@@ -307,21 +315,22 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         await self._send(grant)
         await self.close(code=int(CloseCode.NORMAL))
 
-    async def _relay(self, msg: Any, *, last: bool = False) -> None:
-        """To the generation's client: in this process directly, else over the channel layer (one per batch)."""
+    async def _relay(self, msg: Any, body: bytes, *, last: bool = False) -> None:
+        """To the generation's client: in this process directly, else over the channel layer (one per batch, the
+        frame's own msgpack body: decoded once here to route it, never encoded again)."""
         reply_to = self.remote.pop(msg.gen_id, None) if last else self.remote.get(msg.gen_id)
         if reply_to is None:
             registry().relay_push(msg.gen_id, msg, node_id=self.node_id)
             return
-        await self.channel_layer.send(reply_to, {"type": "relay.frame", "gen_id": msg.gen_id, "frame": encode(msg),
+        await self.channel_layer.send(reply_to, {"type": "relay.frame", "gen_id": msg.gen_id, "frame": body,
                                                  "node_id": self.node_id})
 
-    def _generation_ended(self, gen_id: str) -> None:
+    async def _generation_ended(self, gen_id: str) -> None:
         if gen_id in self.running:
             self.running.discard(gen_id)
             self.ended[gen_id] = True
             reg = registry()
-            reg.lifecycle.ended(self.node_id, gen_id)  # a no-op when its dispatcher already reported the end
+            await reg.lifecycle.aended(self.node_id, gen_id)  # a no-op when its dispatcher already reported the end
             reg.lanes.notify()
             fleet_changed()
 
@@ -347,17 +356,19 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         if old is not None and old is not self:
             await old.close(code=1000)  # a rejoin while the old link had not noticed it was gone
         # Registered goes out before the node is placeable: a generation placed in between went out first, and the
-        # node, waiting for Registered, dropped the link ("expected registered, got Generate") at every rejoin.
+        # node, waiting for Registered, dropped the link ("expected registered, got Generate") at every rejoin. Its
+        # slot (what it serves and holds) is in placement before, unschedulable until Registered has gone.
+        await registry_.aplacement.node_up(
+            NodeSlot(self.node_id, node.identity, list(reg.model_names), msg.lanes, msg.context_window,
+                     schedulable=False,
+                     capabilities=sorted(k for k, v in (msg.capabilities or {}).items() if v is True)),
+            cache_cleared=msg.cache_cleared, channel=self.channel_name, warm=msg.warm,
+        )
         await self._send(Registered(node_id=self.node_id, model_names=reg.model_names,
                                     heartbeat_s=float(settings.FLEET_HEARTBEAT_S), warnings=reg.warnings))
         registry_.links[self.node_id] = self
         self.held, self.engine_ready = not node.schedulable, True
-        registry_.placement.node_up(
-            NodeSlot(self.node_id, node.identity, list(reg.model_names), msg.lanes, msg.context_window,
-                     schedulable=node.schedulable,
-                     capabilities=sorted(k for k, v in (msg.capabilities or {}).items() if v is True)),
-            cache_cleared=msg.cache_cleared, channel=self.channel_name, warm=msg.warm,
-        )
+        await registry_.aplacement.set_schedulable(self.node_id, node.schedulable)
         await self.channel_layer.group_add(node_group(self.node_id), self.channel_name)
         verb = "rejoined" if reg.rejoin else "joined"
         log.info("fleet node %r %s from %s: %s, context window %d tokens, %d lanes", node.identity, verb,
@@ -374,15 +385,15 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             raise LinkError("heartbeat before register")
         if not all(isinstance(r, dict) for r in msg.replicas) or _json_problem(replicas=msg.replicas):
             raise LinkError("heartbeat: every replica must be a map of plain JSON")
-        placement = registry().placement
-        placement.node_alive(self.node_id)
-        registry().lifecycle.measured(self.node_id, {"prefill_tps": msg.prefill_tps,
-                                                    "decode_slowdown_ms": msg.decode_slowdown_ms})
+        placement = registry().aplacement
+        await placement.node_alive(self.node_id)
+        await registry().lifecycle.ameasured(self.node_id, {"prefill_tps": msg.prefill_tps,
+                                                           "decode_slowdown_ms": msg.decode_slowdown_ms})
         if msg.cache_cleared:
-            placement.forget_node(self.node_id)
+            await placement.forget_node(self.node_id)
         # set on every heartbeat: it also undoes a head that stopped placing here on an engine_unavailable answer
         changed, self.engine_ready = msg.engine_ready != self.engine_ready, msg.engine_ready
-        placement.set_schedulable(self.node_id, not self.held and self.engine_ready)
+        await placement.set_schedulable(self.node_id, not self.held and self.engine_ready)
         if changed:
             registry().lanes.notify()
         now_s = time.time()
@@ -431,7 +442,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         reg = registry()
         if reg.links.get(self.node_id) is self:
             del reg.links[self.node_id]
-            reg.placement.node_down(self.node_id)
+            await reg.aplacement.node_down(self.node_id)
             await database_sync_to_async(services.node_mark_offline)(node_id=self.node_id)
             await database_sync_to_async(services.link_event_record)(
                 kind=LinkEvent.Kind.DROPPED, node_id=self.node_id, identity=self.identity, peer=self.peer or "",
@@ -466,7 +477,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         try:
             await self._send(Generate(gen_id=gen_id, spec=spec))
         except Exception:
-            self._generation_ended(gen_id)
+            await self._generation_ended(gen_id)
             raise
 
     async def send_cancel(self, gen_id: str, reason: str) -> None:
@@ -526,11 +537,11 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
 
     async def node_hold(self, event: dict) -> None:
         self.held = not event["schedulable"]
-        self._apply_schedulable()
+        await self._apply_schedulable()
 
-    def _apply_schedulable(self) -> None:
+    async def _apply_schedulable(self) -> None:
         """Placement sends work here only while the operator does not hold the node and its engine is up."""
-        registry().placement.set_schedulable(self.node_id, not self.held and self.engine_ready)
+        await registry().aplacement.set_schedulable(self.node_id, not self.held and self.engine_ready)
         registry().lanes.notify()
         fleet_changed()
 

@@ -427,6 +427,22 @@ async def test_waiting_generations_get_a_free_lane_in_deadline_order(bearer):
     assert [s["messages"][-1]["content"] for s in link.specs] == ["blocker", "early", "late"]
 
 
+async def test_a_waiting_generation_is_woken_when_the_lane_frees_not_by_a_timer(bearer, monkeypatch):
+    monkeypatch.setattr("fleet.dispatch.WAKE_CHECK_S", 3600.0)  # no periodic look: only the lane's end wakes it
+    link = add_fake_node(FakeLink(script=lambda spec: Script(tokens=["x"], hang=spec["messages"][-1]["content"]
+                                                               == "blocker")), lanes=1)
+    blocker = asyncio.ensure_future(request("POST", CHAT, key=bearer,
+                                            body=chat(messages=[{"role": "user", "content": "blocker"}])))
+    while not link.running:
+        await asyncio.sleep(0.01)
+    waiter = asyncio.ensure_future(request("POST", CHAT, key=bearer, body=chat()))
+    await asyncio.sleep(0.3)
+    assert len(link.specs) == 1 and not waiter.done()
+    await link.send_cancel(next(iter(link.running)), "test")
+    assert (await asyncio.wait_for(waiter, 30)).status == 200
+    await blocker
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_token_batch_lost_in_transit_is_regenerated_elsewhere_not_skipped(bearer, stream):
     """The channel layer between head processes can drop a message: a gap in a node's batch numbers is a lost

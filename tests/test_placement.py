@@ -462,6 +462,26 @@ def test_done_records_the_prompt_and_the_answer_so_the_next_turn_matches_all_of_
     assert (again.node_id, again.matched_tokens) == (first.node_id, keys2[-2].tokens())
 
 
+async def test_the_awaitable_steps_place_record_and_free_as_the_plain_ones():
+    """What the head's event loop calls (`aio` operations: redis.asyncio on Redis): the same steps, the same state."""
+    system = "You are a careful assistant for the fleet. " * 20
+    state = fleet("a", "b", load_tokens=0)
+    lifecycle = PlacementLifecycle(state)
+    turn1 = GenerateSpec(gen_id="g1", model=MODEL, messages=chat(system, "Hello?"))
+    first = await lifecycle.achoose(turn1, placement_keys(turn1))
+    await lifecycle.aaccepted(first.node_id, [])
+    await lifecycle.adone(first.node_id, turn1, placement_keys(turn1), answer=" Hi, I am the fleet.",
+                          usage={"completion_tokens": 7})
+    assert running(state) == {"a": 0, "b": 0}
+
+    turn2 = GenerateSpec(gen_id="g2", model=MODEL, messages=chat(system, "Hello?", "Hi, I am the fleet.", "More?"))
+    keys2 = placement_keys(turn2)
+    again = await lifecycle.achoose(turn2, keys2)
+    assert (again.node_id, again.matched_tokens) == (first.node_id, keys2[-2].tokens())
+    await lifecycle.alost(again.node_id, "g2", cache_gone=True)
+    assert running(state) == {"a": 0, "b": 0} and state.holders(keys2[-2].key) == set()
+
+
 def test_a_lane_is_freed_once_however_many_ends_are_reported():
     state = fleet("a", lanes=4)
     lifecycle = PlacementLifecycle(state)

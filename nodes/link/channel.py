@@ -60,6 +60,11 @@ class SecureChannel:
 
     def open(self, frame: bytes) -> Message:
         """The message in a received frame; raises FrameError or ProtocolError and breaks the channel."""
+        return self.open_with_body(frame)[0]
+
+    def open_with_body(self, frame: bytes) -> tuple[Message, bytes]:
+        """As `open`, with the message's msgpack body too (a relay passes it on as it came, never encoding it
+        again)."""
         self._check_usable()
         # Size first: a peer must not make this side spend CPU or memory decrypting a huge frame.
         if len(frame) > self.max_frame:
@@ -71,7 +76,7 @@ class SecureChannel:
                 FrameError("frame failed authentication (tampered, replayed, reordered or reflected)")
             ) from exc
         try:
-            return messages.decode(body)
+            return messages.decode(body), body
         except LinkError as exc:
             self._break(exc)
             raise

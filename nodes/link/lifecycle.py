@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from nodes.link.placement import Choice
+from nodes.link.placement import AsyncView, Choice
 from nodes.link.prefix import PrefixKey, prefix_keys
 from nodes.link.spec import GenerateSpec
+
+_Call = tuple[str, tuple[Any, ...], dict[str, Any]]  # a state method's name and its arguments
 
 
 def cache_space(spec: GenerateSpec) -> str:
@@ -48,6 +50,8 @@ class PlacementLifecycle:
 
     Freeing a lane is once per generation and node, so the link and the dispatcher may both report an end.
     `measured` takes what a node's engine measured (its heartbeat), which its learned load cost comes from.
+    Each step is spelled once, as the state calls it makes; `done` runs them on the state, `adone` (and each other
+    `a` step) awaits them on its `aio` operations, so the head's event loop never waits on Redis.
     """
 
     def __init__(self, state: Any) -> None:
@@ -59,32 +63,81 @@ class PlacementLifecycle:
         return self.state.choose(model or spec.model, keys, exclude=exclude, gen_id=spec.gen_id)
 
     def accepted(self, node_id: str, evicted: Sequence[str]) -> None:
-        if evicted:
-            self.state.evict(node_id, list(evicted))
+        self._apply(self._accepted(node_id, evicted))
 
     def done(self, node_id: str, spec: GenerateSpec, keys: list[PrefixKey], *, answer: str, usage: dict[str, Any],
              evicted: Sequence[str] = ()) -> None:
-        self.state.record(node_id, spec.gen_id, held_keys(spec, keys, answer),
-                          prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                          completion_tokens=int(usage.get("completion_tokens") or 0))
-        # evicted again in case a done recorded them after the accepted that reported them (harmless otherwise)
-        self.accepted(node_id, evicted)
-        self.state.release(node_id, spec.gen_id)
+        self._apply(self._done(node_id, spec, keys, answer=answer, usage=usage, evicted=evicted))
 
     def ended(self, node_id: str, gen_id: str) -> None:
-        self.state.release(node_id, gen_id)
+        self._apply(self._ended(node_id, gen_id))
 
     def preempted(self, node_id: str, gen_id: str) -> None:
         """A generation that outranks `gen_id` takes its lane: freed now, as the cancel goes to the node, so the
         newcomer is sent right behind it (the node reads both before its next step); its later end frees nothing."""
-        self.state.release(node_id, gen_id)
+        self._apply(self._ended(node_id, gen_id))
 
     def lost(self, node_id: str, gen_id: str, *, cache_gone: bool = False) -> None:
-        self.state.release(node_id, gen_id)
-        if cache_gone:
-            self.state.forget_node(node_id)
+        self._apply(self._lost(node_id, gen_id, cache_gone=cache_gone))
 
     def measured(self, node_id: str, figures: dict[str, Any]) -> None:
         """`figures`: a heartbeat's or an engine's stats (prefill_tps, decode_slowdown_ms; absent: not measured)."""
-        self.state.measured(node_id, prefill_tps=float(figures.get("prefill_tps") or 0.0),
-                            decode_slowdown_ms=float(figures.get("decode_slowdown_ms") or 0.0))
+        self._apply(self._measured(node_id, figures))
+
+    # --- the same steps as coroutines, over the state's `aio` operations (the head's event loop) ---
+    async def achoose(self, spec: GenerateSpec, keys: list[PrefixKey], *, exclude: set[str] = frozenset()
+                      ) -> Choice | None:
+        return await aio(self.state).choose(spec.model, keys, exclude=exclude, gen_id=spec.gen_id)
+
+    async def aaccepted(self, node_id: str, evicted: Sequence[str]) -> None:
+        await self._aapply(self._accepted(node_id, evicted))
+
+    async def adone(self, node_id: str, spec: GenerateSpec, keys: list[PrefixKey], *, answer: str,
+                    usage: dict[str, Any], evicted: Sequence[str] = ()) -> None:
+        await self._aapply(self._done(node_id, spec, keys, answer=answer, usage=usage, evicted=evicted))
+
+    async def aended(self, node_id: str, gen_id: str) -> None:
+        await self._aapply(self._ended(node_id, gen_id))
+
+    apreempted = aended
+
+    async def alost(self, node_id: str, gen_id: str, *, cache_gone: bool = False) -> None:
+        await self._aapply(self._lost(node_id, gen_id, cache_gone=cache_gone))
+
+    async def ameasured(self, node_id: str, figures: dict[str, Any]) -> None:
+        await self._aapply(self._measured(node_id, figures))
+
+    # --- each step, spelled once: the state calls it makes, in order ---
+    def _accepted(self, node_id: str, evicted: Sequence[str]) -> list[_Call]:
+        return [("evict", (node_id, list(evicted)), {})] if evicted else []
+
+    def _done(self, node_id: str, spec: GenerateSpec, keys: list[PrefixKey], *, answer: str, usage: dict[str, Any],
+              evicted: Sequence[str]) -> list[_Call]:
+        record = ("record", (node_id, spec.gen_id, held_keys(spec, keys, answer)),
+                  {"prompt_tokens": int(usage.get("prompt_tokens") or 0),
+                   "completion_tokens": int(usage.get("completion_tokens") or 0)})
+        # evicted again in case a done recorded them after the accepted that reported them (harmless otherwise)
+        return [record, *self._accepted(node_id, evicted), *self._ended(node_id, spec.gen_id)]
+
+    def _ended(self, node_id: str, gen_id: str) -> list[_Call]:
+        return [("release", (node_id, gen_id), {})]
+
+    def _lost(self, node_id: str, gen_id: str, *, cache_gone: bool) -> list[_Call]:
+        return [*self._ended(node_id, gen_id), *([("forget_node", (node_id,), {})] if cache_gone else [])]
+
+    def _measured(self, node_id: str, figures: dict[str, Any]) -> list[_Call]:
+        return [("measured", (node_id,), {"prefill_tps": float(figures.get("prefill_tps") or 0.0),
+                                         "decode_slowdown_ms": float(figures.get("decode_slowdown_ms") or 0.0)})]
+
+    def _apply(self, calls: list[_Call]) -> None:
+        for name, args, kwargs in calls:
+            getattr(self.state, name)(*args, **kwargs)
+
+    async def _aapply(self, calls: list[_Call]) -> None:
+        for name, args, kwargs in calls:
+            await getattr(aio(self.state), name)(*args, **kwargs)
+
+
+def aio(state: Any) -> Any:
+    """A placement state's coroutine operations (its own `aio`, or an AsyncView over one that has none)."""
+    return getattr(state, "aio", None) or AsyncView(state)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from nodes.link.prefix import PrefixKey
 
@@ -106,8 +107,25 @@ class _Holders:
     by_node: dict[str, set[str]] = field(default_factory=dict)
 
 
+class AsyncView:
+    """A placement state's operations as coroutines, for code on an event loop that may also run over Redis (whose
+    state gives its own, on redis.asyncio). The in-process state's calls take one short lock, never wait on I/O."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.state, name)
+
+        async def run(*args: Any, **kwargs: Any) -> Any:
+            return method(*args, **kwargs)
+
+        return run
+
+
 class PlacementState:
-    """In-process placement state: nodes, their load, and the prefix index. Thread-safe (one lock)."""
+    """In-process placement state: nodes, their load, and the prefix index. Thread-safe (one lock). `aio`: the same
+    operations as coroutines (the interface the Redis state shares)."""
 
     def __init__(self, *, load_tokens: int | None = None, max_keys: int = 200_000):
         self.load_tokens = load_tokens  # None: each node's learned load
@@ -117,6 +135,7 @@ class PlacementState:
         self._placed: dict[str, set[str]] = {}  # node_id -> the generations holding a lane there
         self._index: OrderedDict[str, _Holders] = OrderedDict()
         self._by_gen: dict[tuple[str, str], list[str]] = {}
+        self.aio = AsyncView(self)
 
     # --- nodes ---
     def node_up(self, slot: NodeSlot, *, cache_cleared: bool = True, channel: str = "",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -63,7 +63,8 @@ class GenerateSpec:
         return [name for name, needed in wanted.items() if needed] + [f"lora:{name}" for name, _ in self.lora]
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        # Shallow: it is encoded at once (asdict's deep copy of the messages was a millisecond a generation).
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
         # msgpack map keys: ints are fine, but keep them as ints explicitly.
         data["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
         return data
