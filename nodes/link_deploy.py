@@ -60,7 +60,7 @@ async def on_models(consumer, msg: Models) -> None:
     if problem := _models_problem(msg):
         raise LinkError(f"models: {problem}")
     names = list(dict.fromkeys(consumer.fleet_names.get(m["name"], m["name"]) for m in msg.models))
-    registry().placement.node_models(consumer.node_id, names, msg.lanes)
+    await registry().aplacement.node_models(consumer.node_id, names, msg.lanes)  # never waits on Redis in the loop
     await database_sync_to_async(deployments.node_models_set)(node_id=consumer.node_id, names=names)
     log.info("fleet node %r serves %s (%d lanes)", consumer.identity, ", ".join(names), msg.lanes)
     registry().lanes.notify()
