@@ -215,3 +215,19 @@ def test_deleting_a_deployed_registry_model_tells_every_online_node(monkeypatch,
     assert deployments.node_deployments(node_id=node.pk) == []
     deployments.node_model_record(node_id=node.pk, model=NAME, state="unloaded")  # the pair goes with it
     assert not NodeModel.objects.exists()
+
+
+def test_placement_follows_a_nodes_new_model_list_and_keeps_the_lanes_it_placed():
+    """On whichever state this run uses (in process, or Redis with REDIS_URL): the name a node loaded is placed there,
+    the lane taken before stays taken, and an unloaded name is placed there no more."""
+    from fleet.links import registry
+    from nodes.link.placement import NodeSlot
+
+    placement = registry().placement
+    placement.node_up(NodeSlot("n1", "gpu-1", ["smollm2"], 2))
+    assert placement.choose("smollm2", [], gen_id="g1") is not None
+    placement.node_models("n1", ["smollm2", NAME], 4)
+    assert placement.choose(NAME, [], gen_id="g2").node_id == "n1"
+    assert (placement.nodes()[0].lanes, placement.nodes()[0].running) == (4, 2)
+    placement.node_models("n1", ["smollm2"], 2)
+    assert placement.choose(NAME, [], gen_id="g3") is None and placement.models() == ["smollm2"]
