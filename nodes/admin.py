@@ -66,9 +66,27 @@ class NodeAdmin(admin.ModelAdmin):
         replicas = "; ".join(
             f"replica {r['index']}: {'alive' if r.get('alive') else 'DOWN'}, {r.get('running', 0)} running, "
             f"{r.get('routed', 0)} routed" for r in beat.get("replicas") or [])
-        return format_html("{} / {} lanes busy, KV {} / {}, {} tokens/s{}", beat["lanes_busy"], beat["lanes"],
+        return format_html("{} / {} lanes busy, KV {} / {}, {} tokens/s{}<br>{}", beat["lanes_busy"], beat["lanes"],
                            beat["kv_used"], beat["kv_total"], round(beat["tokens_per_s"], 1),
-                           f" — {replicas}" if replicas else "")
+                           f" — {replicas}" if replicas else "", self._pace(node, beat))
+
+    @staticmethod
+    def _pace(node, beat) -> str:
+        """What the node's engine measured of its own speed, and the load cost placement learned from it."""
+        from django.conf import settings
+
+        from fleet.links import registry
+
+        prefill, slowdown = beat.get("prefill_tps") or 0.0, beat.get("decode_slowdown_ms") or 0.0
+        if not prefill:
+            return "engine pace: not measured yet (it is, from the first generations' steps)"
+        slot = next((s for s in registry().placement.nodes() if s.node_id == str(node.pk)), None)
+        if settings.FLEET_LOAD_TOKENS is not None:
+            load = f"{settings.FLEET_LOAD_TOKENS} prompt tokens (FLEET_LOAD_TOKENS)"
+        else:
+            load = f"{slot.learned_load_tokens} prompt tokens (learned)" if slot else "unknown (no link here)"
+        return (f"engine pace: reads prompts at {prefill:,.0f} tokens/s; each running generation adds "
+                f"{slowdown:.2f} ms to a decode step; load cost per running generation: {load}")
 
     @admin.display(description="key fingerprint")
     def key_fingerprint(self, node):

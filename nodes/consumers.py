@@ -400,6 +400,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         self.tokens_history.append((round(now_s, 1), round(msg.tokens_per_s, 1)))
         stats = {"lanes_busy": msg.lanes_busy, "lanes": msg.lanes, "kv_used": msg.kv_used, "kv_total": msg.kv_total,
                  "tokens_per_s": msg.tokens_per_s, "replicas": msg.replicas, "at": now_s,
+                 "prefill_tps": msg.prefill_tps, "decode_slowdown_ms": msg.decode_slowdown_ms,
                  "history": list(self.tokens_history)}
         await database_sync_to_async(cache.set)(liveness_key(self.node_id), stats, settings.FLEET_NODE_TIMEOUT_S)
         fleet_changed()

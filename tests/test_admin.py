@@ -147,3 +147,23 @@ def test_a_nodes_page_shows_its_models_replicas_generations_and_link_history(sta
     history = body[body.index('id="node-link-history"'):]
     assert history.index("dropped") < history.index("joined") and "<td>1006</td>" in history
     assert reverse("admin:inference_sessions_generation_change", args=[generation.pk]) in body
+
+
+def test_a_nodes_page_shows_what_its_engine_measured_and_the_load_cost_learned_from_it(staff_client):
+    from django.core.cache import cache
+
+    from fleet.links import registry
+    from nodes.consumers import liveness_key
+    from nodes.link.placement import NodeSlot
+
+    node = NodeFactory(identity="paced")
+    cache.set(liveness_key(str(node.pk)), {"lanes_busy": 1, "lanes": 4, "kv_used": 10, "kv_total": 2048,
+                                           "tokens_per_s": 12.5, "prefill_tps": 2000.0, "decode_slowdown_ms": 1.5})
+    registry().placement.node_up(NodeSlot(str(node.pk), "paced", ["smollm2"], 4, prefill_tps=2000.0,
+                                          decode_slowdown_ms=1.5, answer_tokens=100.0))
+
+    body = staff_client.get(reverse("admin:nodes_node_change", args=[node.pk])).content.decode()
+
+    assert "reads prompts at 2,000 tokens/s" in body and "adds 1.50 ms to a decode step" in body
+    assert "load cost per running generation: 150 prompt tokens (learned)" in body  # 2000 x 1.5 ms x 100 / 2
+

@@ -1,5 +1,6 @@
 """The head's end of the node link, in process: refusals, key binding, the handshake cap, bad frames, register."""
 
+import asyncio
 import contextlib
 
 import pytest
@@ -98,10 +99,27 @@ async def test_the_local_node_registers_and_heartbeats():
     assert node.state == Node.State.ONLINE and node.lanes == 4
     assert node.key_fingerprint and node.key_bound_at is not None
     assert registry().placement.models() == ["smollm2"]
-    await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=1, lanes=4)))
+    await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=1, lanes=4, prefill_tps=900.0,
+                                                         decode_slowdown_ms=2.0)))
+    beat = await _beat_of(str(node.pk))
+    assert beat["lanes_busy"] == 1 and beat["prefill_tps"] == 900.0 and beat["decode_slowdown_ms"] == 2.0
     await comm.disconnect()
     await node.arefresh_from_db()
     assert node.state == Node.State.OFFLINE and registry().placement.models() == []
+
+
+async def _beat_of(node_id: str) -> dict:
+    """The heartbeat the head keeps for the node's pages (handled in order, so it lands soon after it is sent)."""
+    from django.core.cache import cache
+
+    from nodes.consumers import liveness_key
+
+    for _ in range(100):
+        beat = await cache.aget(liveness_key(node_id))
+        if beat:
+            return beat
+        await asyncio.sleep(0.05)
+    raise AssertionError("no heartbeat was kept")
 
 
 async def _refused(token: str, peer: str = "10.0.0.7", headers: list | None = None) -> int:
