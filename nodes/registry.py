@@ -1,5 +1,6 @@
 """The model registry's services: add a GGUF file (from a path or an upload in parts), delete it, and grant nodes a
-short-lived right to pull it.
+short-lived right to pull it. Media a request sends (a transcription's audio) share the same blobs and grants
+(`media_put`, `media_ref`).
 
 Files live once by content hash in `$FLEET_HOME/blobs/<sha256>`; uploads grow in `$FLEET_HOME/blobs/uploads/` and
 are hashed and checked when they finish. Nothing here holds more than one chunk of a file in memory.
