@@ -136,7 +136,9 @@ class RedisQuotaStore:
         loop = asyncio.get_running_loop()
         entry = self._clients.get(loop)
         if entry is None:
-            client = redis.asyncio.Redis.from_url(self.url)
+            # Blocking: at a thousand streams the default pool refused its 101st connection (bench/scale.py).
+            pool = redis.asyncio.BlockingConnectionPool.from_url(self.url, max_connections=64)
+            client = redis.asyncio.Redis(connection_pool=pool)
             entry = self._clients[loop] = (client, client.register_script(ADMIT))
         return entry
 

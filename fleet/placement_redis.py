@@ -23,6 +23,8 @@ from fleet.placement_lua import KEY_TTL_S, SCRIPTS
 from nodes.link.placement import Choice, NodeSlot, learn_answer_tokens, ranking_row
 from nodes.link.prefix import PrefixKey
 
+ASYNC_CONNECTIONS = 64  # per head process and event loop; callers beyond it wait for one
+
 Step = Callable[[Any, dict[str, Any]], Any]  # (client, its scripts) -> a result, or an awaitable of one
 Op = Generator[Step, Any, Any]
 
@@ -96,7 +98,11 @@ class RedisPlacementState:
         """One redis.asyncio client per event loop (its connections belong to the loop that opened them)."""
         loop = asyncio.get_running_loop()
         if self._async is None or self._async[0] is not loop:
-            r = redis.asyncio.Redis.from_url(self.url, decode_responses=True)
+            # A blocking pool: hundreds of streams may place at once, and redis.asyncio's default pool refuses
+            # the 101st connection (MaxConnectionsError, bench/scale.py found it) where waiting is right.
+            pool = redis.asyncio.BlockingConnectionPool.from_url(self.url, decode_responses=True,
+                                                                 max_connections=ASYNC_CONNECTIONS)
+            r = redis.asyncio.Redis(connection_pool=pool)
             self._async = (loop, r, {name: r.register_script(source) for name, source in SCRIPTS.items()})
         return self._async[1], self._async[2]
 
