@@ -174,7 +174,8 @@ CELERY_BEAT_SCHEDULE = {
     "resume-batches": {"task": "api.tasks.batch_resume", "schedule": float(env_int("FLEET_BATCH_RESUME_S", 15))},
     **{name: {"task": task, "schedule": float(env_int("FLEET_MAINTENANCE_S", 3600))} for name, task in (
         ("expire-sessions", "sessions.tasks.session_expire"), ("expire-handles", "sessions.tasks.handle_expire"),
-        ("purge-generations", "sessions.tasks.generation_purge"), ("purge-files", "api.tasks.file_purge"))},
+        ("purge-generations", "sessions.tasks.generation_purge"), ("purge-files", "api.tasks.file_purge"),
+        ("purge-media", "nodes.tasks.media_purge"))},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(FLEET_HOME / "celerybeat-schedule")
 
@@ -271,11 +272,13 @@ FLEET_BATCH_LEASE_S = env_int("FLEET_BATCH_LEASE_S", 30)  # a runner silent this
 
 # Maintenance (Celery beat, every FLEET_MAINTENANCE_S): in days, 0 keeps forever. A session untouched this long is
 # deleted with its messages; a handle no generation named this long is freed; generation records and batch files
-# older than their retention are deleted (a file an unfinished batch reads or writes is kept).
+# older than their retention are deleted (a file an unfinished batch reads or writes is kept), and so are media blobs
+# (audio a request sent) no request sent for FLEET_MEDIA_RETENTION_DAYS (a model's file is kept).
 FLEET_SESSION_TTL_DAYS = env_int("FLEET_SESSION_TTL_DAYS", 30)
 FLEET_HANDLE_TTL_DAYS = env_int("FLEET_HANDLE_TTL_DAYS", 30)
 FLEET_GENERATION_RETENTION_DAYS = env_int("FLEET_GENERATION_RETENTION_DAYS", 90)
 FLEET_FILE_RETENTION_DAYS = env_int("FLEET_FILE_RETENTION_DAYS", 30)
+FLEET_MEDIA_RETENTION_DAYS = env_int("FLEET_MEDIA_RETENTION_DAYS", 7)
 
 # plain, or json: one JSON object a line, with gen_id on every line about a generation (node_join honours it too).
 try:

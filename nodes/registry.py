@@ -1,6 +1,7 @@
 """The model registry's services: add a GGUF file (from a path or an upload in parts), delete it, and grant nodes a
 short-lived right to pull it. Media a request sends (a transcription's audio) share the same blobs and grants
-(`media_put`, `media_ref`).
+(`media_put`, `media_ref`); beat deletes those no request sent for
+FLEET_MEDIA_RETENTION_DAYS (`media_purge`).
 
 Files live once by content hash in `$FLEET_HOME/blobs/<sha256>`; uploads grow in `$FLEET_HOME/blobs/uploads/` and
 are hashed and checked when they finish. Nothing here holds more than one chunk of a file in memory.
@@ -9,10 +10,12 @@ are hashed and checked when they finish. Nothing here holds more than one chunk 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import secrets
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import BinaryIO
@@ -98,6 +101,7 @@ def _store(staged: Path, sha256: str, name: str) -> Model:
         staged.unlink()  # the same file under another name: stored once
     else:
         os.replace(staged, target)
+        os.utime(target)  # an upload's part may be old; media_purge must not take it before its row exists
     try:
         with transaction.atomic():
             return Model.objects.create(
@@ -207,6 +211,7 @@ def media_put(source: BinaryIO) -> tuple[str, int]:
         size = staged.stat().st_size
         if blob_path(sha256).exists():
             staged.unlink()
+            os.utime(blob_path(sha256))  # its age is since a request last sent it (media_purge)
         else:
             os.replace(staged, blob_path(sha256))
     except BaseException:
@@ -218,6 +223,34 @@ def media_put(source: BinaryIO) -> tuple[str, int]:
 def media_ref(*, sha256: str, size: int) -> dict[str, object]:
     """How a generation names a media blob to its node: by hash, with where and the grant to fetch it once."""
     return {"sha256": sha256, "size": size, "path": blob_url_path(sha256), "grant": blob_grant(sha256=sha256)}
+
+
+def media_purge(*, retention_days: int) -> int:
+    """Delete the media blobs no request sent for `retention_days` (0 keeps them forever); returns how many.
+
+    A blob a registry model names is a model file and stays. A running transcription's blob stays too: media_put
+    sets a blob's time each time a request sends it, and a transcription lasts minutes, not days."""
+    if retention_days <= 0 or not blob_dir().is_dir():
+        return 0
+    cutoff = time.time() - retention_days * 86400
+    models = set(Model.objects.values_list("sha256", flat=True))
+    return sum(_unlink(path) for path in blob_dir().iterdir()
+               if SHA256_RE.fullmatch(path.name) and path.name not in models and _mtime(path) < cutoff)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # another run took it meanwhile
+        return math.inf
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def model_grant_open(*, grant: str, sha256: str) -> Path:

@@ -1,9 +1,12 @@
-"""Maintenance that Celery beat runs: sessions and handles expire after their time-to-live, generation records and
-batch files are purged after their retention. Each does what is due, keeps everything else, and finds nothing the
-second time (tests/test_celery_worker.py runs the tasks in a real worker)."""
+"""Maintenance that Celery beat runs: sessions and handles expire after their time-to-live, generation records,
+batch files and media blobs are purged after their retention. Each does what is due, keeps everything else, and
+finds nothing the second time (tests/test_celery_worker.py runs the tasks in a real worker)."""
 
 from __future__ import annotations
 
+import io
+import os
+import time
 from datetime import timedelta
 
 import pytest
@@ -13,6 +16,9 @@ from api.batches import file_purge
 from api.constraints import apply_constraints
 from api.models import Batch, BatchFile
 from nodes.link.spec import GenerateSpec
+from nodes.models import Model
+from nodes.registry import blob_path, media_put
+from nodes.tasks import media_purge_task
 from sessions.admin import GrammarHandleAdmin, InferenceSessionAdmin
 from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message
 from sessions.services import generation_purge, handle_expire, session_expire
@@ -110,6 +116,33 @@ def test_old_batch_files_are_purged_except_those_a_running_batch_uses():
     assert not BatchFile.objects.filter(pk__in=[gone.pk, read_by_finished.pk]).exists()
     assert file_purge(retention_days=30) == 0
     assert fresh.pk in set(BatchFile.objects.values_list("pk", flat=True))
+
+
+def media_blob(content: bytes, days: float) -> str:
+    """A media blob as a transcription keeps it, last sent `days` ago; its sha256."""
+    sha256, _ = media_put(io.BytesIO(content))
+    then = time.time() - days * DAY.total_seconds()
+    os.utime(blob_path(sha256), (then, then))
+    return sha256
+
+
+def test_media_blobs_past_their_retention_go_and_model_files_and_fresh_ones_stay(settings, tmp_path):
+    settings.FLEET_HOME, settings.FLEET_MEDIA_RETENTION_DAYS = tmp_path, 7
+    old, fresh, model_file = media_blob(b"RIFF old", 8), media_blob(b"RIFF fresh", 6), media_blob(b"GGUF model", 8)
+    Model.objects.create(name="m", sha256=model_file, size=10, architecture="llama", quantization="Q8_0",
+                         context_length=2048, kv_bytes_per_token=1)
+    assert media_purge_task() == 1
+    assert not blob_path(old).exists() and blob_path(fresh).exists() and blob_path(model_file).exists()
+    assert media_purge_task() == 0
+
+
+def test_a_media_blob_sent_again_starts_its_time_over_and_zero_keeps_every_blob(settings, tmp_path):
+    settings.FLEET_HOME, settings.FLEET_MEDIA_RETENTION_DAYS = tmp_path, 0
+    sent_again = media_blob(b"RIFF again", 30)
+    assert media_purge_task() == 0
+    settings.FLEET_MEDIA_RETENTION_DAYS = 7
+    media_put(io.BytesIO(b"RIFF again"))  # a new transcription of the same file, as one running would have
+    assert media_purge_task() == 0 and blob_path(sent_again).exists()
 
 
 def test_the_admin_shows_when_a_session_and_a_handle_expire(settings, admin_client):
