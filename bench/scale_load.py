@@ -41,7 +41,11 @@ async def node_main(args) -> None:
     await worker.start()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):  # a client gone before asking (a window's end)
+            writer.close()
+            return
         tokens = int(head.split(b" ", 2)[1].rsplit(b"=", 1)[1])
         gen_id = uuid.uuid4().hex
         queue = queues[gen_id] = asyncio.Queue()
