@@ -5,6 +5,7 @@ from __future__ import annotations
 from urllib.parse import parse_qs
 
 from asgiref.sync import sync_to_async
+from django.middleware.csrf import CsrfViewMiddleware
 from rest_framework import authentication, exceptions
 
 from api.errors import OpenAIError
@@ -78,3 +79,17 @@ def v1_authenticate(header: str | None) -> ApiKey:
         raise OpenAIError(401, "Incorrect or revoked API key provided. Check the key, or create a new one.",
                           code="invalid_api_key")
     return row
+
+
+async def v1_staff_session(request) -> None:
+    """A /v1 request with no key that the admin playground sent: an active staff user's session, with the page's CSRF
+    token (another site cannot ride the cookie). Raises OpenAIError 401 (no such session) or 403 (no token)."""
+    user = await request.auser()
+    if not user.is_authenticated:
+        await v1_authenticate_async(None)  # raises: no API key
+    if not (user.is_active and user.is_staff):
+        raise OpenAIError(403, "Only staff users may call this with a session; send an API key.", code="forbidden")
+    refused = await sync_to_async(CsrfViewMiddleware(lambda r: None).process_view)(request, None, (), {})
+    if refused is not None:
+        raise OpenAIError(403, "A request signed in with a session must carry this site's CSRF token (X-CSRFToken); "
+                          "reload the page, or send an API key.", code="csrf_failed")

@@ -22,7 +22,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from api.auth import v1_authenticate_async
+from api.auth import v1_authenticate_async, v1_staff_session
 from api.batches import BATCH_HEADER, batch_key_for
 from api.errors import OpenAIError, body_too_large, invalid, openai_error_response
 from api.generation import Run
@@ -42,10 +42,11 @@ MAX_EMBED_INPUTS = 256
 EMBED_TIMEOUT_S = 60.0
 
 
-def openai_view(*methods: str, tokens: bool = False, stream: bool = False):
+def openai_view(*methods: str, tokens: bool = False, stream: bool = False, session: bool = False):
     """Wrap an async view: method check, API-key auth, the key's quota (`tokens`: the view spends tokens, `stream`:
     it runs a generation, which holds a stream slot), OpenAIError (or a bug) as an error object, and the
-    x-ratelimit headers on whatever the view answers."""
+    x-ratelimit headers on whatever the view answers. `session`: a request with no key may come from the admin
+    playground instead (a staff session with its CSRF token; no key, so no quota, as on the playground's socket)."""
 
     def wrap(view: Callable[..., Awaitable[HttpResponse]]):
         @csrf_exempt
@@ -53,7 +54,7 @@ def openai_view(*methods: str, tokens: bool = False, stream: bool = False):
         async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
             request.quota = None
             try:
-                response = await _serve_admitted(view, request, methods, tokens, stream, *args, **kwargs)
+                response = await _serve_admitted(view, request, methods, (tokens, stream, session), *args, **kwargs)
             finally:
                 if request.quota is not None and not request.quota.owned:  # no Run took it: free its slot now
                     await request.quota.settle()
@@ -67,13 +68,15 @@ def openai_view(*methods: str, tokens: bool = False, stream: bool = False):
     return wrap
 
 
-async def _serve_admitted(view, request: HttpRequest, methods, tokens: bool, stream: bool, *args, **kwargs):
+async def _serve_admitted(view, request: HttpRequest, methods, wants: tuple[bool, bool, bool], *args, **kwargs):
+    tokens, stream, session = wants
     try:
         if request.method not in methods:
             raise OpenAIError(405, f"{request.method} is not allowed here; use {' or '.join(methods)}.",
                               code="method_not_allowed", headers={"Allow": ", ".join(methods)})
-        request.api_key, request.batch_line = await _authenticate(request)
-        request.quota = await quota_admit(request.api_key, tokens=tokens, stream=stream)
+        request.api_key, request.batch_line = await _authenticate(request, session)
+        if request.api_key is not None:
+            request.quota = await quota_admit(request.api_key, tokens=tokens, stream=stream)
         return await view(request, *args, **kwargs)
     except OpenAIError as exc:
         return openai_error_response(exc)
@@ -83,10 +86,14 @@ async def _serve_admitted(view, request: HttpRequest, methods, tokens: bool, str
                                                  "logged.", code="internal_error"))
 
 
-async def _authenticate(request: HttpRequest):
+async def _authenticate(request: HttpRequest, session: bool = False):
     """The request's key, and whether it is a batch line: a worker's signed X-Fleet-Batch credential runs as the
-    key that created the batch, at batch priority; anything else authenticates with its bearer key."""
+    key that created the batch, at batch priority; anything else authenticates with its bearer key (or, where the
+    view takes one, no key and the playground's staff session: None)."""
     credential = request.headers.get(BATCH_HEADER)
+    if session and not credential and "Authorization" not in request.headers:
+        await v1_staff_session(request)
+        return None, False
     if not credential:
         return await v1_authenticate_async(request.headers.get("Authorization")), False
     key = await sync_to_async(batch_key_for)(credential)
@@ -181,7 +188,7 @@ async def respond(gen: GenerationRequest, ticket: Ticket | None = None) -> HttpR
     return response
 
 
-@openai_view("POST", tokens=True, stream=True)
+@openai_view("POST", tokens=True, stream=True, session=True)
 async def audio_transcriptions(request: HttpRequest) -> HttpResponse:
     return await serve_transcription(request)
 

@@ -18,6 +18,15 @@ def node_models_served() -> list[str]:
     return sorted(names)
 
 
+def node_speech_models() -> set[str]:
+    """The speech models (`node_join --transcribe`) nodes not offline serve, as their capabilities name them."""
+    names: set[str] = set()
+    for capabilities in Node.objects.exclude(state=Node.State.OFFLINE).values_list("capabilities", flat=True):
+        speech = capabilities.get("speech_models") if isinstance(capabilities, dict) else None
+        names.update(m for m in speech or [] if isinstance(m, str))
+    return names
+
+
 def fleet_token_list() -> QuerySet[FleetToken]:
     return FleetToken.objects.order_by("-created_at")
 

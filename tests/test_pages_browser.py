@@ -3,6 +3,7 @@ websocket as nodes join and leave), a node action, a generation's and a node's p
 The pages' screenshots go to docs/screenshots/ (docs/operations.md shows them)."""
 
 import json
+import re
 import shutil
 import urllib.request
 from pathlib import Path
@@ -114,6 +115,41 @@ def test_the_playground_streams_an_answer_with_the_node_and_usage(browser, live_
     assert not browser.find_element(By.ID, "pg-error").text
     browser.save_screenshot(str(tmp_path / "playground.png"))
     assert (tmp_path / "playground.png").stat().st_size > 10_000
+
+
+@pytest.fixture(scope="module")
+def speech_head(tmp_path_factory):
+    """A head of its own whose one node serves only a speech model (`node_join --transcribe whisper-tiny.en`)."""
+    from tests.live import make_head, start_node
+
+    head = make_head(tmp_path_factory.mktemp("speech"))
+    head.start()
+    node = start_node(head, "--transcribe", "whisper-tiny.en", identity="ears", model="")
+    head.wait_nodes(1, timeout=180)
+    yield head
+    node.stop()
+    head.stop()
+
+
+def test_the_playground_transcribes_an_audio_file_on_a_speech_model(browser, speech_head, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    from tests.speech import SENTENCE, WORDS, speak
+
+    wav = speak(SENTENCE, tmp_path / "speech.wav")
+    login(browser, speech_head)
+    browser.get(f"{speech_head.url}/admin/playground/")
+    Select(browser.find_element(By.ID, "pg-model")).select_by_value("whisper-tiny.en")
+    assert not browser.find_element(By.ID, "pg-message").is_displayed()
+    browser.find_element(By.ID, "pg-audio").send_keys(str(wav))
+    browser.find_element(By.ID, "pg-send").click()
+    usage = WebDriverWait(browser, 60).until(
+        lambda b: b.find_element(By.ID, "pg-usage").text or b.find_element(By.ID, "pg-error").text)
+    assert "ears" in usage and "audio" in usage, usage
+    heard = set(re.findall(r"[a-z]+", browser.find_element(By.ID, "pg-answer").text.lower()))
+    assert len(WORDS & heard) >= len(WORDS) - 1, heard
+    assert not browser.find_element(By.ID, "pg-error").text
 
 
 def screenshot(browser, name: str) -> None:

@@ -9,9 +9,12 @@ import uuid
 
 import numpy as np
 import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.test import Client
 
 from nodes.registry import blob_path
 from tests.api_support import FakeLink, Script, add_fake_node, request
+from tests.factories import UserFactory
 from tests.speech import write_wav
 
 pytest_plugins = ["tests.api_fixtures"]
@@ -106,3 +109,23 @@ async def test_a_node_that_fails_before_the_first_segment_is_failed_over(bearer,
     assert answer.status == 200 and answer.headers["x-fleet-node"] == "steady"
     assert b"".join(answer.chunks).decode() == "Hello again\n"
     assert len(crashing.specs) == 1 and steady.specs[0]["audio"] == crashing.specs[0]["audio"]
+
+
+def session_post(client, wav_bytes: bytes, **headers: str):
+    return client.post(URL, {"model": "whisper-large", "file": SimpleUploadedFile("speech.wav", wav_bytes)},
+                       headers=headers)
+
+
+def test_the_playground_s_staff_session_may_transcribe_with_its_csrf_token_and_nothing_else_may(wav_bytes):
+    """No key: the admin playground's staff session, with the page's CSRF token (another site cannot ride it)."""
+    client = Client(enforce_csrf_checks=True)
+    assert session_post(client, wav_bytes).json()["error"]["code"] == "missing_api_key"
+    client.force_login(UserFactory(is_staff=False))
+    refused = session_post(client, wav_bytes)
+    assert refused.status_code == 403 and "Only staff users" in refused.json()["error"]["message"]
+    client.force_login(UserFactory(is_staff=True))
+    refused = session_post(client, wav_bytes)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "csrf_failed"
+    token = client.get("/admin/playground/").context["csrf_token"]
+    answer = session_post(client, wav_bytes, X_CSRFToken=str(token))
+    assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found"  # past the session check
