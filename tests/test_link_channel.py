@@ -97,6 +97,11 @@ def _every_message() -> list[messages.Message]:
         messages.Pull(identity="node-a", model="tiny-chat"),
         messages.PullGrant(model="tiny-chat", sha256="ab" * 32, size=98362432, path="/models/blobs/" + "ab" * 32,
                            grant="signed", expires_s=900.0),
+        messages.Deploy(models=[{"name": "tiny-chat", "sha256": "ab" * 32, "lanes": 4, "context": 0}]),
+        messages.Models(models=[{"name": "qwen", "context_window": 4096, "lanes": 4},
+                                {"name": "tiny-chat", "context_window": 2048, "lanes": 4}],
+                        lanes=8, context_window=4096),
+        messages.ModelState(model="tiny-chat", state="pulling", progress=0.43, detail=""),
     ]
 
 
