@@ -18,9 +18,11 @@ from django.conf import settings
 
 from api.constraints import apply_constraints
 from api.errors import OpenAIError, invalid
+from api.images import IMAGE_PART_TYPES, image_part
 from api.tools import ToolPlan, tool_plan
 from fleet.selectors import model_context_window
 from nodes.link.spec import GenerateSpec
+from nodes.registry import media_ref
 from sessions import selectors
 from sessions.services import logit_bias_clean
 
@@ -269,7 +271,7 @@ def _message(index: int, message: Any) -> dict[str, Any]:
     if not isinstance(role, str) or role not in ROLES:
         raise invalid(f"{param}.role must be one of {', '.join(sorted(ROLES))}; got {role!r}.", param=f"{param}.role")
     clean: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                             "content": _content(message.get("content"), f"{param}.content")}
+                             "content": _content(message.get("content"), f"{param}.content", role)}
     tool_calls = message.get("tool_calls")
     if tool_calls:
         if role != "assistant" or not isinstance(tool_calls, list):
@@ -292,17 +294,27 @@ def _message(index: int, message: Any) -> dict[str, Any]:
     return clean
 
 
-def _content(content: Any, param: str) -> str | None:
+def _content(content: Any, param: str, role: str) -> str | list[dict[str, Any]] | None:
+    """A message's content: its text, or (with an image) a list of text and image parts."""
     if content is None or isinstance(content, str):
         return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(f"{param}: only text content parts are supported.", param=param)
-            texts.append(part["text"])
-        return "".join(texts)
-    raise invalid(f"{param} must be a string or a list of text parts.", param=param)
+    if not isinstance(content, list):
+        raise invalid(f"{param} must be a string or a list of content parts.", param=param)
+    parts: list[dict[str, Any]] = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("text", "input_text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind in IMAGE_PART_TYPES:
+            if role != "user":
+                raise invalid(f"{param}[{i}]: images go in user messages.", param=f"{param}[{i}]")
+            parts.append(image_part(part, f"{param}[{i}]"))
+        else:
+            raise invalid(f"{param}[{i}]: content parts are text ({{\"type\": \"text\", \"text\"}}) or images "
+                          "({\"type\": \"image_url\", \"image_url\": {\"url\"}}).", param=f"{param}[{i}]")
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
 
 
 def _for_node(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:
@@ -313,6 +325,8 @@ def _for_node(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dic
         m = dict(m)
         if m.get("tool_calls"):  # a session's stored calls too: only their clean shape travels to the node
             m["tool_calls"] = [_call_clean(c) for c in m["tool_calls"] if isinstance(c, dict)]
+        if isinstance(m.get("content"), list):  # a fresh grant each time: a session's images come back later
+            m["content"] = [_part_for_node(part) for part in m["content"]]
         if m.get("content") is None:
             calls = [{"name": c["function"]["name"], "arguments": _arguments(c)} for c in m.get("tool_calls") or []]
             m["content"] = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
@@ -324,6 +338,15 @@ def _for_node(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dic
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+def _part_for_node(part: dict[str, Any]) -> dict[str, Any]:
+    """A content part as the node reads it: an image named by hash, with where and the grant to fetch it once."""
+    if part.get("type") != "image":
+        return part
+    image = part["image"]
+    return {"type": "image", "image": {**media_ref(sha256=image["sha256"], size=image["size"]),
+                                       "format": image.get("format", "")}}
 
 
 def _call_clean(call: dict[str, Any]) -> dict[str, Any]:

@@ -46,6 +46,8 @@ CAPABILITY_HINTS = {
                        "on the batch, at some speed), or leave batch_invariant out",
     "transcribe": "start a node with `manage.py node_join --transcribe whisper-tiny.en` and name that model",
     "lora": "load the adapter on a node serving the model (`manage.py node_join --lora NAME=PATH`)",
+    "vision": "start a node with the model's multimodal projector (`manage.py node_join --mmproj PATH`), or send no "
+              "image",
 }
 
 

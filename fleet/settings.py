@@ -253,6 +253,15 @@ FLEET_MAX_BODY_BYTES = env_int("FLEET_MAX_BODY_BYTES", 4 * 1024 * 1024)
 FLEET_MAX_MESSAGES = env_int("FLEET_MAX_MESSAGES", 1024)
 # An audio file sent to /v1/audio/transcriptions: larger is a 413 (OpenAI's own limit is 25 MB).
 FLEET_MAX_AUDIO_BYTES = env_int("FLEET_MAX_AUDIO_BYTES", 25 * 1024 * 1024)
+# An image in a chat message (decoded bytes; a data URL also counts against FLEET_MAX_BODY_BYTES) and its pixels.
+FLEET_MAX_IMAGE_BYTES = env_int("FLEET_MAX_IMAGE_BYTES", 4 * 1024 * 1024)
+FLEET_MAX_IMAGE_PIXELS = env_int("FLEET_MAX_IMAGE_PIXELS", 4096 * 4096)
+# Remote http(s) image URLs the head fetches: none by default (server-side request forgery; fleets often have no
+# internet); "*" for any host, or a comma-separated list of hosts. Each fetch gets FLEET_MEDIA_REMOTE_TIMEOUT_S seconds
+# in all and at most FLEET_MAX_IMAGE_BYTES; redirects are not followed.
+FLEET_MEDIA_REMOTE_URLS = {h.strip().lower() for h in os.environ.get("FLEET_MEDIA_REMOTE_URLS", "").split(",")
+                           if h.strip()}
+FLEET_MEDIA_REMOTE_TIMEOUT_S = env_int("FLEET_MEDIA_REMOTE_TIMEOUT_S", 10)
 DATA_UPLOAD_MAX_MEMORY_SIZE = FLEET_MAX_BODY_BYTES
 
 # /metrics answers a scraper that sends `Authorization: Bearer <this>` (or a staff session); unset: staff only.

@@ -49,6 +49,7 @@ class NodeOptions:
     labels: dict[str, str] = field(default_factory=dict)
     adapters: dict[str, str] = field(default_factory=dict)  # --lora: adapter name -> GGUF LoRA path
     transcribe: str | None = None  # a speech model served beside the text model: a known id or a CTranslate2 folder
+    mmproj: str | None = None  # --mmproj: the model's multimodal projector (GGUF); images in chats need it
 
 
 class NodeError(Exception):
@@ -115,7 +116,7 @@ def engine_configs(options: NodeOptions, pulled: Path | None = None) -> tuple[li
             cpu_affinity=cpus[index] if options.replicas > 1 else None, env=env, threads=len(cpus[index]),
             batch_invariant=options.batch_invariant,
             speech_model_path=str(speech_path) if speech_path else None, speech_model_name=speech_name,
-            adapters=options.adapters,
+            adapters=options.adapters, mmproj_path=options.mmproj,
         ))
     return configs, name, why
 

@@ -1,9 +1,11 @@
-"""A node's cache of media blobs (audio for transcriptions) by content hash: `$FLEET_HOME/media/<sha256>`.
+"""A node's cache of media blobs (audio for transcriptions, images in chats) by content hash:
+`$FLEET_HOME/media/<sha256>`.
 
-A generation names its blob by sha256 with a grant (`{"sha256", "size", "path", "grant"}`, see GenerateSpec.audio).
-A blob this node holds is used as it is, and no byte moves; one it lacks is fetched once with the model registry's
-authorized HTTP pull (nodes.agent.pull.fetch_blob), its hash checked, and kept. The cache holds at most
-FLEET_MEDIA_CACHE_BYTES (default 1 GiB); past that the least recently used blobs go first.
+A generation names its blobs by sha256 with a grant (`{"sha256", "size", "path", "grant"}`: GenerateSpec.audio, and
+the image parts of GenerateSpec.images). A blob this node holds is used as it is, and no byte moves; one it lacks is
+fetched once with the model registry's authorized HTTP pull (nodes.agent.pull.fetch_blob), its hash checked, and
+kept. The cache holds at most FLEET_MEDIA_CACHE_BYTES (default 1 GiB); past that the least recently used blobs go
+first.
 """
 
 from __future__ import annotations
@@ -70,10 +72,17 @@ class MediaCache:
 
 
 async def media_ready(cache: MediaCache, head_url: str, spec) -> str | None:
-    """Make `spec.audio` name a local file (`local_path`), fetching it off the event loop; the error text if not."""
-    try:
-        path = await asyncio.to_thread(cache.get, head_url, spec.audio)
-    except (MediaError, ValueError, TypeError) as exc:
-        return f"the node could not get the audio blob from the head: {exc}"
-    spec.audio = {**spec.audio, "local_path": str(path)}
+    """Make `spec.audio` and every image part of its messages name a local file (`local_path`), fetching each blob
+    this node lacks off the event loop; the error text if one cannot be had."""
+    blobs = ([("audio", spec.audio)] if spec.audio is not None else []) + [("image", p) for p in spec.images()]
+    for kind, holder in blobs:
+        blob = holder if kind == "audio" else holder.get("image")
+        try:
+            path = await asyncio.to_thread(cache.get, head_url, blob if isinstance(blob, dict) else {})
+        except (MediaError, ValueError, TypeError) as exc:
+            return f"the node could not get the {kind} blob from the head: {exc}"
+        if kind == "audio":
+            spec.audio = {**spec.audio, "local_path": str(path)}
+        else:
+            holder["image"] = {**blob, "local_path": str(path)}
     return None

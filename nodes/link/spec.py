@@ -59,8 +59,14 @@ class GenerateSpec:
         """The node capabilities this generation cannot run without (placement filters on them)."""
         wanted = {"grammar": bool(self.grammar or self.json_schema), "logprobs": self.logprobs,
                   "embeddings": self.embedding, "batch_invariant": self.batch_invariant,
-                  "transcribe": self.audio is not None}
+                  "transcribe": self.audio is not None, "vision": bool(self.images())}
         return [name for name, needed in wanted.items() if needed] + [f"lora:{name}" for name, _ in self.lora]
+
+    def images(self) -> list[dict[str, Any]]:
+        """The image parts of a chat's messages (`{"type": "image", "image": {"sha256", "size", "path", "grant"}}`),
+        in order: the node fetches each blob it lacks once, then reads it from its cache (`local_path`)."""
+        return [part for m in self.messages or [] if isinstance(m.get("content"), list)
+                for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
 
     def to_dict(self) -> dict[str, Any]:
         # Shallow: it is encoded at once (asdict's deep copy of the messages was a millisecond a generation).

@@ -54,6 +54,9 @@ class EngineConfig:
     speech_model_name: str = ""
     # LoRA adapters loaded with the model at start (`node_join --lora NAME=PATH`): name -> GGUF LoRA path.
     adapters: dict[str, str] = field(default_factory=dict)
+    # The model's multimodal projector (`node_join --mmproj`): a GGUF mmproj file read by llama.cpp's mtmd, so chats
+    # may hold images (nodes.agent.engine.vision).
+    mmproj_path: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

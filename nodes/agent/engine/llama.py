@@ -28,6 +28,7 @@ from nodes.agent.engine.park import LaneParking
 from nodes.agent.engine.runs import Run
 from nodes.agent.engine.sampling import LaneSampler, accept_resume, build_sampler, token_logprobs
 from nodes.agent.engine.scheduler import Lane, LaneEngine, Sample, Work
+from nodes.agent.engine.vision import ImagePrompt, Vision
 from nodes.link.codes import ErrorCode
 from nodes.link.spec import GenerateSpec
 
@@ -110,6 +111,8 @@ class LlamaEngine(LaneEngine):
         self.lora = LoraAdapters(self.model.model)
         for name, path in config.adapters.items():
             self.lora.load(name, path)
+        self.vision = Vision(config.mmproj_path, self.model.model, self.threads) if config.mmproj_path else None
+        self._image_prompts: dict[str, ImagePrompt] = {}  # gen_id -> its images, for generations that have some
         super().__init__(config, window, L.llama_n_batch(self.ctx))
         self.batch = TokenBatch(self.n_batch)
         self._embed_ctx: Any = None
@@ -130,6 +133,7 @@ class LlamaEngine(LaneEngine):
                 "logprobs": True,
                 "lora": True,
                 "batch_invariant": self.config.batch_invariant,
+                "vision": self.vision is not None,
                 **{f"lora:{name}": True for name in sorted(self.lora.loaded)},
             },
             "engine": "llama.cpp",
@@ -155,18 +159,27 @@ class LlamaEngine(LaneEngine):
             if ctx:
                 L.llama_free(ctx)
         self.lora.close()
+        if self.vision is not None:
+            self.vision.close()
         self._embed_ctx = self.ctx = None
         self.model.close()
 
     # -- admission ------------------------------------------------------------------------------------
 
     def _prepare(self, spec: GenerateSpec, submitted_at: float) -> Run:
+        images = spec.images()
+        if images:
+            return self._prepare_images(spec, submitted_at, [part["image"] for part in images])
         if spec.messages is not None:
             prompt = self.model.tokenize(self.model.render_chat(spec.messages), False, True)
         else:
             prompt = self.model.tokenize(spec.prompt or "", True, True)
         if not prompt:
             raise EngineError(ErrorCode.INVALID_REQUEST, "the prompt is empty")
+        return self._run_for(spec, prompt, submitted_at)
+
+    def _run_for(self, spec: GenerateSpec, prompt: list[int], submitted_at: float) -> Run:
+        """The run of a tokenized prompt: the resume tokens after it, its window checked, its sampler built."""
         resume = self._resume_tokens(spec)
         tokens = prompt + resume
         if len(tokens) + 1 > self.window:
@@ -186,6 +199,20 @@ class LlamaEngine(LaneEngine):
         run.continue_after(b"".join(self.model.piece(t) for t in resume))
         return run
 
+    def _prepare_images(self, spec: GenerateSpec, submitted_at: float, images: list[dict[str, Any]]) -> Run:
+        """A chat with images: its prompt through the projector (nodes.agent.engine.vision), then as any prompt."""
+        if self.vision is None:
+            raise EngineError(ErrorCode.INVALID_REQUEST, "this node has no multimodal projector (start it with "
+                              "node_join --mmproj PATH) and cannot read images")
+        prompt = self.vision.prompt(self.model.render_chat(spec.messages or []), images)
+        try:
+            run = self._run_for(spec, prompt.tokens, submitted_at)
+        except EngineError:
+            prompt.close()
+            raise
+        self._image_prompts[spec.gen_id] = prompt
+        return run
+
     def _resume_tokens(self, spec: GenerateSpec) -> list[int]:
         """The tokens another node already generated: their exact ids when the head sends them, else the
         resume text tokenized."""
@@ -198,6 +225,20 @@ class LlamaEngine(LaneEngine):
     def _release_run(self, run: Run) -> None:
         if isinstance(run.sampler, LaneSampler):
             run.sampler.free()
+        prompt = self._image_prompts.pop(run.gen_id, None)
+        if prompt is not None:
+            prompt.close()
+
+    def _chunk_end(self, run: Run, start: int, budget: int) -> int:
+        """An image's tokens are a chunk of their own (embedded and decoded whole, outside the shared batch); text
+        before an image ends its chunk there."""
+        prompt = self._image_prompts.get(run.gen_id)
+        for span in prompt.spans if prompt is not None else ():
+            if span.start <= start < span.end:
+                return span.end
+            if start < span.start < start + budget:
+                return span.start
+        return start + budget
 
     def _trim_lane(self, lane: Lane, keep: int) -> None:
         if not L.llama_memory_seq_rm(self.mem, lane.index, keep, -1):
@@ -225,7 +266,7 @@ class LlamaEngine(LaneEngine):
         users = [run.gen_id for run in [*self.queue, *(lane.run for lane in self.lanes if lane.run)]
                  if any(n == name for n, _ in run.adapters)]
         if users:
-            raise EngineError(ErrorCode.INVALID_REQUEST, f"LoRA adapter {name!r} is in use by {len(users)} "
+            raise EngineError(ErrorCode.ADAPTER_IN_USE, f"LoRA adapter {name!r} is in use by {len(users)} "
                               "generation(s); unload it when they end")
         self.lora.unload(self.ctx, name)
         for lane in self.lanes:
@@ -244,13 +285,20 @@ class LlamaEngine(LaneEngine):
             return
         for index in sorted(self._unparked):
             lane = self.lanes[index]
-            if lane.run is None and not lane.adapters:  # a restart restores lanes as the base model's
+            # a restart restores lanes as the base model's, and without the images a lane's placeholders stand for
+            if lane.run is None and not lane.adapters and min(lane.tokens, default=0) >= 0:
                 self.parking.park(lane)
         self._unparked.clear()
 
     # -- the step -------------------------------------------------------------------------------------
 
     def _decode(self, works: list[Work]) -> dict[int, Sample]:
+        for work in works:
+            if work.tokens and work.tokens[0] < 0:
+                self._decode_image(work)
+        works = [work for work in works if work.tokens and work.tokens[0] >= 0]
+        if not works:
+            return {}
         total = sum(len(w.tokens) for w in works)
         if total > self.n_batch:
             raise EngineError(ErrorCode.ENGINE_FAILED, f"a step of {total} tokens exceeds n_batch {self.n_batch}")
@@ -269,6 +317,18 @@ class LlamaEngine(LaneEngine):
         if rc != 0:
             raise EngineError(ErrorCode.ENGINE_FAILED, f"llama_decode failed with code {rc}")
         return {work.lane.index: self._sample(work.lane.run, index) for work, index in outputs}
+
+    def _decode_image(self, work: Work) -> None:
+        """One image chunk (see _chunk_end) into its lane's sequence, on its own."""
+        run = work.lane.run
+        prompt = self._image_prompts.get(run.gen_id) if run is not None else None
+        span = next((s for s in prompt.spans if s.start == work.pos), None) if prompt is not None else None
+        if self.vision is None or span is None or span.end != work.pos + len(work.tokens) or work.sample:
+            raise EngineError(ErrorCode.ENGINE_FAILED, f"lane {work.lane.index} was given part of an image")
+        if work.pos != len(work.lane.tokens) or span.end > self.window:
+            raise EngineError(ErrorCode.ENGINE_FAILED, f"lane {work.lane.index} would read past its window")
+        self.lora.apply(self.ctx, run.adapters)
+        self.vision.decode(self.ctx, span, work.lane.index, self.n_batch)
 
     def _sample(self, run: Run | None, index: int) -> Sample:
         assert run is not None
@@ -304,7 +364,22 @@ class LlamaEngine(LaneEngine):
                     "model": self.info()["model_name"]}
         if op == "capabilities":
             return self.info()["capabilities"]
+        if op in ("adapter_load", "adapter_unload"):
+            return self._adapter_op(op, args)
         raise StateOpError(ErrorCode.UNKNOWN_OP, f"this engine has no state operation {op!r}")
+
+    def _adapter_op(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """A deployment's LoRA adapter loaded or unloaded while serving; answers the capabilities after it."""
+        try:
+            if op == "adapter_load":
+                self.load_adapter(str(args.get("name", "")), str(args.get("path", "")))
+            else:
+                self.unload_adapter(str(args.get("name", "")))
+        except EngineError as exc:
+            raise StateOpError(exc.code, exc.message) from None
+        except EngineLoadError as exc:
+            raise StateOpError(ErrorCode.ENGINE_FAILED, str(exc)) from None
+        return {"capabilities": self.info()["capabilities"]}
 
     def _embed(self, text: str) -> tuple[list[float], int]:
         """Mean-pooled, L2-normalised embedding from a second context on the same model, and its token count."""

@@ -16,6 +16,7 @@ from typing import Any
 import llama_cpp as L
 
 from nodes.agent.engine.base import EngineError, EngineLoadError
+from nodes.agent.engine.vision import IMAGE_MARKER
 from nodes.link.codes import ErrorCode
 
 # llama.cpp logs every tensor at load; keep only its errors.
@@ -152,10 +153,12 @@ def _report(on_progress: Callable[[float], Any], fraction: float) -> bool:
 
 
 def _plain_message(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI content parts flattened to the plain string chat templates expect."""
+    """OpenAI content parts flattened to the plain string chat templates expect (an image part becomes IMAGE_MARKER,
+    where the engine puts the image's tokens)."""
     content = message.get("content")
     if isinstance(content, list):
-        text = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        text = "".join(IMAGE_MARKER if part.get("type") == "image" else part.get("text", "")
+                       for part in content if isinstance(part, dict))
         return {**message, "content": text}
     if content is None:
         return {**message, "content": ""}

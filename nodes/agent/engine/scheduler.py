@@ -146,6 +146,11 @@ class LaneEngine(ABC):
     def idle_work(self) -> None:  # noqa: B027 - optional hook
         """Housekeeping the worker runs when no lane is busy (the llama engine parks lanes to disk)."""
 
+    def _chunk_end(self, run: Run, start: int, budget: int) -> int:
+        """Where a prompt chunk that starts at `start` ends, given `budget` tokens of room (the llama engine keeps an
+        image's tokens in a chunk of their own)."""
+        return start + budget
+
     def adapter_names(self) -> set[str]:
         """The LoRA adapters a request may name here."""
         return set(self.config.adapters)
@@ -324,7 +329,7 @@ class LaneEngine(ABC):
             run = lane.run
             assert run is not None
             start = len(lane.tokens)
-            chunk = run.tokens[start : start + budget]
+            chunk = run.tokens[start : self._chunk_end(run, start, budget)]
             works.append(Work(lane, chunk, start, start + len(chunk) == len(run.tokens)))
             budget -= len(chunk)
         return works

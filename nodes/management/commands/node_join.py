@@ -4,6 +4,7 @@ The node side is Django-free (nodes.agent); this command only parses the flags a
 on stderr with exit status 2.
 """
 
+import os
 import sys
 
 from django.conf import settings
@@ -97,6 +98,9 @@ class Command(BaseCommand):
         parser.add_argument("--lora", type=_lora, action="append", default=[], metavar="NAME=PATH",
                             help="load a GGUF LoRA adapter for the model (repeat for more); requests pick it as model "
                                  "MODEL:NAME or with the lora field")
+        parser.add_argument("--mmproj", metavar="PATH",
+                            help="the model's multimodal projector (a GGUF mmproj file): chats may then send images "
+                                 "(capability vision), read through llama.cpp's mtmd")
         parser.add_argument("--transcribe", metavar="SPEECH_MODEL",
                             help="also serve /v1/audio/transcriptions with this speech model: whisper-tiny.en (the "
                                  "bundled one) or a CTranslate2 Whisper model folder; run by faster-whisper in the "
@@ -117,6 +121,13 @@ class Command(BaseCommand):
         except (ModelNotFound, ReplicaConfigError) as exc:
             sys.stderr.write(f"node_join: {exc}\n")
             sys.exit(2)
+        if options["mmproj"] and not os.path.isfile(options["mmproj"]):
+            sys.stderr.write(f"node_join: --mmproj: no file at {options['mmproj']!r} (give the model's GGUF "
+                             "multimodal projector)\n")
+            sys.exit(2)
+        if options["mmproj"] and not options["model"]:
+            sys.stderr.write("node_join: --mmproj needs --model: the projector belongs to a text model\n")
+            sys.exit(2)
         if options["offline"] and not options["head"]:
             sys.stderr.write("node_join: --offline needs the head's address (host:port)\n")
             sys.exit(2)
@@ -127,6 +138,7 @@ class Command(BaseCommand):
             labels=dict(options["label"]), adapters=dict(options["lora"]),
             replicas=options["replicas"], gpus=options["gpus"], accept_new_head=options["accept_new_head"],
             batch_invariant=options["batch_invariant"], home=settings.FLEET_HOME, transcribe=options["transcribe"],
+            mmproj=options["mmproj"],
         ))
         if code:
             sys.exit(code)
