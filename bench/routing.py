@@ -46,9 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nodes.agent.engine.base import EngineConfig  # noqa: E402
 from nodes.agent.engine.mock import MockEngine  # noqa: E402
+from nodes.agent.vocab import BUILTINS, MOCK  # noqa: E402
 from nodes.link.lifecycle import PlacementLifecycle, placement_keys  # noqa: E402
 from nodes.link.placement import NodeSlot, PlacementState  # noqa: E402
 from nodes.link.prefix import PrefixKey  # noqa: E402
+
+MOCK_TOKENIZER = BUILTINS[MOCK]  # the mock engine's tokenizer: its nodes report it, and the head keys prompts with it
 from nodes.link.spec import GenerateSpec  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "routing.json"
@@ -262,7 +265,7 @@ class CacheAware(Policy):
 
     def finished(self, node: int, gen: Generation, done: dict[str, Any]) -> None:
         self.lifecycle.done(f"n{node}", gen.spec, gen.keys, answer=gen.text, usage=done["usage"],
-                            evicted=done["evicted"])
+                            tokenizer=MOCK_TOKENIZER, evicted=done["evicted"])
         super().finished(node, gen, done)
 
     def report(self) -> dict[str, Any]:
@@ -318,7 +321,7 @@ class Head:
         self.tally = Tally(per_node=[0] * p.nodes)
 
     async def generate(self, spec: GenerateSpec) -> Generation:
-        gen = Generation(spec, placement_keys(spec), time.perf_counter(), self.loop.create_future())
+        gen = Generation(spec, placement_keys(spec, MOCK_TOKENIZER), time.perf_counter(), self.loop.create_future())
         self.gens[spec.gen_id] = gen
         self.waiting.append(gen)
         self._pump()

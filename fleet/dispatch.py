@@ -18,11 +18,13 @@ from django.conf import settings
 from fleet import metrics
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
+from nodes.agent.vocab import BUILTINS, BYTES
 from nodes.link.codes import ErrorCode, FinishReason
-from nodes.link.lifecycle import placement_keys
+from nodes.link.lifecycle import aplacement_keys
 from nodes.link.messages import Accepted, Done, Error, TokenBatch
 from nodes.link.prefix import PrefixKey
 from nodes.link.spec import GenerateSpec
+from nodes.tokenizers import fingerprint_served, tokenizer_get
 
 log = logging.getLogger("fleet")
 
@@ -150,7 +152,8 @@ class GenerationStream:
         self.deadline = deadline
         self.batch = batch
         self._counted = False  # counted in _running (from its first placement to its end)
-        self.keys: list[PrefixKey] = placement_keys(spec)
+        self.keys: list[PrefixKey] | None = None  # the prompt's, once its model's tokenizer is known (_key)
+        self.tokenizer: Any = None
         self.outcome = Outcome()
         self._seq = 0
         self._cancelled = False
@@ -251,6 +254,8 @@ class GenerationStream:
             served = ", ".join(sorted({m for s in nodes for m in s.models})) or "none"
             raise GenerationError("model_not_found", f"The model {model!r} is not served by any node "
                                   f"(served: {served}).", status=404, param="model")
+        if self.keys is None:
+            await self._key(nodes)
         unable = self._unable(nodes)
         ahead = _waiters.ahead_of(self.spec.gen_id, model, self.deadline, self.batch)
         free = sum(s.free for s in nodes if model in s.models and s.schedulable)
@@ -268,6 +273,13 @@ class GenerationStream:
         if choice is None and counting:
             self._count(-1)
         return choice
+
+    async def _key(self, nodes) -> None:
+        """The prompt's prefix keys, with the tokenizer of the nodes serving its model: once per generation, off the
+        event loop (nodes.link.lifecycle.aplacement_keys)."""
+        fingerprint = fingerprint_served(self.spec.model, [s.tokenizers for s in nodes]) or BYTES
+        self.tokenizer = BUILTINS.get(fingerprint) or await asyncio.to_thread(tokenizer_get, fingerprint)
+        self.keys = await aplacement_keys(self.spec, self.tokenizer)
 
     def _count(self, delta: int) -> None:
         """In _running from its first placement to its end."""
@@ -430,7 +442,7 @@ class GenerationStream:
 
     async def _on_done(self, event: Done, link) -> Finished:
         await registry().lifecycle.adone(link.node_id, self.spec, self.keys, answer=self.outcome.text,
-                                         usage=event.usage, evicted=event.evicted)
+                                         usage=event.usage, tokenizer=self.tokenizer, evicted=event.evicted)
         self.outcome.finish_reason = event.finish_reason
         self.outcome.timings = dict(event.timings)
         usage = {

@@ -4,15 +4,15 @@ head processes (taking a node's last free lane, freeing a lane once, forgetting 
 KEY_TTL_S = 24 * 3600
 
 # KEYS: none (names are built from the prefix). ARGV: prefix, model, load_tokens ('' for each node's learned load),
-# gen_id, n_keys, key..., chars..., then excluded node ids. Returns a JSON object with the choice and the runner-up,
-# or nil.
+# gen_id, n_keys, key..., the prompt tokens covered up to each key..., then excluded node ids. Returns a JSON object
+# with the choice and the runner-up, or nil.
 CHOOSE = """
 local p, model, fixed_load, gen = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local n = tonumber(ARGV[5])
-local keys, chars, excluded = {}, {}, {}
-for i = 1, n do keys[i] = ARGV[5 + i]; chars[i] = tonumber(ARGV[5 + n + i]) end
+local keys, tokens, excluded = {}, {}, {}
+for i = 1, n do keys[i] = ARGV[5 + i]; tokens[i] = tonumber(ARGV[5 + n + i]) end
 for i = 6 + 2 * n, #ARGV do excluded[ARGV[i]] = true end
-local candidates, cpt_sum = {}, 0
+local candidates = {}
 for _, id in ipairs(redis.call('SMEMBERS', p .. 'nodes')) do
   local h = redis.call('HGETALL', p .. 'node:' .. id)
   if #h == 0 then
@@ -25,20 +25,17 @@ for _, id in ipairs(redis.call('SMEMBERS', p .. 'nodes')) do
     if serves and s.schedulable == '1' and tonumber(s.running) < tonumber(s.lanes) and not excluded[id] then
       s.id = id
       table.insert(candidates, s)
-      cpt_sum = cpt_sum + tonumber(s.cpt)
     end
   end
 end
 if #candidates == 0 then return nil end
--- One text-to-token ratio for every candidate (their mean), as the in-process state does.
-local cpt = cpt_sum / #candidates
-local total = n > 0 and math.floor(chars[n] / cpt) or 0
+local total = n > 0 and tokens[n] or 0
 local scored = {}
 for _, s in ipairs(candidates) do
   local matched = 0
   for i = 1, n do
     if redis.call('HEXISTS', p .. 'k:' .. keys[i], s.id) == 0 then break end
-    matched = math.floor(chars[i] / cpt)
+    matched = tokens[i]
   end
   local running = tonumber(s.running)
   -- as nodes.link.placement.learned_load_tokens

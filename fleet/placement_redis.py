@@ -49,9 +49,9 @@ def _pipe(build: Callable[[Any], None]) -> Step:
 
 def _slot(node_id: str, h: dict[str, str]) -> NodeSlot:
     return NodeSlot(node_id, h["identity"], json.loads(h["models"]), int(h["lanes"]), int(h.get("ctx", 0)),
-                    int(h["running"]), int(h["routed"]), h["schedulable"] == "1", float(h["cpt"]),
+                    int(h["running"]), int(h["routed"]), h["schedulable"] == "1",
                     json.loads(h.get("caps", "[]")), float(h.get("ptps", 0)), float(h.get("dslow", 0)),
-                    float(h.get("ans", 0)))
+                    float(h.get("ans", 0)), json.loads(h.get("tok", "{}")))
 
 
 def _choice(raw: str) -> Choice:
@@ -121,7 +121,7 @@ class RedisPlacementState:
             pipe.hset(key, mapping={
                 "identity": slot.identity, "models": json.dumps(slot.models), "lanes": slot.lanes,
                 "running": slot.running, "routed": slot.routed, "schedulable": int(slot.schedulable),
-                "cpt": slot.chars_per_token, "ctx": slot.context_window, "channel": channel,
+                "ctx": slot.context_window, "channel": channel, "tok": json.dumps(slot.tokenizers),
                 "caps": json.dumps(slot.capabilities), "ptps": slot.prefill_tps, "dslow": slot.decode_slowdown_ms,
                 "ans": slot.answer_tokens,
             })
@@ -143,6 +143,15 @@ class RedisPlacementState:
         if (yield _call("exists", key)):
             yield _call("hset", key, mapping={"models": json.dumps(list(models)), "lanes": lanes})
             yield _call("publish", self.lanes_channel, "models")
+
+    def node_tokenizers(self, node_id: str, tokenizers: dict[str, str]) -> None:
+        """The tokenizer of each model the node serves (its fingerprint), as it reported them."""
+        self._run(self._op_node_tokenizers(node_id, tokenizers))
+
+    def _op_node_tokenizers(self, node_id: str, tokenizers: dict[str, str]) -> Op:
+        key = f"{self.p}node:{node_id}"
+        if (yield _call("exists", key)):
+            yield _call("hset", key, "tok", json.dumps(tokenizers))
 
     def node_alive(self, node_id: str) -> None:
         """Heartbeat: a node whose head process died drops out of placement after node_ttl_s."""
@@ -213,7 +222,7 @@ class RedisPlacementState:
     def _op_choose(self, model: str, keys: list[PrefixKey], *, exclude: set[str] = frozenset(), gen_id: str = ""
                    ) -> Op:
         fixed = "" if self.load_tokens is None else self.load_tokens
-        args = [self.p, model, fixed, gen_id, len(keys), *[k.key for k in keys], *[k.chars for k in keys], *exclude]
+        args = [self.p, model, fixed, gen_id, len(keys), *[k.key for k in keys], *[k.tokens for k in keys], *exclude]
         raw = yield _script("choose", args)
         if raw is None:
             return None
@@ -230,25 +239,18 @@ class RedisPlacementState:
         yield _script("release", [f"{self.p}node:{node_id}", f"{self.p}run:{node_id}", gen_id, self.lanes_channel])
 
     # --- the prefix index ---
-    def record(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, prompt_tokens: int = 0,
-               completion_tokens: int = 0) -> None:
-        self._run(self._op_record(node_id, gen_id, keys, prompt_tokens=prompt_tokens,
-                                  completion_tokens=completion_tokens))
+    def record(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, completion_tokens: int = 0) -> None:
+        self._run(self._op_record(node_id, gen_id, keys, completion_tokens=completion_tokens))
 
-    def _op_record(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, prompt_tokens: int = 0,
-                   completion_tokens: int = 0) -> Op:
+    def _op_record(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, completion_tokens: int = 0) -> Op:
         node_key = f"{self.p}node:{node_id}"
-        exists, ans, cpt = yield _pipe(lambda pipe: (pipe.exists(node_key), pipe.hget(node_key, "ans"),
-                                                     pipe.hget(node_key, "cpt")))
+        exists, ans = yield _pipe(lambda pipe: (pipe.exists(node_key), pipe.hget(node_key, "ans")))
         if not exists:
             return
         if completion_tokens > 0:
             yield _call("hset", node_key, "ans", learn_answer_tokens(float(ans or 0), completion_tokens))
         if not keys:
             return
-        if prompt_tokens > 0:
-            cpt = 0.8 * float(cpt or 4.0) + 0.2 * max(keys[-1].chars / prompt_tokens, 1.0)
-            yield _call("hset", node_key, "cpt", cpt)
         gen_key = f"{self.p}gen:{node_id}:{gen_id}"
         if (yield _call("exists", gen_key)):
             return  # recorded already: counting it twice would outlive its eviction
@@ -333,8 +335,8 @@ class RedisPlacementState:
 class AsyncRedisPlacement:
     """The state's operations as coroutines on redis.asyncio (for the event loop), and the lanes channel."""
 
-    OPS = ("node_up", "node_models", "node_alive", "node_down", "set_schedulable", "nodes", "measured", "channel_of",
-           "models", "free_lanes", "choose", "release", "record", "evict", "forget_node")
+    OPS = ("node_up", "node_models", "node_tokenizers", "node_alive", "node_down", "set_schedulable", "nodes",
+           "measured", "channel_of", "models", "free_lanes", "choose", "release", "record", "evict", "forget_node")
 
     def __init__(self, state: RedisPlacementState) -> None:
         self.state = state

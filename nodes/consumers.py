@@ -26,7 +26,7 @@ from django.db import IntegrityError
 from fleet import metrics
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
-from nodes import link_deploy, services
+from nodes import link_deploy, services, tokenizers
 from nodes import registry as model_registry
 from nodes.link.channel import SecureChannel
 from nodes.link.codes import CloseCode
@@ -49,6 +49,7 @@ from nodes.link.messages import (
     StateOp,
     StateResult,
     TokenBatch,
+    TokenizerFile,
 )
 from nodes.link.placement import NodeSlot
 from nodes.models import FleetToken, LinkEvent, Node
@@ -120,6 +121,8 @@ def _register_problem(msg: Register) -> str | None:
         return "lanes and context window must be from 0 to 2**31-1"
     if not all(isinstance(r, dict) for r in msg.replicas):
         return "every replica must be a map"
+    if not all(isinstance(k, str) and tokenizers.valid_fingerprint(v) for k, v in msg.tokenizers.items()):
+        return "tokenizers must map model names to tokenizer fingerprints (64 hex digits, or mock or bytes)"
     if not all(isinstance(g, str) and 0 < len(g) <= 64 for g in msg.warm) or len(msg.warm) > 64 * max(msg.lanes, 1):
         return "warm must list generation ids (at most 64 per lane)"
     return _json_problem(models=msg.models, capabilities=msg.capabilities, labels=msg.labels, replicas=msg.replicas)
@@ -186,6 +189,8 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         self.last_touch = 0.0
         self.held = False  # drained or cordoned by the operator
         self.engine_ready = True  # the node's engine worker is up (heartbeats say so)
+        self.tokenizers: dict[str, str] = {}  # the names it serves under -> their tokenizers' fingerprints
+        self.tokenizers_due: dict[str, list[bytes]] = {}  # fingerprints asked for at register -> the parts so far
         self.tokens_history: deque = deque(maxlen=TOKENS_HISTORY_S // max(settings.FLEET_HEARTBEAT_S, 1) + 1)
         self.in_handshake = False
         self.closing = False
@@ -282,6 +287,9 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             await self._on_heartbeat(msg)
         elif isinstance(msg, Models) and self.node_id:
             await link_deploy.on_models(self, msg)
+            await self._models_tokenizers(msg)
+        elif isinstance(msg, TokenizerFile) and msg.fingerprint in self.tokenizers_due:
+            await self._on_tokenizer_file(msg)
         elif isinstance(msg, ModelState) and self.node_id:
             await link_deploy.on_model_state(self, msg)
         elif isinstance(msg, StateResult):
@@ -334,6 +342,34 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             reg.lanes.notify()
             fleet_changed()
 
+    async def _on_tokenizer_file(self, msg: TokenizerFile) -> None:
+        """A part of a tokenizer file the head asked for; the last one is checked and kept, and once every asked-for
+        file is in, the node takes generations."""
+        parts = self.tokenizers_due[msg.fingerprint]
+        if msg.part != len(parts) or not 0 < msg.parts <= 64 or msg.part >= msg.parts:
+            raise LinkError(f"tokenizer_file: part {msg.part} of {msg.parts} out of order")
+        parts.append(msg.data)
+        if len(parts) < msg.parts:
+            return
+        try:
+            await asyncio.to_thread(tokenizers.tokenizer_receive, msg.fingerprint, b"".join(parts))
+        except tokenizers.TokenizerRefused as exc:
+            raise LinkError(f"tokenizer_file: {exc}") from None
+        del self.tokenizers_due[msg.fingerprint]
+        log.info("fleet node %r sent tokenizer %s", self.identity, msg.fingerprint[:12])
+        if not self.tokenizers_due:
+            await self._apply_schedulable()
+
+    async def _models_tokenizers(self, msg: Models) -> None:
+        """A node that loaded a deployed model: the registry's tokenizer keys its prompts (its file is the
+        registry's own)."""
+        names = [m["name"] for m in msg.models if isinstance(m, dict) and isinstance(m.get("name"), str)]
+        added = [name for name in names if name not in self.tokenizers]
+        if added:
+            found = await database_sync_to_async(lambda: {n: tokenizers.registry_fingerprint(n) for n in added})()
+            self.tokenizers.update({name: fp for name, fp in found.items() if fp})
+            await registry().aplacement.node_tokenizers(self.node_id, dict(self.tokenizers))
+
     async def _on_register(self, msg: Register) -> None:
         if problem := _register_problem(msg):
             raise LinkError(f"register: {problem}")
@@ -342,7 +378,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             identity=msg.identity, public_key=self.node_key, address=self.peer or "", token=self.token,
             models=[m["name"] for m in msg.models], lanes=msg.lanes, context_window=msg.context_window,
             capabilities=msg.capabilities, engine=f"{msg.engine} {msg.engine_version}".strip(), version=msg.version,
-            labels=msg.labels, replicas=msg.replicas,
+            labels=msg.labels, replicas=msg.replicas, tokenizers=msg.tokenizers,
         )
         try:
             reg = await register(**fields)
@@ -358,17 +394,23 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         # Registered goes out before the node is placeable: a generation placed in between went out first, and the
         # node, waiting for Registered, dropped the link ("expected registered, got Generate") at every rejoin. Its
         # slot (what it serves and holds) is in placement before, unschedulable until Registered has gone.
+        self.tokenizers = reg.tokenizers
+        wanted = await asyncio.to_thread(lambda: sorted({fp for fp in reg.tokenizers.values()
+                                                         if not tokenizers.tokenizer_known(fp)}))
+        self.tokenizers_due = {fp: [] for fp in wanted}
         await registry_.aplacement.node_up(
             NodeSlot(self.node_id, node.identity, list(reg.model_names), msg.lanes, msg.context_window,
                      schedulable=False,
-                     capabilities=sorted(k for k, v in (msg.capabilities or {}).items() if v is True)),
+                     capabilities=sorted(k for k, v in (msg.capabilities or {}).items() if v is True),
+                     tokenizers=dict(reg.tokenizers)),
             cache_cleared=msg.cache_cleared, channel=self.channel_name, warm=msg.warm,
         )
         await self._send(Registered(node_id=self.node_id, model_names=reg.model_names,
-                                    heartbeat_s=float(settings.FLEET_HEARTBEAT_S), warnings=reg.warnings))
+                                    heartbeat_s=float(settings.FLEET_HEARTBEAT_S), warnings=reg.warnings,
+                                    tokenizers_wanted=wanted))
         registry_.links[self.node_id] = self
         self.held, self.engine_ready = not node.schedulable, True
-        await registry_.aplacement.set_schedulable(self.node_id, node.schedulable)
+        await registry_.aplacement.set_schedulable(self.node_id, self._placeable())
         await self.channel_layer.group_add(node_group(self.node_id), self.channel_name)
         verb = "rejoined" if reg.rejoin else "joined"
         log.info("fleet node %r %s from %s: %s, context window %d tokens, %d lanes", node.identity, verb,
@@ -393,7 +435,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             await placement.forget_node(self.node_id)
         # set on every heartbeat: it also undoes a head that stopped placing here on an engine_unavailable answer
         changed, self.engine_ready = msg.engine_ready != self.engine_ready, msg.engine_ready
-        await placement.set_schedulable(self.node_id, not self.held and self.engine_ready)
+        await placement.set_schedulable(self.node_id, self._placeable())
         if changed:
             registry().lanes.notify()
         now_s = time.time()
@@ -542,7 +584,11 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
 
     async def _apply_schedulable(self) -> None:
         """Placement sends work here only while the operator does not hold the node and its engine is up."""
-        await registry().aplacement.set_schedulable(self.node_id, not self.held and self.engine_ready)
+        await registry().aplacement.set_schedulable(self.node_id, self._placeable())
         registry().lanes.notify()
         fleet_changed()
+
+    def _placeable(self) -> bool:
+        """Not held by the operator, its engine up, and the head holds each of its tokenizers (to key prompts)."""
+        return not self.held and self.engine_ready and not self.tokenizers_due
 

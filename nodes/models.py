@@ -170,6 +170,9 @@ class Model(models.Model):
     sha256 = models.CharField(max_length=64, db_index=True, editable=False)
     size = models.PositiveBigIntegerField(editable=False, help_text="Bytes.")
     architecture = models.CharField(max_length=64, editable=False)
+    tokenizer = models.CharField(
+        max_length=64, blank=True, editable=False,
+        help_text="The sha256 fingerprint of its tokenizer (nodes.agent.vocab); blank until first needed.")
     quantization = models.CharField(max_length=32, editable=False)
     context_length = models.PositiveIntegerField(editable=False, help_text="The context the model was trained for.")
     kv_bytes_per_token = models.PositiveBigIntegerField(

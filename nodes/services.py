@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from django.conf import settings
@@ -13,10 +13,12 @@ from django.db.models import Subquery
 from django.utils import timezone
 
 from fleet import secretbox
+from nodes.agent.vocab import BUILTINS, VocabError
 from nodes.link.codes import CloseCode
 from nodes.link.handshake import LOCAL_TOKEN_ID, fingerprint, format_token, make_secret, parse_token
 from nodes.link.noise import generate_static, public_key
 from nodes.models import FleetToken, HeadKey, LinkEvent, Model, Node, RevokedNodeKey
+from nodes.tokenizers import model_tokenizer
 
 log = logging.getLogger("nodes")
 
@@ -191,6 +193,7 @@ class Registration:
     rejoin: bool
     model_names: list[str]
     warnings: list[str]
+    tokenizers: dict[str, str] = field(default_factory=dict)  # the names it serves under -> tokenizer fingerprints
 
 
 def _served_model_names() -> set[str]:
@@ -222,9 +225,13 @@ def node_fleet_model_name(own: str, *, served: set[str]) -> tuple[str, str | Non
 def node_register(
     *, identity: str, public_key: str, address: str, token: FleetToken | None, models: list[str], lanes: int,
     context_window: int, capabilities: dict, engine: str, version: str, labels: dict, replicas: list[dict],
+    tokenizers: dict[str, str] | None = None,
 ) -> Registration:
     """Create or update the Node for a (re)joining host; a rejoin is recognised by its identity, whose key must be
-    the one bound to it (the first join, or the first after a release, binds it). Raises JoinRefused."""
+    the one bound to it (the first join, or the first after a release, binds it). `tokenizers`: the node's models'
+    tokenizer fingerprints. Raises JoinRefused (also for a model whose tokenizer is not its registry namesake's)."""
+    tokenizers = tokenizers or {}
+    _tokenizer_refusal(tokenizers)
     served = _served_model_names()
     names, warnings = [], []
     in_registry = set(Model.objects.filter(name__in=models).values_list("name", flat=True))
@@ -254,7 +261,23 @@ def node_register(
                       identity=identity, peer=address, detail=", ".join(names))
     if token is not None:
         FleetToken.objects.filter(pk=token.pk).update(last_used_at=now)
-    return Registration(node=node, rejoin=rejoin, model_names=names, warnings=warnings)
+    fleet_tokenizers = {name: tokenizers[own] for own, name in zip(models, names, strict=True) if own in tokenizers}
+    return Registration(node=node, rejoin=rejoin, model_names=names, warnings=warnings, tokenizers=fleet_tokenizers)
+
+
+def _tokenizer_refusal(tokenizers: dict[str, str]) -> None:
+    """A model the registry stores under the same name must have the registry's tokenizer: placement keys its
+    prompts with that one, and the node would read them with another."""
+    for model in Model.objects.filter(name__in=list(tokenizers)).order_by("name"):
+        try:
+            registry = model_tokenizer(model)
+        except VocabError as exc:  # its blob is gone or unreadable: nothing to compare with
+            log.warning("fleet cannot read the tokenizer of registry model %r: %s", model.name, exc)
+            continue
+        own = tokenizers[model.name]
+        if registry and own not in BUILTINS and own != registry:  # a mock engine tokenizes nothing for real
+            raise JoinRefused(CloseCode.TOKENIZER_MISMATCH, f"tokenizer {own[:12]} differs from the registry's "
+                                                            f"{registry[:12]} for model {model.name!r}")
 
 
 def node_mark_offline(*, node_id) -> bool:

@@ -354,10 +354,17 @@ def answer_text(answer, stream: bool) -> str:
 def holds_the_prompt(link, messages=None):
     """Placement believes `link`'s node holds this chat's prompt, making it the cheapest choice for it."""
     from fleet.links import registry
-    from nodes.link.prefix import prefix_keys
 
-    keys = prefix_keys(model="smollm2", messages=messages or chat()["messages"])
-    registry().placement.record(link.node_id, "earlier-generation", keys, prompt_tokens=5)
+    registry().placement.record(link.node_id, "earlier-generation", head_keys(messages or chat()["messages"]))
+
+
+def head_keys(messages):
+    """The keys the head makes for a chat to these fake nodes, which report no tokenizer (so: UTF-8 bytes)."""
+    from nodes.agent.vocab import BUILTINS, BYTES
+    from nodes.link.lifecycle import placement_keys
+    from nodes.link.spec import GenerateSpec
+
+    return placement_keys(GenerateSpec(gen_id="-", model="smollm2", messages=messages), BUILTINS[BYTES])
 
 
 @pytest.mark.parametrize("code", ["engine_unavailable", "engine_crashed"])
@@ -501,7 +508,6 @@ async def test_a_node_lost_after_the_last_asked_for_token_ends_the_answer_withou
 
 async def test_the_next_turn_goes_back_to_the_node_that_holds_the_conversation_with_its_answer(bearer):
     from fleet.links import registry
-    from nodes.link.prefix import prefix_keys
 
     add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "node-a"))
     add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "node-b"))
@@ -512,7 +518,7 @@ async def test_the_next_turn_goes_back_to_the_node_that_holds_the_conversation_w
     node_id = next(s.node_id for s in registry().placement.nodes() if s.identity == served_by)
 
     # done recorded the answer too (not only the prompt), and freed the lane
-    assert registry().placement.holders(prefix_keys(model="smollm2", messages=answered)[-1].key) == {node_id}
+    assert registry().placement.holders(head_keys(answered)[-1].key) == {node_id}
     assert [s.running for s in registry().placement.nodes()] == [0, 0]
     more = [*answered, {"role": "user", "content": "More"}]
     second = await request("POST", CHAT, key=bearer, body=chat(messages=more))

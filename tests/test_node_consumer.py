@@ -453,12 +453,13 @@ async def test_a_heartbeats_measured_speed_reaches_placement_as_the_nodes_load_c
 async def test_a_node_that_restarts_warm_keeps_what_its_restored_lanes_hold_in_placement():
     from dataclasses import replace
 
+    from nodes.agent.vocab import BUILTINS, BYTES
     from nodes.link.prefix import prefix_keys
 
     comm, channel = await joined()
     node_id = str((await Node.objects.aget(identity="gpu-7")).id)
-    kept = prefix_keys(model="smollm2", prompt="k" * 600)
-    lost = prefix_keys(model="smollm2", prompt="l" * 600)
+    kept = prefix_keys(space="smollm2", tokenize=BUILTINS[BYTES].tokenize, prompt="k" * 600)
+    lost = prefix_keys(space="smollm2", tokenize=BUILTINS[BYTES].tokenize, prompt="l" * 600)
     registry().placement.record(node_id, "g-parked", kept)
     registry().placement.record(node_id, "g-gone", lost)
     await comm.disconnect()

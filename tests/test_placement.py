@@ -6,12 +6,39 @@ No database, no Django: the placement state is plain in-process Python shared by
 
 from __future__ import annotations
 
-from nodes.link.lifecycle import PlacementLifecycle, placement_keys
+import zlib
+
+from nodes.link import lifecycle as lifecycle_module
+from nodes.link import prefix
+from nodes.link.lifecycle import PlacementLifecycle
 from nodes.link.placement import NodeSlot, PlacementState
-from nodes.link.prefix import BLOCK_CHARS, prefix_keys
 from nodes.link.spec import GenerateSpec
 
 MODEL = "m"
+BLOCK_CHARS = 4 * prefix.BLOCK_TOKENS
+
+
+class FourChars:
+    """A stand-in tokenizer with exact, easy counts: every 4 characters are a token. (The real ones, llama.cpp's,
+    are tested in test_tokenizers.py.)"""
+
+    fingerprint = "four-chars"
+    inline = True
+
+    @staticmethod
+    def tokenize(text: str) -> list[int]:
+        return [zlib.crc32(text[i:i + 4].encode()) % 2**31 for i in range(0, len(text), 4)]
+
+
+TOKENIZER = FourChars()
+
+
+def prefix_keys(*, model: str, prompt: str | None = None, messages: list[dict] | None = None) -> list[prefix.PrefixKey]:
+    return prefix.prefix_keys(space=model, tokenize=TOKENIZER.tokenize, prompt=prompt, messages=messages)
+
+
+def placement_keys(spec: GenerateSpec) -> list[prefix.PrefixKey]:
+    return lifecycle_module.placement_keys(spec, TOKENIZER)
 
 
 def slot(node_id: str, *, lanes: int = 4, running: int = 0, models: tuple[str, ...] = (MODEL,)) -> NodeSlot:
@@ -44,7 +71,7 @@ def test_cost_is_tokens_to_read_again_plus_load_penalty_per_running_generation()
     # Given a 1024-character prompt (256 tokens at 4 chars a token) whose first half node a already holds,
     # while a runs one generation and b runs none
     keys = prefix_keys(model=MODEL, prompt="x" * 1024)
-    assert [k.tokens() for k in keys] == [64, 128, 192, 256]
+    assert [k.tokens for k in keys] == [64, 128, 192, 256]
     state = PlacementState(load_tokens=100)
     state.node_up(slot("a", running=1))
     state.node_up(slot("b"))
@@ -90,31 +117,34 @@ def test_no_keys_costs_only_the_load():
     assert (choice.cost, choice.matched_tokens, choice.prompt_tokens_estimate) == (150, 0, 0)
 
 
-def test_the_token_estimate_learns_each_nodes_chars_per_token():
+def test_costs_count_the_keys_own_tokens_whatever_the_node_reports_having_read():
+    # The keys carry exact token counts (the model's tokenizer), so what a node reports it read (its prompt_tokens,
+    # which also count its chat template) changes no cost: nothing is estimated, nothing learned.
     keys = prefix_keys(model=MODEL, prompt="z" * 1024)
-    state = fleet("a", load_tokens=0)
-    for i in range(30):  # the node keeps reporting 128 tokens for these 1024 characters: 8 chars a token
-        state.record("a", f"g{i}", keys, prompt_tokens=128)
+    state = fleet("a", "b", load_tokens=0)
+    for i in range(30):
+        PlacementLifecycle(state).done("a", GenerateSpec(gen_id=f"g{i}", model=MODEL, prompt="z" * 1024), keys,
+                                       answer="", usage={"prompt_tokens": 128}, tokenizer=TOKENIZER)
 
-    [a] = state.nodes()
-    assert abs(a.chars_per_token - 8.0) < 0.01
     choice = state.choose(MODEL, keys)
-    assert (choice.prompt_tokens_estimate, choice.matched_tokens, choice.cost) == (128, 128, 0)
+    assert (choice.prompt_tokens_estimate, choice.matched_tokens, choice.cost) == (256, 256, 0)
+    assert choice.runner_up == {"node": "node-b", "cost": 256, "matched_tokens": 0}
 
 
-def test_nodes_that_learned_different_token_ratios_still_cost_the_same_for_a_prompt_nobody_holds():
-    # a has learned 5 chars a token from its generations, b still assumes 4: a prompt neither holds must not
-    # look cheaper on a (fewer estimated tokens), or that estimate, not the tie-break, would pick the node.
+def test_nodes_cost_the_same_for_a_prompt_nobody_holds():
+    # a has done many generations, b none: a prompt neither holds costs both its whole token count, so the
+    # tie-break, not the node's history, picks the node.
     state = fleet("a", "b", load_tokens=0)
     seen = prefix_keys(model=MODEL, prompt="k" * 1024)
     for i in range(40):
-        state.record("a", f"g{i}", seen, prompt_tokens=1024 // 5)
+        state.record("a", f"g{i}", seen)
     for _ in range(3):  # idle nodes take turns: a, b, a
         state.release(state.choose(MODEL, []).node_id)
 
     fresh = prefix_keys(model=MODEL, prompt="q" * 1024)
     choice = state.choose(MODEL, fresh)
     assert (choice.node_id, choice.cost) == ("b", choice.runner_up["cost"])  # the least routed, at the same cost
+    assert choice.cost == fresh[-1].tokens == 256
     assert state.choose(MODEL, fresh).node_id == "a"  # then the least loaded
 
 
@@ -165,13 +195,13 @@ def test_next_turn_returns_to_its_node_until_that_node_is_busier_by_more_than_th
     state.record("a", "g1", held)
     state.release("a")
     keys2 = prefix_keys(model=MODEL, messages=chat(system, "Hello, who are you?", answer, "Tell me more."))
-    whole, new = keys2[-1].tokens(), keys2[-1].tokens() - held[-1].tokens()
+    whole, new = keys2[-1].tokens, keys2[-1].tokens - held[-1].tokens
     assert 0 < new < whole - 300 and whole < 2 * 300
 
     # When a runs one generation more than b and c: 300 + the new turn is cheaper than the whole prompt
     state.choose(MODEL, [], exclude={"b", "c"})
     again = state.choose(MODEL, keys2)
-    assert (again.node_id, again.matched_tokens, again.cost) == ("a", held[-1].tokens(), new + 300)
+    assert (again.node_id, again.matched_tokens, again.cost) == ("a", held[-1].tokens, new + 300)
     assert again.runner_up == {"node": "node-b", "cost": whole, "matched_tokens": 0}
     state.release("a")
 
@@ -213,7 +243,7 @@ def test_a_reconnect_without_cache_loss_keeps_what_the_node_holds():
 
     assert state.holders(keys[-1].key) == {"a"}
     assert {s.node_id: s.routed for s in state.nodes()}["a"] == 1
-    assert state.choose(MODEL, keys).matched_tokens == keys[-1].tokens()
+    assert state.choose(MODEL, keys).matched_tokens == keys[-1].tokens
 
 
 def test_forget_node_drops_everything_the_node_held_and_node_down_only_its_slot():
@@ -247,7 +277,7 @@ def test_a_parked_restart_keeps_exactly_what_its_restored_lanes_hold():
 
     assert state.holders(system[-1].key) == {"a"} and state.holders(other[-1].key) == set()
     choice = state.choose(MODEL, system)
-    assert choice.node_id == "a" and choice.matched_tokens == system[-1].tokens()
+    assert choice.node_id == "a" and choice.matched_tokens == system[-1].tokens
     state.release("a")
     state.evict("a", ["g-restored"])  # and the kept generation can still be evicted as before
     assert state.holders(system[-1].key) == set()
@@ -278,7 +308,7 @@ def test_eviction_keeps_keys_a_later_generation_recorded_again():
 
     state.evict("a", ["g1"])  # the lane g1 used was taken, but g2 still holds its prefix
     assert all(state.holders(k.key) == {"a"} for k in turn2)
-    assert state.choose(MODEL, turn2).matched_tokens == turn2[-1].tokens()
+    assert state.choose(MODEL, turn2).matched_tokens == turn2[-1].tokens
     state.release("a")
 
     state.evict("a", ["g2"])
@@ -302,7 +332,7 @@ def test_evicting_one_lane_keeps_a_shared_system_prompt_another_lane_still_holds
     assert state.holders(conv2[-1].key) == set()
     next_turn = prefix_keys(model=MODEL, messages=chat(system, "q1", "a1", "q2"))
     choice = state.choose(MODEL, next_turn)
-    assert (choice.node_id, choice.matched_tokens) == ("a", conv1[-1].tokens())
+    assert (choice.node_id, choice.matched_tokens) == ("a", conv1[-1].tokens)
 
 
 # --- the LRU cap ----------------------------------------------------------------------------------------
@@ -452,14 +482,14 @@ def test_done_records_the_prompt_and_the_answer_so_the_next_turn_matches_all_of_
     assert running(state)[first.node_id] == 1
 
     lifecycle.done(first.node_id, turn1, placement_keys(turn1), answer=" Hi, I am the fleet.",
-                   usage={"completion_tokens": 7})
+                   usage={"completion_tokens": 7}, tokenizer=TOKENIZER)
 
     assert running(state) == {"a": 0, "b": 0}
     # the client sends the answer back trimmed: the whole conversation so far is held where it ran
     turn2 = GenerateSpec(gen_id="g2", model=MODEL, messages=chat(system, "Hello?", "Hi, I am the fleet.", "More?"))
     keys2 = placement_keys(turn2)
     again = lifecycle.choose(turn2, keys2)
-    assert (again.node_id, again.matched_tokens) == (first.node_id, keys2[-2].tokens())
+    assert (again.node_id, again.matched_tokens) == (first.node_id, keys2[-2].tokens)
 
 
 async def test_the_awaitable_steps_place_record_and_free_as_the_plain_ones():
@@ -471,13 +501,13 @@ async def test_the_awaitable_steps_place_record_and_free_as_the_plain_ones():
     first = await lifecycle.achoose(turn1, placement_keys(turn1))
     await lifecycle.aaccepted(first.node_id, [])
     await lifecycle.adone(first.node_id, turn1, placement_keys(turn1), answer=" Hi, I am the fleet.",
-                          usage={"completion_tokens": 7})
+                          usage={"completion_tokens": 7}, tokenizer=TOKENIZER)
     assert running(state) == {"a": 0, "b": 0}
 
     turn2 = GenerateSpec(gen_id="g2", model=MODEL, messages=chat(system, "Hello?", "Hi, I am the fleet.", "More?"))
     keys2 = placement_keys(turn2)
     again = await lifecycle.achoose(turn2, keys2)
-    assert (again.node_id, again.matched_tokens) == (first.node_id, keys2[-2].tokens())
+    assert (again.node_id, again.matched_tokens) == (first.node_id, keys2[-2].tokens)
     await lifecycle.alost(again.node_id, "g2", cache_gone=True)
     assert running(state) == {"a": 0, "b": 0} and state.holders(keys2[-2].key) == set()
 
@@ -490,7 +520,7 @@ def test_a_lane_is_freed_once_however_many_ends_are_reported():
         lifecycle.choose(spec, [])
     assert running(state) == {"a": 3}
 
-    lifecycle.done("a", specs[0], [], answer="x", usage={})
+    lifecycle.done("a", specs[0], [], answer="x", usage={}, tokenizer=TOKENIZER)
     lifecycle.ended("a", "g0")  # the link reports the same end as the dispatcher
     lifecycle.ended("a", "g1")
     lifecycle.lost("a", "g1")
@@ -530,7 +560,7 @@ def measured_fleet(figures: dict[str, tuple[float, float]], *, answer_tokens: in
         state.node_up(slot(node_id))
         lifecycle.measured(node_id, {"prefill_tps": prefill_tps, "decode_slowdown_ms": slowdown_ms})
         spec = GenerateSpec(gen_id=f"warm-{node_id}", model=MODEL, prompt="w")
-        lifecycle.done(node_id, spec, [], answer="", usage={"completion_tokens": answer_tokens})
+        lifecycle.done(node_id, spec, [], answer="", usage={"completion_tokens": answer_tokens}, tokenizer=TOKENIZER)
     return state
 
 
@@ -562,7 +592,7 @@ def test_the_answer_length_is_learned_from_what_nodes_finish():
     state = measured_fleet({"a": (1000.0, 1.0)}, answer_tokens=100)
     assert [state.load_of(s) for s in state.nodes()] == [50]
     PlacementLifecycle(state).done("a", GenerateSpec(gen_id="g2", model=MODEL, prompt="x"), [], answer="",
-                                   usage={"completion_tokens": 300})
+                                   usage={"completion_tokens": 300}, tokenizer=TOKENIZER)
     assert [state.load_of(s) for s in state.nodes()] == [70]  # a moving mean: 0.8 x 100 + 0.2 x 300 tokens
 
 
@@ -589,7 +619,7 @@ def test_a_conversations_turns_share_their_prefix_keys():
 
     assert turn2[: len(turn1)] == turn1
     assert len(turn2) == len(turn1) + 2  # one boundary per added message (both are short)
-    assert turn2[-1].chars > turn1[-1].chars
+    assert turn2[-1].tokens > turn1[-1].tokens
 
 
 def test_a_long_system_prompt_gets_block_keys_so_other_conversations_match_it():
@@ -600,12 +630,12 @@ def test_a_long_system_prompt_gets_block_keys_so_other_conversations_match_it():
     # three block keys inside the system message, then its boundary, then the user message's boundary
     assert len(one) == 5
     assert one[:4] == two[:4] and one[4] != two[4]
-    assert [k.chars for k in one[:3]] == [BLOCK_CHARS, 2 * BLOCK_CHARS, 3 * BLOCK_CHARS]
+    assert [k.tokens * 4 for k in one[:3]] == [BLOCK_CHARS, 2 * BLOCK_CHARS, 3 * BLOCK_CHARS]
 
 
-def test_raw_prompts_get_block_keys_with_character_offsets():
+def test_raw_prompts_get_block_keys_with_token_offsets():
     keys = prefix_keys(model=MODEL, prompt="a" * (2 * BLOCK_CHARS + 100))
-    assert [k.chars for k in keys] == [BLOCK_CHARS, 2 * BLOCK_CHARS]  # a partial last block has no key
+    assert [k.tokens * 4 for k in keys] == [BLOCK_CHARS, 2 * BLOCK_CHARS]  # a partial last block has no key
     changed = prefix_keys(model=MODEL, prompt="a" * BLOCK_CHARS + "b" * (BLOCK_CHARS + 100))
     assert changed[0] == keys[0] and changed[1] != keys[1]
 

@@ -2,8 +2,10 @@
 
 import asyncio
 
+from nodes.agent.models import resolve_model
 from nodes.agent.replicas import ReplicaSet
-from nodes.link.prefix import prefix_keys
+from nodes.agent.vocab import tokenizer_fingerprint
+from nodes.link.lifecycle import placement_keys
 from nodes.link.spec import GenerateSpec
 
 SYSTEM = {"role": "system", "content": "You answer questions about bicycles. " * 20}
@@ -12,13 +14,14 @@ SYSTEM = {"role": "system", "content": "You answer questions about bicycles. " *
 class StandInWorker:
     """Just enough of EngineWorker for routing: records what it was given."""
 
-    def __init__(self, lanes: int = 2):
+    def __init__(self, lanes: int = 2, model: dict | None = None):
         self.lanes, self.alive, self.pid, self.submitted = lanes, True, 1, []
         self.figures: dict = {}  # what its engine measured of its speed
+        self.model = model or {}  # its model's tokenizer and file, as a llama.cpp engine reports them
 
     async def start(self, on_progress=None):
         return {"model_name": "m", "context_window": 2048, "lanes": self.lanes, "capabilities": {},
-                "engine": "mock", "engine_version": "1"}
+                "engine": "mock", "engine_version": "1", **self.model}
 
     async def submit(self, spec):
         self.submitted.append(spec.gen_id)
@@ -74,7 +77,7 @@ def test_a_replica_holds_the_answer_too_so_the_next_turn_matches_the_whole_conve
     replicas.on_event(first, {"type": "done", "gen_id": "g1", "usage": {"completion_tokens": 2}, "evicted": []})
 
     answered = [SYSTEM, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello rider"}]
-    key = prefix_keys(model="m", messages=answered)[-1].key
+    key = placement_keys(GenerateSpec(gen_id="g2", model="m", messages=answered), replicas.tokenizer)[-1].key
     assert replicas.placement.holders(key) == {f"r{first}"}
     assert [s.running for s in replicas.placement.nodes()] == [0, 0]
 
@@ -87,3 +90,26 @@ def test_each_replicas_measured_speed_reaches_its_placement_and_the_nodes_heartb
     slots = {s.node_id: s for s in replicas.placement.nodes()}
     assert (slots["r0"].prefill_tps, slots["r0"].decode_slowdown_ms) == (500.0, 8.0)
     assert replicas.stats()["prefill_tps"] == 500.0  # the node's heartbeat: the mean of the replicas that measured
+
+
+def test_replicas_key_prompts_with_the_models_own_tokenizer_as_the_head_does():
+    # Given replicas of a llama.cpp model (its engine reports its tokenizer's fingerprint and its file)
+    from nodes.agent.vocab import Vocab
+
+    path, _ = resolve_model("smollm2")
+    model = {"tokenizer": tokenizer_fingerprint(path), "model_path": str(path)}
+    workers = [StandInWorker(model=model), StandInWorker(model=model)]
+    replicas = ReplicaSet(workers, model_name="m")
+    asyncio.run(replicas.start())
+    asyncio.run(replicas.submit(spec("g1", "hi")))
+    first = 0 if workers[0].submitted else 1
+    replicas.on_event(first, {"type": "tokens", "gen_id": "g1", "seq": 1, "text": [" Hello", " rider"], "ids": [1, 2]})
+    replicas.on_event(first, {"type": "done", "gen_id": "g1", "usage": {"completion_tokens": 2}, "evicted": []})
+
+    # Then what they hold is keyed by the model's real tokens: the keys the head makes with the same vocabulary
+    head = Vocab(path, model["tokenizer"])
+    answered = [SYSTEM, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello rider"}]
+    keys = placement_keys(GenerateSpec(gen_id="g2", model="m", messages=answered), head)
+    assert replicas.placement.holders(keys[-1].key) == {f"r{first}"}
+    assert keys[-1].tokens == sum(len(head.tokenize(t)) for t in (
+        "system\x1e" + SYSTEM["content"].strip() + "\x1e", "user\x1ehi\x1e", "assistant\x1eHello rider\x1e"))

@@ -13,6 +13,7 @@ import logging
 import random
 import socket
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from nodes.agent import keys
 from nodes.agent.media import MediaCache, media_ready
 from nodes.agent.pull import http_base
+from nodes.agent.vocab import vocab_gguf
 from nodes.link.channel import MAX_FRAME, SecureChannel
 from nodes.link.codes import ErrorCode, refusal
 from nodes.link.handshake import HeadKeyChanged, Initiator, fingerprint, parse_token
@@ -45,6 +47,7 @@ from nodes.link.messages import (
     StateOp,
     StateResult,
     TokenBatch,
+    TokenizerFile,
 )
 from nodes.link.spec import GenerateSpec, SpecError
 
@@ -53,6 +56,7 @@ log = logging.getLogger("nodes.agent")
 BACKOFF_START_S = 2.0
 BACKOFF_MAX_S = 30.0
 READY_POLL_S = 0.1  # how often the engine's liveness is looked at between heartbeats
+TOKENIZER_PART = 1024 * 1024  # a tokenizer file's part a frame: well under the link's frame cap (MAX_FRAME)
 
 
 class Refused(Exception):
@@ -228,11 +232,15 @@ class NodeAgent:
             engine=info["engine"], engine_version=info["engine_version"], version=self.config.version,
             labels=self.config.labels, replicas=info.get("replicas", []), cache_cleared=self.cache_cleared,
             warm=list(info.get("warm_generations", [])) if self.cache_cleared else [],
+            tokenizers={info["model_name"]: info["tokenizer"]} if info.get("tokenizer") else {},
         )))
         reply = channel.open(await asyncio.wait_for(ws.recv(), 15))
         if not isinstance(reply, Registered):
             raise LinkError(f"expected registered, got {type(reply).__name__}")
         self.cache_cleared = False
+        if info.get("tokenizer") in reply.tokenizers_wanted:
+            for part in await asyncio.to_thread(tokenizer_parts, info["model_path"], info["tokenizer"]):
+                await ws.send(channel.seal(part))
         return reply
 
     async def _serve(self, ws, channel: SecureChannel) -> None:
@@ -307,6 +315,14 @@ class NodeAgent:
             due = time.monotonic() + self.heartbeat_s
             while time.monotonic() < due and self.engine.alive == ready:
                 await asyncio.sleep(READY_POLL_S)
+
+
+def tokenizer_parts(model_path: str, fingerprint: str) -> list[TokenizerFile]:
+    """The model's tokenizer as the head asks for it: its metadata-only GGUF, compressed, in parts that fit frames."""
+    data = zlib.compress(vocab_gguf(model_path), 6)
+    chunks = [data[i:i + TOKENIZER_PART] for i in range(0, len(data), TOKENIZER_PART)] or [b""]
+    return [TokenizerFile(fingerprint=fingerprint, part=i, parts=len(chunks), data=chunk)
+            for i, chunk in enumerate(chunks)]
 
 
 def _served_models(info: dict[str, Any]) -> list[dict[str, Any]]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from nodes.agent.vocab import BUILTINS, BYTES, tokenizer_of
 from nodes.link.codes import ErrorCode
-from nodes.link.lifecycle import PlacementLifecycle, placement_keys
+from nodes.link.lifecycle import PlacementLifecycle, aplacement_keys
 from nodes.link.placement import NodeSlot, PlacementState
 from nodes.link.spec import GenerateSpec
 
@@ -69,6 +70,8 @@ class ReplicaSet:
         self.answers: dict[str, list[str]] = {}  # gen_id -> the answer's pieces so far (its keys are recorded at done)
         self.routed = [0] * len(workers)
         self._info: dict[str, Any] = {}
+        # the model's own tokenizer (as the head's keys use it): the same keys on the node as on the head
+        self.tokenizer: Any = BUILTINS[BYTES]
 
     def info(self) -> dict[str, Any]:
         return self._info
@@ -84,6 +87,7 @@ class ReplicaSet:
             self.placement.node_up(NodeSlot(f"r{index}", f"replica-{index}", [self.model_name], infos[-1]["lanes"],
                                             infos[-1]["context_window"]))
         first = infos[0]
+        self.tokenizer = tokenizer_of(first)
         self._info = {**first, "lanes": sum(i["lanes"] for i in infos), "replicas": self._replica_states(),
                       "warm_generations": sorted({g for i in infos for g in i.get("warm_generations", [])})}
         return self._info
@@ -99,14 +103,14 @@ class ReplicaSet:
         elif kind in {"done", "error"} and self.where.pop(gen_id, None) is not None:
             spec, keys, answer = self.specs.pop(gen_id), self.keys.pop(gen_id), "".join(self.answers.pop(gen_id))
             if kind == "done":
-                self.lifecycle.done(replica, spec, keys, answer=answer, usage=event["usage"],
+                self.lifecycle.done(replica, spec, keys, answer=answer, usage=event["usage"], tokenizer=self.tokenizer,
                                     evicted=event.get("evicted", []))
             else:
                 self.lifecycle.lost(replica, gen_id, cache_gone=event.get("code") == ErrorCode.ENGINE_CRASHED)
         return event
 
     async def submit(self, spec: GenerateSpec) -> None:
-        keys = placement_keys(spec)
+        keys = await aplacement_keys(spec, self.tokenizer)
         for index, worker in enumerate(self.workers):
             self.placement.set_schedulable(f"r{index}", worker.alive)
             self.lifecycle.measured(f"r{index}", worker.stats())

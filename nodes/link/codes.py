@@ -57,6 +57,7 @@ class CloseCode(IntEnum):
     FLOOD = 4009  # more frames a second than the head takes from one node
     TOKEN_UNREADABLE = 4010  # the head cannot decrypt its copy of the token's secret (SECRET_KEY changed)
     HEAD_KEY_UNREADABLE = 4011  # the head cannot decrypt its own static key (SECRET_KEY changed)
+    TOKENIZER_MISMATCH = 4012  # a model's tokenizer differs from the head's registry model of the same name
 
 
 _NEW_TOKEN = "create a new one on the head with `manage.py fleet_token` and pass it with --token"
@@ -79,6 +80,10 @@ REFUSALS: dict[int, str] = {
     CloseCode.HEAD_KEY_UNREADABLE: (
         "the head cannot read its own link key (its SECRET_KEY changed without the old key in "
         "FLEET_SECRET_KEY_FALLBACKS); the operator must restore the old key"
+    ),
+    CloseCode.TOKENIZER_MISMATCH: (
+        "this node's model has another tokenizer than the head's registry model of the same name: serve the "
+        "registry's file (node_join --model NAME pulls it), or rename this file (its name is the model's)"
     ),
 }
 

@@ -9,8 +9,9 @@ It works over either placement state, in process (nodes.link.placement.Placement
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from nodes.link.placement import AsyncView, Choice
 from nodes.link.prefix import PrefixKey, prefix_keys
@@ -24,18 +25,41 @@ def cache_space(spec: GenerateSpec) -> str:
     return spec.model + "".join(f"\x1d{name}={scale:g}" for name, scale in sorted(spec.lora))
 
 
-def placement_keys(spec: GenerateSpec) -> list[PrefixKey]:
+class Tokenizer(Protocol):
+    """A model's tokenizer (nodes.agent.vocab): its fingerprint, and whether tokenizing is cheap enough to run on an
+    event loop (`inline`) or belongs in a thread."""
+
+    fingerprint: str
+    inline: bool
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+
+def placement_keys(spec: GenerateSpec, tokenizer: Tokenizer) -> list[PrefixKey]:
     """The prompt's prefix keys: what placement matches against what nodes hold."""
-    return prefix_keys(model=cache_space(spec), prompt=spec.prompt, messages=spec.messages)
+    return prefix_keys(space=_space(spec, tokenizer), tokenize=tokenizer.tokenize, prompt=spec.prompt,
+                       messages=spec.messages)
 
 
-def held_keys(spec: GenerateSpec, keys: list[PrefixKey], answer: str) -> list[PrefixKey]:
+def held_keys(spec: GenerateSpec, keys: list[PrefixKey], answer: str, tokenizer: Tokenizer) -> list[PrefixKey]:
     """What a node holds once `spec` is done there: the prompt's keys and, for a chat, the conversation with the
     answer appended (its next turn starts with it)."""
     if spec.messages is None:
         return list(keys)
     answered = [*spec.messages, {"role": "assistant", "content": answer}]
-    return keys + prefix_keys(model=cache_space(spec), messages=answered)
+    return keys + prefix_keys(space=_space(spec, tokenizer), tokenize=tokenizer.tokenize, messages=answered)
+
+
+def _space(spec: GenerateSpec, tokenizer: Tokenizer) -> str:
+    return f"{cache_space(spec)}\x1c{tokenizer.fingerprint}"
+
+
+async def aplacement_keys(spec: GenerateSpec, tokenizer: Tokenizer) -> list[PrefixKey]:
+    """As placement_keys, in a thread unless the tokenizer is cheap (a long prompt takes milliseconds, and the first
+    use of a vocabulary loads it)."""
+    if tokenizer.inline:
+        return placement_keys(spec, tokenizer)
+    return await asyncio.to_thread(placement_keys, spec, tokenizer)
 
 
 class PlacementLifecycle:
@@ -66,8 +90,9 @@ class PlacementLifecycle:
         self._apply(self._accepted(node_id, evicted))
 
     def done(self, node_id: str, spec: GenerateSpec, keys: list[PrefixKey], *, answer: str, usage: dict[str, Any],
-             evicted: Sequence[str] = ()) -> None:
-        self._apply(self._done(node_id, spec, keys, answer=answer, usage=usage, evicted=evicted))
+             tokenizer: Tokenizer, evicted: Sequence[str] = ()) -> None:
+        held = held_keys(spec, keys, answer, tokenizer)
+        self._apply(self._done(node_id, spec, held, usage=usage, evicted=evicted))
 
     def ended(self, node_id: str, gen_id: str) -> None:
         self._apply(self._ended(node_id, gen_id))
@@ -93,8 +118,12 @@ class PlacementLifecycle:
         await self._aapply(self._accepted(node_id, evicted))
 
     async def adone(self, node_id: str, spec: GenerateSpec, keys: list[PrefixKey], *, answer: str,
-                    usage: dict[str, Any], evicted: Sequence[str] = ()) -> None:
-        await self._aapply(self._done(node_id, spec, keys, answer=answer, usage=usage, evicted=evicted))
+                    usage: dict[str, Any], tokenizer: Tokenizer, evicted: Sequence[str] = ()) -> None:
+        if tokenizer.inline:
+            held = held_keys(spec, keys, answer, tokenizer)
+        else:  # the answer's tokens, off the event loop
+            held = await asyncio.to_thread(held_keys, spec, keys, answer, tokenizer)
+        await self._aapply(self._done(node_id, spec, held, usage=usage, evicted=evicted))
 
     async def aended(self, node_id: str, gen_id: str) -> None:
         await self._aapply(self._ended(node_id, gen_id))
@@ -111,11 +140,10 @@ class PlacementLifecycle:
     def _accepted(self, node_id: str, evicted: Sequence[str]) -> list[_Call]:
         return [("evict", (node_id, list(evicted)), {})] if evicted else []
 
-    def _done(self, node_id: str, spec: GenerateSpec, keys: list[PrefixKey], *, answer: str, usage: dict[str, Any],
+    def _done(self, node_id: str, spec: GenerateSpec, held: list[PrefixKey], *, usage: dict[str, Any],
               evicted: Sequence[str]) -> list[_Call]:
-        record = ("record", (node_id, spec.gen_id, held_keys(spec, keys, answer)),
-                  {"prompt_tokens": int(usage.get("prompt_tokens") or 0),
-                   "completion_tokens": int(usage.get("completion_tokens") or 0)})
+        record = ("record", (node_id, spec.gen_id, held),
+                  {"completion_tokens": int(usage.get("completion_tokens") or 0)})
         # evicted again in case a done recorded them after the accepted that reported them (harmless otherwise)
         return [record, *self._accepted(node_id, evicted), *self._ended(node_id, spec.gen_id)]
 

@@ -45,6 +45,7 @@ class MessageType(StrEnum):
     DEPLOY = "deploy"
     MODELS = "models"
     MODEL_STATE = "model_state"
+    TOKENIZER_FILE = "tokenizer_file"
 
 
 class Message:
@@ -73,6 +74,9 @@ class Register(Message):
     # the generations whose prompt prefixes the engine restored at start (`--park`): with cache_cleared the head
     # still counts what they put there, so a warm restart is placed by from its first request
     warm: list[str] = field(default_factory=list)
+    # its own model's tokenizer: {model name: fingerprint (nodes.agent.vocab)}; the head refuses a node whose
+    # fingerprint differs from its registry model's of the same name, and asks for the file of one it lacks
+    tokenizers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -84,6 +88,9 @@ class Registered(Message):
     model_names: list[str]
     heartbeat_s: float
     warnings: list[str] = field(default_factory=list)
+    # fingerprints of the node's tokenizers the head has no file of: the node sends each (tokenizer_file frames),
+    # and takes no generation until they are in
+    tokenizers_wanted: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -287,6 +294,18 @@ class ModelState(Message):
     detail: str = ""
 
 
+@dataclass(slots=True)
+class TokenizerFile(Message):
+    """node -> head, after Registered asked for it: one part of a tokenizer file (a metadata-only GGUF, zlib-
+    compressed, cut into parts that each fit a frame). The head checks the whole file's fingerprint."""
+
+    TYPE: ClassVar[MessageType] = MessageType.TOKENIZER_FILE
+    fingerprint: str
+    part: int
+    parts: int
+    data: bytes
+
+
 REGISTRY: dict[str, type[Message]] = {
     cls.TYPE.value: cls
     for cls in (
@@ -308,6 +327,7 @@ REGISTRY: dict[str, type[Message]] = {
         Deploy,
         Models,
         ModelState,
+        TokenizerFile,
     )
 }
 

@@ -38,11 +38,11 @@ class NodeSlot:
     running: int = 0
     routed: int = 0
     schedulable: bool = True
-    chars_per_token: float = 4.0
     capabilities: list[str] = field(default_factory=list)  # the capabilities the node reports as true
     prefill_tps: float = 0.0  # prompt tokens a second its engine reads (0: not measured yet)
     decode_slowdown_ms: float = 0.0  # what each running generation adds to one of its decode steps
     answer_tokens: float = 0.0  # mean completion tokens of the generations done there (learned at done)
+    tokenizers: dict[str, str] = field(default_factory=dict)  # model -> its tokenizer's fingerprint (nodes.agent.vocab)
 
     @property
     def free(self) -> int:
@@ -158,6 +158,13 @@ class PlacementState:
             if slot is not None:
                 slot.models, slot.lanes = list(models), lanes
 
+    def node_tokenizers(self, node_id: str, tokenizers: dict[str, str]) -> None:
+        """The tokenizer of each model the node serves (its fingerprint), as it reported them."""
+        with self._lock:
+            slot = self._nodes.get(node_id)
+            if slot is not None:
+                slot.tokenizers = dict(tokenizers)
+
     def node_alive(self, node_id: str) -> None:
         """Liveness is the link itself in one process; the Redis state expires silent nodes instead."""
 
@@ -177,7 +184,8 @@ class PlacementState:
 
     def nodes(self) -> list[NodeSlot]:
         with self._lock:
-            return [NodeSlot(**{**vars(s), "capabilities": list(s.capabilities)}) for s in self._nodes.values()]
+            return [NodeSlot(**{**vars(s), "capabilities": list(s.capabilities), "tokenizers": dict(s.tokenizers)})
+                    for s in self._nodes.values()]
 
     def measured(self, node_id: str, *, prefill_tps: float, decode_slowdown_ms: float) -> None:
         """What the node's engine measured (its heartbeat): the figures its load per running generation comes from."""
@@ -204,11 +212,8 @@ class PlacementState:
             ]
             if not candidates:
                 return None
-            # One text-to-token ratio for every candidate: with each node's own, a node that learned a higher
-            # ratio would look cheaper for a prompt nobody holds, and that noise would override the tie-break.
-            cpt = sum(s.chars_per_token for s in candidates) / len(candidates)
             scored = sorted(
-                (self._cost_locked(s, keys, cpt) + (s.running, s.routed, s.identity, s) for s in candidates),
+                (self._cost_locked(s, keys) + (s.running, s.routed, s.identity, s) for s in candidates),
                 key=lambda row: row[:5],
             )
             cost, matched, total, _, _, _, best = scored[0]
@@ -228,14 +233,14 @@ class PlacementState:
                     self._index.move_to_end(k.key)
             return Choice(best.node_id, best.identity, cost, matched, total, runner_up, len(candidates), ranking)
 
-    def _cost_locked(self, slot: NodeSlot, keys: list[PrefixKey], chars_per_token: float) -> tuple[int, int, int]:
-        total = keys[-1].tokens(chars_per_token) if keys else 0
+    def _cost_locked(self, slot: NodeSlot, keys: list[PrefixKey]) -> tuple[int, int, int]:
+        total = keys[-1].tokens if keys else 0
         matched = 0
         for k in keys:
             holders = self._index.get(k.key)
             if holders is None or slot.node_id not in holders.by_node:
                 break
-            matched = k.tokens(chars_per_token)
+            matched = k.tokens
         return (max(total - matched, 0) + self.load_of(slot) * slot.running, matched, total)
 
     def release(self, node_id: str, gen_id: str = "") -> None:
@@ -254,8 +259,7 @@ class PlacementState:
             return sum(s.free for s in self._nodes.values() if model in s.models and s.schedulable)
 
     # --- the prefix index ---
-    def record(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, prompt_tokens: int = 0,
-               completion_tokens: int = 0) -> None:
+    def record(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, completion_tokens: int = 0) -> None:
         """A generation finished on a node: the node now holds these keys (its prompt and answer)."""
         with self._lock:
             slot = self._nodes.get(node_id)
@@ -263,9 +267,6 @@ class PlacementState:
                 return
             if completion_tokens > 0:
                 slot.answer_tokens = learn_answer_tokens(slot.answer_tokens, completion_tokens)
-            if prompt_tokens > 0 and keys:
-                # Learn this node's text-to-token ratio from what it really read.
-                slot.chars_per_token = 0.8 * slot.chars_per_token + 0.2 * max(keys[-1].chars / prompt_tokens, 1.0)
             for k in keys:
                 holders = self._index.get(k.key)
                 if holders is None:

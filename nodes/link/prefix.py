@@ -1,39 +1,46 @@
 """Prefix keys: chained hashes of what a prompt starts with, so placement can ask who already holds it.
 
-A chat's keys are its message boundaries (each key covers every message up to it); a raw prompt's keys are
-fixed-size character blocks. Each key carries the estimated token count up to it, so the index can say how
-many prompt tokens a node would not have to read again. Keys are computed on the head from text (it has no
-tokenizer); the token counts are corrected with what nodes report (prompt_tokens per generation).
+Keys are over real token ids, from the model's own tokenizer (nodes.agent.vocab: the head holds each model's).
+A raw prompt's keys are its 64-token blocks; a chat's are each message's 64-token blocks (so a long shared system
+prompt matches block by block) and a boundary key after each message (each key covers every message up to it).
+Every key carries the exact number of tokens it covers, so the index says how many prompt tokens a node would not
+have to read again. A message is tokenized on its own (role, content and tool calls, as `_message_text` writes
+them), so a conversation's next turn starts with the same keys as the turn before it, answer included. The
+tokenizer's fingerprint is folded into the first key with the cache space (model and LoRA adapters): keys made
+with two tokenizers never match.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-BLOCK_CHARS = 256  # about 64 tokens of English text
-CHARS_PER_TOKEN = 4.0
+BLOCK_TOKENS = 64
+
+Tokenize = Callable[[str], list[int]]
 
 
 @dataclass(frozen=True)
 class PrefixKey:
     key: str
-    chars: int  # characters of the prompt covered up to and including this key
-
-    def tokens(self, chars_per_token: float = CHARS_PER_TOKEN) -> int:
-        return int(self.chars / chars_per_token)
+    tokens: int  # prompt tokens covered up to and including this key
 
 
-def _chain(previous: str, part: str) -> str:
-    return hashlib.blake2b((previous + "\x1f" + part).encode(), digest_size=12).hexdigest()
+def _chain(previous: str, part: bytes) -> str:
+    return hashlib.blake2b(previous.encode() + b"\x1f" + part, digest_size=12).hexdigest()
 
 
-def _blocks(text: str, start_key: str, start_chars: int) -> list[PrefixKey]:
+def _ids(ids: list[int]) -> bytes:
+    return b"".join(i.to_bytes(4, "little", signed=True) for i in ids)
+
+
+def _blocks(ids: list[int], start_key: str, start_tokens: int) -> list[PrefixKey]:
     keys, key = [], start_key
-    for offset in range(0, len(text) - len(text) % BLOCK_CHARS, BLOCK_CHARS):
-        key = _chain(key, text[offset : offset + BLOCK_CHARS])
-        keys.append(PrefixKey(key, start_chars + offset + BLOCK_CHARS))
+    for offset in range(0, len(ids) - len(ids) % BLOCK_TOKENS, BLOCK_TOKENS):
+        key = _chain(key, _ids(ids[offset : offset + BLOCK_TOKENS]))
+        keys.append(PrefixKey(key, start_tokens + offset + BLOCK_TOKENS))
     return keys
 
 
@@ -46,18 +53,19 @@ def _message_text(message: dict[str, Any]) -> str:
     return f"{message.get('role', '')}\x1e{content.strip()}\x1e{message.get('tool_calls') or ''}"
 
 
-def prefix_keys(*, model: str, prompt: str | None = None, messages: list[dict] | None = None) -> list[PrefixKey]:
-    """The chain of keys for a prompt or a chat, in order; the model is folded into the first key."""
-    root = _chain("", model)
+def prefix_keys(*, space: str, tokenize: Tokenize, prompt: str | None = None,
+                messages: list[dict] | None = None) -> list[PrefixKey]:
+    """The chain of keys for a prompt or a chat, in order. `space`: what the keys are scoped by (the model, its
+    adapters and the tokenizer's fingerprint), folded into the first key."""
+    root = _chain("", space.encode())
     if prompt is not None:
-        return _blocks(prompt, root, 0)
+        return _blocks(tokenize(prompt), root, 0)
     keys: list[PrefixKey] = []
-    key, chars = root, 0
+    key, tokens = root, 0
     for message in messages or []:
-        text = _message_text(message)
-        # Long messages (a big system prompt) also get block keys, so a shared head of them still matches.
-        keys.extend(_blocks(text, key, chars))
-        key = _chain(key, text)
-        chars += len(text)
-        keys.append(PrefixKey(key, chars))
+        ids = tokenize(_message_text(message))
+        keys.extend(_blocks(ids, key, tokens))  # a long message's blocks: a shared head of it still matches
+        key = _chain(key, b"\x1e" + _ids(ids))
+        tokens += len(ids)
+        keys.append(PrefixKey(key, tokens))
     return keys

@@ -97,6 +97,8 @@ class LlamaEngine(LaneEngine):
     engine_name = "llama.cpp"
 
     def __init__(self, config: EngineConfig, on_progress: Any = None) -> None:
+        from nodes.agent.vocab import tokenizer_fingerprint
+
         if not config.model_path:
             raise ValueError("the llama.cpp engine needs a model_path")
         self.model = LoadedModel(config.model_path, on_progress)
@@ -119,6 +121,7 @@ class LlamaEngine(LaneEngine):
         self.parking = LaneParking(config.park_dir, self.model, self.ctx) if config.park_dir else None
         self._unparked: set[int] = set()
         self.warm_lanes = self.parking.restore(self.lanes, self.window) if self.parking is not None else 0
+        self.tokenizer = tokenizer_fingerprint(self.model.path)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -138,6 +141,8 @@ class LlamaEngine(LaneEngine):
             },
             "engine": "llama.cpp",
             "engine_version": L.__version__,
+            "tokenizer": self.tokenizer,  # its fingerprint: the head keys prompts with the same tokenizer
+            "model_path": self.model.path,
             "n_ctx_train": self.model.n_ctx_train,
             "n_batch": self.n_batch,
             "threads": self.threads,

@@ -24,6 +24,7 @@ from nodes.agent.engine.base import (
 )
 from nodes.agent.engine.runs import Run
 from nodes.agent.engine.scheduler import Lane, LaneEngine, Sample, Work
+from nodes.agent.vocab import MOCK
 from nodes.link.codes import ErrorCode
 from nodes.link.spec import GenerateSpec
 
@@ -76,6 +77,11 @@ def mock_token_id(piece: str) -> int:
     return zlib.crc32(piece.encode()) % 1_000_000 + 1  # 0 is the end-of-generation token
 
 
+def mock_tokenize(text: str) -> list[int]:
+    """The mock engine's tokenizer (word pieces, each with its leading spaces): the head keys prompts with it too."""
+    return [mock_token_id(piece) for piece in _TOKEN_RE.findall(text)]
+
+
 class MockEngine(LaneEngine):
     """Deterministic, really-timed stand-in for the llama engine."""
 
@@ -111,6 +117,7 @@ class MockEngine(LaneEngine):
             },
             "engine": "mock",
             "engine_version": self.params.engine_version,
+            "tokenizer": MOCK,
         }
 
     def close(self) -> None:
