@@ -9,6 +9,7 @@ logs one line.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import logging
@@ -29,7 +30,7 @@ from fleet.live import fleet_changed
 from nodes import link_deploy, services, tokenizers
 from nodes import registry as model_registry
 from nodes.link.channel import SecureChannel
-from nodes.link.codes import CloseCode
+from nodes.link.codes import REFUSALS, CloseCode
 from nodes.link.handshake import LOCAL_TOKEN_ID, Responder, TokenRefused
 from nodes.link.messages import (
     Accepted,
@@ -44,6 +45,7 @@ from nodes.link.messages import (
     Models,
     ModelState,
     Pull,
+    Refusal,
     Register,
     Registered,
     StateOp,
@@ -242,6 +244,9 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         log.warning("fleet refused node %s from %s: %s", self.identity or "(unregistered)", self.peer, reason)
         metrics.link_refused(code=code)
         self._handshake_over()
+        if code in REFUSALS and self.channel_ is not None and not self.channel_.broken:
+            with contextlib.suppress(LinkError):  # the reason in a message too: daphne sends no close reason
+                await self._send(Refusal(code=int(code), reason=reason))
         await self.close(code=int(code), reason=reason[:120])
         await database_sync_to_async(services.link_event_record)(
             kind=LinkEvent.Kind.REFUSED, node_id=self.node_id or None, identity=self.identity, peer=self.peer or "",

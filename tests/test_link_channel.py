@@ -58,8 +58,10 @@ def _every_message() -> list[messages.Message]:
             labels={"rack": "3"},
             replicas=[{"index": 0, "lanes": 4}],
             cache_cleared=False,
+            tokenizers={"qwen": "cd" * 32},
         ),
-        messages.Registered(node_id="n-1", model_names=["qwen"], heartbeat_s=2.5, warnings=["old engine"]),
+        messages.Registered(node_id="n-1", model_names=["qwen"], heartbeat_s=2.5, warnings=["old engine"],
+                            tokenizers_wanted=["cd" * 32]),
         messages.Heartbeat(
             lanes_busy=1,
             lanes=4,
@@ -102,6 +104,8 @@ def _every_message() -> list[messages.Message]:
                                 {"name": "tiny-chat", "context_window": 2048, "lanes": 4}],
                         lanes=8, context_window=4096),
         messages.ModelState(model="tiny-chat", state="pulling", progress=0.43, detail=""),
+        messages.TokenizerFile(fingerprint="cd" * 32, part=1, parts=3, data=b"\x78\x9c\x00partial"),
+        messages.Refusal(code=4012, reason="tokenizer 6933a85f6426 differs from the registry's 4fba48d09c14"),
     ]
 
 

@@ -504,3 +504,65 @@ async def test_a_state_operation_reaches_a_node_linked_to_another_head_process()
 
     with pytest.raises(LinkError, match="model cannot embed"):
         await asyncio.wait_for(failing, 5)
+
+
+async def test_a_node_sends_the_tokenizer_the_head_lacks_and_takes_work_once_it_is_in(settings, tmp_path):
+    from dataclasses import replace
+
+    from nodes.agent.dialer import tokenizer_parts
+    from nodes.agent.models import resolve_model
+    from nodes.agent.vocab import tokenizer_fingerprint
+    from nodes.tokenizers import tokenizer_known
+
+    settings.FLEET_HOME = tmp_path
+    path, _ = resolve_model("smollm2")
+    fingerprint = tokenizer_fingerprint(path)
+    comm = communicator()
+    assert (await comm.connect())[0]
+    channel = await handshake(comm)
+
+    # Given a node whose model's tokenizer the head has no file of
+    await comm.send_to(bytes_data=channel.seal(replace(REGISTER, tokenizers={"smollm2": fingerprint})))
+    reply = channel.open(await comm.receive_from(timeout=5))
+
+    # Then the head asks for it, and places nothing there until it is in
+    assert isinstance(reply, Registered) and reply.tokenizers_wanted == [fingerprint]
+    [slot] = registry().placement.nodes()
+    assert (slot.tokenizers, slot.schedulable) == ({"smollm2": fingerprint}, False)
+    parts = await asyncio.to_thread(tokenizer_parts, str(path), fingerprint)
+    for part in parts:
+        await comm.send_to(bytes_data=channel.seal(part))
+    for _ in range(200):
+        if registry().placement.nodes()[0].schedulable:
+            break
+        await asyncio.sleep(0.02)
+    assert registry().placement.nodes()[0].schedulable and tokenizer_known(fingerprint)
+
+    # And a node that joins later with the same tokenizer is not asked again
+    other = communicator()
+    assert (await other.connect())[0]
+    channel = await handshake(other, key=generate_static())
+    register = replace(REGISTER, identity="gpu-8", tokenizers={"smollm2": fingerprint})
+    await other.send_to(bytes_data=channel.seal(register))
+    assert channel.open(await other.receive_from(timeout=5)).tokenizers_wanted == []
+    assert all(s.schedulable for s in registry().placement.nodes())
+
+
+async def test_a_tokenizer_file_that_is_not_the_one_named_closes_the_link(settings, tmp_path):
+    from dataclasses import replace
+
+    from nodes.link.messages import TokenizerFile
+
+    settings.FLEET_HOME = tmp_path
+    fingerprint = "ab" * 32
+    comm = communicator()
+    assert (await comm.connect())[0]
+    channel = await handshake(comm)
+    await comm.send_to(bytes_data=channel.seal(replace(REGISTER, tokenizers={"smollm2": fingerprint})))
+    assert channel.open(await comm.receive_from(timeout=5)).tokenizers_wanted == [fingerprint]
+
+    await comm.send_to(bytes_data=channel.seal(TokenizerFile(fingerprint=fingerprint, part=0, parts=1,
+                                                             data=b"not a tokenizer")))
+
+    assert await closed_with(comm) == CloseCode.PROTOCOL
+    assert not registry().placement.nodes()[0].schedulable

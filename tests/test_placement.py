@@ -663,3 +663,52 @@ def test_an_answer_sent_back_trimmed_still_matches_the_keys_recorded_as_streamed
     resent = prefix_keys(model=MODEL, messages=[*turn1, {"role": "assistant", "content": "Hi there."}, {
         "role": "user", "content": "and then?"}])
     assert resent[: len(recorded)] == recorded
+
+
+# --- keys from the model's own tokenizer (llama.cpp's, vocabulary only) ------------------------------------------
+
+
+def smollm2_vocab():
+    from nodes.agent.models import resolve_model
+    from nodes.agent.vocab import Vocab, tokenizer_fingerprint
+
+    path, _ = resolve_model("smollm2")
+    return Vocab(path, tokenizer_fingerprint(path))
+
+
+def test_keys_count_the_models_own_tokens_exactly():
+    vocab = smollm2_vocab()
+    prompt = "The fleet places each generation on the node that holds its prompt. " * 12
+    ids = vocab.tokenize(prompt)
+
+    keys = lifecycle_module.placement_keys(GenerateSpec(gen_id="g", model=MODEL, prompt=prompt), vocab)
+
+    assert len(ids) > 128
+    assert [k.tokens for k in keys] == list(range(64, len(ids) + 1, 64))  # a partial last block has no key
+    messages = chat("You are terse. " * 30, "What is a lane?")
+    chat_keys = lifecycle_module.placement_keys(GenerateSpec(gen_id="g", model=MODEL, messages=messages), vocab)
+    system, user = (len(vocab.tokenize(prefix._message_text(m))) for m in messages)
+    assert [k.tokens for k in chat_keys] == [*range(64, system + 1, 64), system, system + user]
+
+
+def test_a_chats_next_turn_matches_the_keys_its_answer_left_on_the_node():
+    # Given a conversation's first turn done on node a with the real tokenizer (the answer streamed with a space)
+    vocab = smollm2_vocab()
+    state = fleet("a", "b", load_tokens=0)
+    lifecycle = PlacementLifecycle(state)
+    turn1 = GenerateSpec(gen_id="g1", model=MODEL, messages=chat("You answer questions about fleets. " * 10, "Hi"))
+    keys1 = lifecycle_module.placement_keys(turn1, vocab)
+    first = lifecycle.choose(turn1, keys1)
+    lifecycle.done(first.node_id, turn1, keys1, answer=" Hello! I place generations.", usage={}, tokenizer=vocab)
+
+    # When the client sends the next turn (the answer back, trimmed, and a new question)
+    turn2 = GenerateSpec(gen_id="g2", model=MODEL, messages=[*turn1.messages, {
+        "role": "assistant", "content": "Hello! I place generations."}, {"role": "user", "content": "How?"}])
+    keys2 = lifecycle_module.placement_keys(turn2, vocab)
+    again = lifecycle.choose(turn2, keys2)
+
+    # Then it goes back to that node, which holds every token but the new question's
+    question = len(vocab.tokenize(prefix._message_text(turn2.messages[-1])))
+    assert (again.node_id, again.matched_tokens, again.cost) == (first.node_id, keys2[-2].tokens, question)
+    other = lifecycle_module.placement_keys(turn2, TOKENIZER)  # keys of another tokenizer never match
+    assert not {k.key for k in other} & {k.key for k in keys2}

@@ -42,6 +42,7 @@ from nodes.link.messages import (
     LinkError,
     Pull,
     PullGrant,
+    Refusal,
     Register,
     Registered,
     StateOp,
@@ -235,6 +236,8 @@ class NodeAgent:
             tokenizers={info["model_name"]: info["tokenizer"]} if info.get("tokenizer") else {},
         )))
         reply = channel.open(await asyncio.wait_for(ws.recv(), 15))
+        if isinstance(reply, Refusal):
+            raise Refused(refusal(reply.code, reply.reason) or f"the head refused this node: {reply.reason}")
         if not isinstance(reply, Registered):
             raise LinkError(f"expected registered, got {type(reply).__name__}")
         self.cache_cleared = False

@@ -46,6 +46,7 @@ class MessageType(StrEnum):
     MODELS = "models"
     MODEL_STATE = "model_state"
     TOKENIZER_FILE = "tokenizer_file"
+    REFUSAL = "refusal"
 
 
 class Message:
@@ -306,6 +307,16 @@ class TokenizerFile(Message):
     data: bytes
 
 
+@dataclass(slots=True)
+class Refusal(Message):
+    """head -> node, right before it closes the link with a refusing close code: the code and the head's reason
+    again (daphne drops a close frame's reason, and the node prints it: which model, which fingerprints)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.REFUSAL
+    code: int
+    reason: str
+
+
 REGISTRY: dict[str, type[Message]] = {
     cls.TYPE.value: cls
     for cls in (
@@ -328,6 +339,7 @@ REGISTRY: dict[str, type[Message]] = {
         Models,
         ModelState,
         TokenizerFile,
+        Refusal,
     )
 }
 
