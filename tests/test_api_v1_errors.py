@@ -84,7 +84,7 @@ async def test_get_on_a_generation_endpoint_is_a_405(bearer):
     (chat(stream="yes"), "stream"),
     ({"model": "smollm2", "messages": [{"role": "wizard", "content": "Hi"}]}, "messages[0].role"),
     ({"model": "smollm2", "messages": [{"role": "user"}]}, "messages[0].content"),
-    ({"model": "smollm2", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ({"model": "smollm2", "messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id"),
     (chat(response_format={"type": "xml"}), "response_format"),
     (chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools[0].function.name"),
