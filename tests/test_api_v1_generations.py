@@ -526,3 +526,29 @@ async def test_the_next_turn_goes_back_to_the_node_that_holds_the_conversation_w
     records = sorted(await generations(), key=lambda r: r["created_at"])
     assert records[1]["nodes_used"] == [served_by]
     assert records[1]["placement"]["matched_tokens"] > records[0]["placement"]["prompt_tokens_estimate"]
+
+
+async def test_placement_counts_the_prompt_in_the_tokens_of_the_model_its_nodes_serve(bearer, settings, tmp_path):
+    # Given a node that reported its model's tokenizer, whose file the head holds
+    from fleet.links import registry
+    from nodes.agent.models import resolve_model
+    from nodes.agent.vocab import Vocab, tokenizer_fingerprint, vocab_gguf
+    from nodes.link.prefix import _message_text
+    from nodes.tokenizers import tokenizer_store
+
+    settings.FLEET_HOME = tmp_path
+    path, _ = resolve_model("smollm2")
+    fingerprint = tokenizer_fingerprint(path)
+    await asyncio.to_thread(tokenizer_store, fingerprint, vocab_gguf(path))
+    link = add_fake_node()
+    registry().placement.node_tokenizers(link.node_id, {"smollm2": fingerprint})
+    messages = [{"role": "system", "content": "Tokens, not characters: ünïcödé counts differently. " * 8},
+                {"role": "user", "content": "How many tokens is this?"}]
+
+    # When a chat is placed there
+    assert (await request("POST", CHAT, key=bearer, body=chat(messages=messages))).status == 200
+
+    # Then its evidence counts the prompt in that tokenizer's tokens, exactly
+    vocab = Vocab(path, fingerprint)
+    [record] = await generations()
+    assert record["placement"]["prompt_tokens_estimate"] == sum(len(vocab.tokenize(_message_text(m))) for m in messages)

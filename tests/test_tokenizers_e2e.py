@@ -1,5 +1,5 @@
-"""Tokenizers with real processes: a node whose model has another tokenizer than the registry's model of the same
-name is refused at join, one with the registry's joins, and its conversations are placed by real token keys."""
+"""Tokenizers with real processes: a node sends the head its model's tokenizer at join; one whose model has another
+tokenizer than the registry's model of the same name is refused; conversations are placed by real token keys."""
 
 import httpx
 import pytest
@@ -11,25 +11,32 @@ from tests.test_tokenizers import BUNDLED, different_tokenizer_copy
 pytestmark = pytest.mark.slow
 
 
-def test_a_node_with_another_tokenizer_under_a_registry_name_is_refused_and_the_registrys_joins(fresh_head, tmp_path):
+def test_the_head_gets_a_nodes_tokenizer_and_refuses_another_one_under_a_registry_name(fresh_head, tmp_path):
     head = fresh_head
-    head.manage("model_add", str(BUNDLED), "--name", "smollm2")
-    other = different_tokenizer_copy(BUNDLED, tmp_path / "smollm2.gguf")  # its own name is the file's: smollm2
+    fingerprint = tokenizer_fingerprint(BUNDLED)
 
-    # A node serving the changed file as smollm2 is refused, with one line naming the model and both fingerprints
-    refused = start_node(head, "--max-batch", "1", identity="other-vocab", model=str(other))
-    wait_for(lambda: refused.proc.poll() is not None, 180, f"the node was not refused: {refused.log()}")
-    assert refused.proc.returncode == 2, refused.log()
-    errors = [line for line in refused.log().splitlines() if line.startswith("node_join:")]
-    ours, theirs = tokenizer_fingerprint(BUNDLED)[:12], tokenizer_fingerprint(other)[:12]
-    assert len(errors) == 1 and "another tokenizer than the head's registry model" in errors[0], refused.log()
-    assert f"tokenizer {theirs} differs from the registry's {ours} for model 'smollm2'" in errors[0]
-    assert "Traceback" not in refused.log() and "Traceback" not in head.log()
-
-    # The registry's own file joins, and its next chat turn is placed by the tokens it already holds
+    # A node serving a model the registry does not store sends its tokenizer when it joins
     node = start_node(head, "--max-batch", "2", identity="same-vocab")
     try:
         head.wait_nodes(1, timeout=180)
+        sent = head.home / "tokenizers" / f"{fingerprint}.gguf"
+        wait_for(sent.exists, 30, f"the node's tokenizer did not reach the head: {node.log()}")
+        assert tokenizer_fingerprint(sent) == fingerprint and sent.stat().st_size < BUNDLED.stat().st_size / 20
+
+        # Once the registry stores smollm2, a node serving a file with another tokenizer as smollm2 is refused,
+        # with one line naming the model and both fingerprints
+        head.manage("model_add", str(BUNDLED), "--name", "smollm2")
+        other = different_tokenizer_copy(BUNDLED, tmp_path / "smollm2.gguf")  # its own name is the file's
+        refused = start_node(head, "--max-batch", "1", identity="other-vocab", model=str(other))
+        wait_for(lambda: refused.proc.poll() is not None, 180, f"the node was not refused: {refused.log()}")
+        assert refused.proc.returncode == 2, refused.log()
+        errors = [line for line in refused.log().splitlines() if line.startswith("node_join:")]
+        theirs, ours = tokenizer_fingerprint(other)[:12], fingerprint[:12]
+        assert len(errors) == 1 and "another tokenizer than the head's registry model" in errors[0], refused.log()
+        assert f"tokenizer {theirs} differs from the registry's {ours} for model 'smollm2'" in errors[0]
+        assert "Traceback" not in refused.log() and "Traceback" not in head.log()
+
+        # And the node with the right tokenizer serves on: its next chat turn is placed by the tokens it holds
         http = httpx.Client(base_url=head.url, headers={"Authorization": f"Bearer {head.api_key}"}, timeout=120)
         messages = [{"role": "system", "content": "You answer questions about llama.cpp fleets. " * 12},
                     {"role": "user", "content": "What is a lane?"}]
