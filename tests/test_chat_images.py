@@ -104,6 +104,17 @@ async def test_an_image_over_the_byte_limit_is_a_400_naming_the_setting(bearer, 
     assert error["code"] == "image_too_large" and "FLEET_MAX_IMAGE_BYTES" in error["message"]
 
 
+async def test_an_image_a_byte_over_the_limit_is_a_400_and_one_at_it_is_taken(bearer, settings):
+    add_fake_node(FakeLink(script=Script(tokens=[" A"])), capabilities=VISION)
+    image = png()
+    settings.FLEET_MAX_IMAGE_BYTES = len(image) - 1
+    error = await error_of(bearer, chat(data_url(image)))
+    assert error["code"] == "image_too_large" and f"has {len(image)} bytes" in error["message"]
+    settings.FLEET_MAX_IMAGE_BYTES = len(image)
+    answer = await request("POST", URL, key=bearer, body=chat(data_url(image)))
+    assert answer.status == 200, answer.chunks
+
+
 async def test_an_image_over_the_pixel_limit_is_a_400_naming_the_setting(bearer, fake_node, settings):
     settings.FLEET_MAX_IMAGE_PIXELS = 100
     error = await error_of(bearer, chat(data_url(png(32, 24))))
