@@ -651,6 +651,17 @@ def test_prefix_keys_differ_across_models():
     }
 
 
+def test_prefix_keys_differ_across_tokenizers_even_for_the_same_ids():
+    # The same ids mean other text in another vocabulary: a node with another tokenizer holds none of these prompts.
+    class Renamed(FourChars):
+        fingerprint = "another-vocabulary"
+
+    spec = GenerateSpec(gen_id="g", model=MODEL, messages=chat("be brief", "hello"), prompt=None)
+    ours, theirs = lifecycle_module.placement_keys(spec, TOKENIZER), lifecycle_module.placement_keys(spec, Renamed())
+    assert [k.tokens for k in ours] == [k.tokens for k in theirs]
+    assert not {k.key for k in ours} & {k.key for k in theirs}
+
+
 def test_different_conversations_do_not_share_keys_after_their_first_difference():
     one = prefix_keys(model=MODEL, messages=chat("system one", "hi"))
     two = prefix_keys(model=MODEL, messages=chat("system two", "hi"))
