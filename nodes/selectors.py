@@ -27,6 +27,16 @@ def node_speech_models() -> set[str]:
     return names
 
 
+def node_vision_models() -> set[str]:
+    """The models served by nodes not offline whose capabilities say `vision` (a projector: `node_join --mmproj`)."""
+    names: set[str] = set()
+    rows = Node.objects.exclude(state=Node.State.OFFLINE).values_list("capabilities", "models_served")
+    for capabilities, served in rows:
+        if isinstance(capabilities, dict) and capabilities.get("vision"):
+            names.update(m for m in served or [] if isinstance(m, str))
+    return names
+
+
 def fleet_token_list() -> QuerySet[FleetToken]:
     return FleetToken.objects.order_by("-created_at")
 

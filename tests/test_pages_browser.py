@@ -152,6 +152,48 @@ def test_the_playground_transcribes_an_audio_file_on_a_speech_model(browser, spe
     assert not browser.find_element(By.ID, "pg-error").text
 
 
+@pytest.fixture(scope="module")
+def vision_head(tmp_path_factory):
+    """A head of its own whose one node reads images (`node_join --mmproj`, the test projector)."""
+    from tests.live import make_head, start_node
+    from tests.vision_projector import build_projector
+
+    projector = build_projector(tmp_path_factory.mktemp("mmproj") / "mmproj.gguf")
+    head = make_head(tmp_path_factory.mktemp("vision"))
+    head.start()
+    node = start_node(head, "--mmproj", str(projector), "--max-batch", "2", "--max-context", "512", identity="eyes")
+    head.wait_nodes(1, timeout=180)
+    yield head
+    node.stop()
+    head.stop()
+
+
+def test_the_playground_sends_an_image_attachment_on_a_model_with_vision(browser, vision_head, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.vision_projector import IMAGE_TOKENS, png
+
+    image = tmp_path / "picture.png"
+    image.write_bytes(png(seed=5))
+    login(browser, vision_head)
+    browser.get(f"{vision_head.url}/admin/playground/")
+    assert browser.find_element(By.ID, "pg-image").is_displayed()
+    browser.find_element(By.ID, "pg-message").send_keys("What is in this picture?")
+    browser.find_element(By.ID, "pg-image").send_keys(str(image))
+    browser.find_element(By.ID, "pg-send").click()
+    usage = WebDriverWait(browser, 120).until(
+        lambda b: b.find_element(By.ID, "pg-usage").text or b.find_element(By.ID, "pg-error").text)
+    assert "eyes" in usage and "completion" in usage, usage
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{vision_head.url}/v1", api_key=vision_head.api_key, max_retries=0)
+    text_only = client.chat.completions.create(model="smollm2", max_tokens=1, messages=[
+        {"role": "user", "content": "What is in this picture?"}]).usage.prompt_tokens
+    assert f"prompt {text_only + IMAGE_TOKENS}" in usage, usage  # the image's tokens were read with the text
+    assert not browser.find_element(By.ID, "pg-error").text
+
+
 def screenshot(browser, name: str) -> None:
     SCREENSHOTS.mkdir(exist_ok=True)
     path = SCREENSHOTS / name

@@ -11,7 +11,7 @@ from django.test import Client
 
 from sessions.models import Generation
 from tests.api_support import FakeLink, Script, add_fake_node
-from tests.factories import UserFactory
+from tests.factories import NodeFactory, UserFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -109,3 +109,16 @@ def test_the_page_sends_anonymous_and_non_staff_users_to_the_login_page(client):
     client.force_login(UserFactory(is_staff=False, is_superuser=False))
     page = client.get("/admin/playground/")
     assert page.status_code == 302 and page["Location"].startswith("/admin/login/")
+
+
+def test_the_page_offers_an_image_attachment_for_a_model_a_node_reads_images_with(client):
+    client.force_login(UserFactory(is_staff=True, is_superuser=False))
+    add_fake_node(FakeLink(node_id="11111111-1111-1111-1111-111111111111", identity="seeing"))
+    add_fake_node(FakeLink(node_id="22222222-2222-2222-2222-222222222222", identity="blind"), model="tiny")
+    NodeFactory(models_served=["smollm2"], capabilities={"chat": True, "vision": True})
+    NodeFactory(models_served=["tiny"], capabilities={"chat": True, "vision": False})
+    NodeFactory(models_served=["tiny"], capabilities={"vision": True}, state="offline")
+    html = client.get("/admin/playground/").content.decode()
+    assert '<option value="smollm2" data-vision="1">smollm2</option>' in html
+    assert '<option value="tiny">tiny</option>' in html  # its only node with vision is offline
+    assert 'id="pg-image"' in html and "image_url" in html
