@@ -22,11 +22,12 @@ def projector(tmp_path_factory):
     return build_projector(tmp_path_factory.mktemp("mmproj") / "mmproj.gguf")
 
 
-def engine_with(mmproj: str | None):
+def engine_with(mmproj: str | None, **config):
     from nodes.agent.engine.llama import LlamaEngine
 
-    return LlamaEngine(EngineConfig(model_path=bundled_model_path(), model_name="smollm2", lanes=3, max_context=512,
-                                    batch_invariant=True, mmproj_path=mmproj))
+    config = {"lanes": 3, **config}
+    return LlamaEngine(EngineConfig(model_path=bundled_model_path(), model_name="smollm2", max_context=512,
+                                    batch_invariant=True, mmproj_path=mmproj, **config))
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +118,17 @@ def test_a_projector_of_another_width_is_refused_at_load(tmp_path, monkeypatch):
     wrong = build_projector(tmp_path / "wrong.gguf")
     with pytest.raises(EngineLoadError, match="could not load the multimodal projector"):
         engine_with(str(wrong))
+
+
+def test_a_lane_that_holds_an_image_is_not_parked(projector, images, tmp_path):
+    """A restarted node has no image behind a lane's placeholder tokens, so such a lane stays off the disk."""
+    parked = engine_with(str(projector), lanes=1, park_dir=str(tmp_path))
+    try:
+        one(parked, chat("seen", images["a"]))
+        parked.idle_work()
+        assert not list(tmp_path.glob("lane-*"))
+        one(parked, chat("said", question="Name three birds."))
+        parked.idle_work()
+        assert [p.name for p in sorted(tmp_path.glob("lane-*"))] == ["lane-0.json", "lane-0.kv"]
+    finally:
+        parked.close()
