@@ -21,9 +21,12 @@ from nodes.models import Model
 
 
 class ModelSerializer(serializers.ModelSerializer):
+    base = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True,
+                                        help_text="For a LoRA adapter: the model it adapts; null for a model.")
+
     class Meta:
         model = Model
-        fields = ["id", "name", "sha256", "size", "architecture", "quantization", "context_length",
+        fields = ["id", "name", "base", "sha256", "size", "architecture", "quantization", "context_length",
                   "kv_bytes_per_token", "chat_template", "created_at", "updated_at"]
         read_only_fields = fields
 
@@ -31,6 +34,8 @@ class ModelSerializer(serializers.ModelSerializer):
 class ModelCreateSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=64, help_text="The model's name on the fleet (nodes pull it by this).")
     upload = serializers.CharField(help_text="The id of a finished upload (POST /api/models/uploads/).")
+    base = serializers.CharField(max_length=64, required=False, default="",
+                                 help_text="For a LoRA adapter: the registry model it adapts.")
 
 
 class UploadSerializer(serializers.Serializer):
@@ -69,7 +74,8 @@ class ModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Dest
         form.is_valid(raise_exception=True)
         try:
             model = registry.model_upload_finish(upload_id=form.validated_data["upload"],
-                                                 name=form.validated_data["name"])
+                                                 name=form.validated_data["name"],
+                                                 base=form.validated_data.get("base", ""))
         except registry.RegistryError as exc:
             raise ValidationError({"detail": str(exc)}) from None
         return Response(ModelSerializer(model).data, status=status.HTTP_201_CREATED)

@@ -134,14 +134,18 @@ class RedisPlacementState:
         if cache_cleared:
             yield from self._op_forget_node(slot.node_id, keep=warm)
 
-    def node_models(self, node_id: str, models: list[str], lanes: int) -> None:
-        """A node loaded or unloaded a model: it serves these from now on, with this many lanes (running ones stay)."""
-        self._run(self._op_node_models(node_id, models, lanes))
+    def node_models(self, node_id: str, models: list[str], lanes: int, capabilities: list[str] | None = None) -> None:
+        """A node loaded or unloaded a model (or an adapter: then its capabilities changed too): it serves these from
+        now on, with this many lanes (running ones stay)."""
+        self._run(self._op_node_models(node_id, models, lanes, capabilities))
 
-    def _op_node_models(self, node_id: str, models: list[str], lanes: int) -> Op:
+    def _op_node_models(self, node_id: str, models: list[str], lanes: int, capabilities: list[str] | None = None) -> Op:
         key = f"{self.p}node:{node_id}"
         if (yield _call("exists", key)):
-            yield _call("hset", key, mapping={"models": json.dumps(list(models)), "lanes": lanes})
+            changed: dict[str, Any] = {"models": json.dumps(list(models)), "lanes": lanes}
+            if capabilities is not None:
+                changed["caps"] = json.dumps(list(capabilities))
+            yield _call("hset", key, mapping=changed)
             yield _call("publish", self.lanes_channel, "models")
 
     def node_tokenizers(self, node_id: str, tokenizers: dict[str, str]) -> None:

@@ -189,10 +189,10 @@ class ModelAdmin(admin.ModelAdmin):
     """The model registry. Adding uploads the file in parts through /api/models/ (see the add page's script), so the
     head never holds more than one part in memory; every figure comes from the file's own metadata."""
 
-    list_display = ("name", "architecture", "quantization", "size_mb", "context_length", "kv_bytes_per_token",
+    list_display = ("name", "base", "architecture", "quantization", "size_mb", "context_length", "kv_bytes_per_token",
                     "sha256_short", "created_at")
     search_fields = ("name", "sha256", "architecture")
-    readonly_fields = ("id", "name", "sha256", "size", "architecture", "quantization", "context_length",
+    readonly_fields = ("id", "name", "base", "sha256", "size", "architecture", "quantization", "context_length",
                        "kv_bytes_per_token", "chat_template", "created_at", "updated_at")
 
     def add_view(self, request, form_url="", extra_context=None):
@@ -231,7 +231,7 @@ class DeploymentForm(forms.ModelForm):
         data = super().clean()
         try:
             deployment_check(nodes=data.get("nodes") or [], labels=data.get("labels") or {},
-                             lanes=data.get("lanes") or 0, context=data.get("context") or 0)
+                             lanes=data.get("lanes") or 0, context=data.get("context") or 0, model=data.get("model"))
         except DeploymentError as exc:
             raise forms.ValidationError(str(exc)) from None
         return data

@@ -24,8 +24,11 @@ class DeploymentError(ValueError):
     """A deployment that cannot be made as asked; says what to change."""
 
 
-def deployment_check(*, nodes: list, labels: dict, lanes: int, context: int) -> None:
-    """Raises DeploymentError unless the selector and sizes make a deployment."""
+def deployment_check(*, nodes: list, labels: dict, lanes: int, context: int, model: Model | None = None) -> None:
+    """Raises DeploymentError unless the model, the selector and the sizes make a deployment."""
+    if model is not None and model.is_adapter:
+        raise DeploymentError(f"{model.name!r} is a LoRA adapter: deploy its base {model.base.name!r}, and every node "
+                              "serving that loads it")
     if not isinstance(nodes, list) or not all(isinstance(n, str) and 0 < len(n) <= 200 and "\x00" not in n
                                               for n in nodes):
         raise DeploymentError("nodes must be a list of node identities (the names they joined with)")
@@ -43,7 +46,7 @@ def deployment_check(*, nodes: list, labels: dict, lanes: int, context: int) -> 
 @transaction.atomic
 def deployment_create(*, model: Model, nodes: list, labels: dict, lanes: int = 4, context: int = 0) -> Deployment:
     """Put `model` on the chosen nodes; each is told over its link once this commits."""
-    deployment_check(nodes=nodes, labels=labels, lanes=lanes, context=context)
+    deployment_check(nodes=nodes, labels=labels, lanes=lanes, context=context, model=model)
     deployment = Deployment.objects.create(model=model, nodes=nodes, labels=labels, lanes=lanes, context=context)
     deployments_changed()
     return deployment
@@ -56,7 +59,7 @@ def deployment_update(*, deployment: Deployment, **changes) -> Deployment:
     for name, value in changes.items():
         setattr(deployment, name, value)
     deployment_check(nodes=deployment.nodes, labels=deployment.labels, lanes=deployment.lanes,
-                     context=deployment.context)
+                     context=deployment.context, model=deployment.model)
     deployment.save()
     deployments_changed()
     return deployment
@@ -86,6 +89,18 @@ def node_deployments(*, node_id) -> list[dict]:
             for name, d in wanted.items()]
 
 
+def node_adapters(*, node_id) -> dict[str, list[dict]]:
+    """The `deploy` message's adapters for a node: the registry's LoRA adapters of each model it serves or is told to
+    load, by base model name."""
+    node = Node.objects.get(pk=node_id)
+    bases = set(node.models_served) | {d.model.name for d in Deployment.objects.select_related("model")
+                                       if d.matches(node)}
+    adapters: dict[str, list[dict]] = {}
+    for adapter in Model.objects.filter(base__name__in=bases).select_related("base").order_by("name"):
+        adapters.setdefault(adapter.base.name, []).append({"name": adapter.name, "sha256": adapter.sha256})
+    return adapters
+
+
 def _served_as_chosen(model: str, deployments: list[Deployment], *, exclude: Node) -> bool:
     pairs = (NodeModel.objects.filter(model=model, state=NodeModel.State.SERVING).exclude(node=exclude)
              .exclude(node__state=Node.State.OFFLINE).select_related("node"))
@@ -113,13 +128,18 @@ def node_model_record(*, node_id, model: str, state: str, progress: float = 0.0,
 
 
 def node_models_forget(*, node_id, keep: list[str]) -> None:
-    """A node (re)joined serving `keep`: the pairs of other models are gone with its last run."""
-    NodeModel.objects.filter(node_id=node_id).exclude(model__in=keep).delete()
+    """A node (re)joined serving `keep`: the pairs of other models are gone with its last run (a BASE:ADAPTER it
+    serves keeps the adapter's pair)."""
+    adapters = [name.partition(":")[2] for name in keep if ":" in name]
+    NodeModel.objects.filter(node_id=node_id).exclude(model__in=[*keep, *adapters]).delete()
 
 
-def node_models_set(*, node_id, names: list[str]) -> None:
-    """The models a node now serves (it loaded or unloaded one); a transition, written once."""
-    Node.objects.filter(pk=node_id).update(models_served=names)
+def node_models_set(*, node_id, names: list[str], capabilities: dict | None = None) -> None:
+    """The models a node now serves (it loaded or unloaded one, or an adapter), and its capabilities when an adapter
+    changed them; a transition, written once."""
+    changed: dict = {"models_served": names} if capabilities is None else {"models_served": names,
+                                                                           "capabilities": capabilities}
+    Node.objects.filter(pk=node_id).update(**changed)
 
 
 def tell_nodes(node_ids: list[str]) -> None:
@@ -142,5 +162,6 @@ def _tell_online_nodes() -> None:
 
 
 def deployment_states(*, deployment: Deployment) -> list[NodeModel]:
-    """Every node-model pair of the deployment's model, as the nodes last reported them."""
-    return list(NodeModel.objects.filter(model=deployment.model.name).select_related("node"))
+    """Every node-model pair of the deployment's model and of its LoRA adapters, as the nodes last reported them."""
+    names = [deployment.model.name, *deployment.model.adapters.values_list("name", flat=True)]
+    return list(NodeModel.objects.filter(model__in=names).select_related("node").order_by("model", "node__identity"))

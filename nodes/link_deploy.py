@@ -44,9 +44,15 @@ def _state_problem(msg: ModelState) -> str | None:
 async def send_deployments(consumer, *, joined: bool = False) -> None:
     """Send the node every model its deployments put there (when one changes, and when it registers: then only when
     there is something to say, a model to load or a loaded one it may have to unload)."""
-    wanted = await database_sync_to_async(deployments.node_deployments)(node_id=consumer.node_id)
-    if wanted or not joined or len(consumer.fleet_names) > 1:
-        await consumer._send(Deploy(models=wanted))
+    wanted, adapters = await database_sync_to_async(_deploy_lists)(consumer.node_id)
+    own = {fleet: name for name, fleet in consumer.fleet_names.items()}  # a base the head renamed, as the node knows it
+    adapters = {own.get(base, base): rows for base, rows in adapters.items()}
+    if wanted or adapters or not joined or len(consumer.fleet_names) > 1:
+        await consumer._send(Deploy(models=wanted, adapters=adapters))
+
+
+def _deploy_lists(node_id) -> tuple[list[dict], dict[str, list[dict]]]:
+    return deployments.node_deployments(node_id=node_id), deployments.node_adapters(node_id=node_id)
 
 
 async def forget_gone(consumer, names: list[str]) -> None:
@@ -59,12 +65,21 @@ async def on_models(consumer, msg: Models) -> None:
     registered it as."""
     if problem := _models_problem(msg):
         raise LinkError(f"models: {problem}")
-    names = list(dict.fromkeys(consumer.fleet_names.get(m["name"], m["name"]) for m in msg.models))
-    await registry().aplacement.node_models(consumer.node_id, names, msg.lanes)  # never waits on Redis in the loop
-    await database_sync_to_async(deployments.node_models_set)(node_id=consumer.node_id, names=names)
+    names = list(dict.fromkeys(_fleet_name(consumer, m["name"]) for m in msg.models))
+    capabilities = msg.capabilities or None  # sent when an adapter was loaded or unloaded
+    flags = sorted(k for k, v in capabilities.items() if v is True) if capabilities else None
+    await registry().aplacement.node_models(consumer.node_id, names, msg.lanes, flags)  # never waits on Redis
+    await database_sync_to_async(deployments.node_models_set)(node_id=consumer.node_id, names=names,
+                                                              capabilities=capabilities)
     log.info("fleet node %r serves %s (%d lanes)", consumer.identity, ", ".join(names), msg.lanes)
     registry().lanes.notify()
     fleet_changed()
+
+
+def _fleet_name(consumer, name: str) -> str:
+    """A model the node joined with keeps the name the head registered it as; so does BASE:ADAPTER of it."""
+    base, colon, adapter = name.partition(":")
+    return consumer.fleet_names.get(name) or (f"{consumer.fleet_names.get(base, base)}:{adapter}" if colon else name)
 
 
 async def on_model_state(consumer, msg: ModelState) -> None:

@@ -162,7 +162,8 @@ class Model(models.Model):
     """A GGUF model in the head's registry, stored once by content hash under `$FLEET_HOME/blobs/`.
 
     Every figure is read from the file's own metadata when it is added (`nodes.registry.model_add`), never typed by
-    hand. Several names may share one file; the blob goes when the last of them is deleted.
+    hand. Several names may share one file; the blob goes when the last of them is deleted. A LoRA adapter is an entry
+    with a `base`: every node serving the base loads it, and clients ask for it as `base:adapter`.
     """
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
@@ -178,11 +179,18 @@ class Model(models.Model):
     kv_bytes_per_token = models.PositiveBigIntegerField(
         editable=False, help_text="KV cache bytes of one token in every layer (K and V, f16).")
     chat_template = models.TextField(blank=True, editable=False)
+    base = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.CASCADE, related_name="adapters", editable=False,
+        help_text="For a LoRA adapter: the model it adapts (nodes serving that model load it).")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["name"]
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.base_id is not None
 
     def __str__(self) -> str:
         return self.name

@@ -89,13 +89,31 @@ def _copy_hashing(source: BinaryIO, target: Path) -> str:
     return digest.hexdigest()
 
 
-def _store(staged: Path, sha256: str, name: str) -> Model:
-    """Check the staged file is a GGUF model, keep it under its hash (once), and record it as `name`."""
+def _base_for(info, base: str) -> Model | None:
+    """The registry model an adapter file adapts (`base`), checked against the file; None for a model file."""
+    if not info.adapter:
+        if base:
+            raise RegistryError("the file is a model, not a LoRA adapter: add it without a base")
+        return None
+    if not base:
+        raise RegistryError("the file is a LoRA adapter: name the registry model it adapts as its base")
+    model = Model.objects.filter(name=base).first()
+    if model is None or model.is_adapter:
+        raise RegistryError(f"the base {base!r} is not a model in the registry; add the base model first")
+    if model.architecture != info.architecture:
+        raise RegistryError(f"the adapter is for {info.architecture!r} models; {base!r} is {model.architecture!r}")
+    return model
+
+
+def _store(staged: Path, sha256: str, name: str, base: str = "") -> Model:
+    """Check the staged file is a GGUF model (or a LoRA adapter of `base`), keep it under its hash (once), and
+    record it as `name`."""
     try:
         info = read_gguf(staged)
-    except GgufError as exc:
+        base_model = _base_for(info, base)
+    except (GgufError, RegistryError) as exc:
         staged.unlink(missing_ok=True)
-        raise RegistryError(f"the file is refused: {exc}") from None
+        raise RegistryError(str(exc) if isinstance(exc, RegistryError) else f"the file is refused: {exc}") from None
     target = blob_path(sha256)
     if target.exists():
         staged.unlink()  # the same file under another name: stored once
@@ -104,16 +122,22 @@ def _store(staged: Path, sha256: str, name: str) -> Model:
         os.utime(target)  # an upload's part may be old; media_purge must not take it before its row exists
     try:
         with transaction.atomic():
-            return Model.objects.create(
+            model = Model.objects.create(
                 name=name, sha256=sha256, size=info.size, architecture=info.architecture,
                 quantization=info.quantization, context_length=info.context_length,
-                kv_bytes_per_token=info.kv_bytes_per_token, chat_template=info.chat_template)
+                kv_bytes_per_token=info.kv_bytes_per_token, chat_template=info.chat_template, base=base_model)
     except IntegrityError:
         raise RegistryError(f"a model named {name!r} was added meanwhile; pick another name") from None
+    if base_model is not None:  # every node serving the base loads it
+        from nodes.deployments import deployments_changed
+
+        deployments_changed()
+    return model
 
 
-def model_add(*, path: str | os.PathLike, name: str) -> Model:
-    """Add the GGUF file at `path` (on the head) as `name`: copied into the blobs while it is hashed."""
+def model_add(*, path: str | os.PathLike, name: str, base: str = "") -> Model:
+    """Add the GGUF file at `path` (on the head) as `name` (a LoRA adapter names its `base` model): copied into the
+    blobs while it is hashed."""
     name = _check_name(name)
     source = Path(path)
     if not source.is_file():
@@ -125,7 +149,7 @@ def model_add(*, path: str | os.PathLike, name: str) -> Model:
     except BaseException:
         staged.unlink(missing_ok=True)
         raise
-    return _store(staged, sha256, name)
+    return _store(staged, sha256, name, base)
 
 
 # --- uploads in parts ---------------------------------------------------------------------------------------
@@ -157,22 +181,24 @@ def model_upload_append(*, upload_id: str, offset: int, source: BinaryIO) -> int
     return path.stat().st_size
 
 
-def model_upload_finish(*, upload_id: str, name: str) -> Model:
-    """Hash the uploaded file, check it is a GGUF model and record it as `name`."""
+def model_upload_finish(*, upload_id: str, name: str, base: str = "") -> Model:
+    """Hash the uploaded file, check it is a GGUF model (or a LoRA adapter of `base`) and record it as `name`."""
     name = _check_name(name)
     path = _upload_file(upload_id)
-    return _store(path, sha256_of(path), name)
+    return _store(path, sha256_of(path), name, base)
 
 
 def model_delete(*, model: Model) -> None:
-    """Delete the entry (and its deployments: their nodes drain it), and its file when no other name uses it."""
+    """Delete the entry (its deployments and adapters too: their nodes drain them), and each file no other entry
+    uses."""
     from nodes.deployments import deployments_changed
 
-    sha256, deployed = model.sha256, model.deployments.exists()
-    model.delete()
+    shas = {model.sha256, *model.adapters.values_list("sha256", flat=True)}
+    deployed = model.deployments.exists() or model.is_adapter or bool(shas - {model.sha256})
+    model.delete()  # a base takes its adapters with it; nodes unload them
     if deployed:
         deployments_changed()
-    if not Model.objects.filter(sha256=sha256).exists():
+    for sha256 in shas - set(Model.objects.filter(sha256__in=shas).values_list("sha256", flat=True)):
         blob_path(sha256).unlink(missing_ok=True)
 
 

@@ -16,10 +16,11 @@ import numpy as np
 from nodes.agent.engine.local import bundled_model_path
 
 
-def build_adapter(path: Path, *, rank: int = 4, seed: int = 0, scale: float = 0.3) -> Path:
+def build_adapter(path: Path, *, rank: int = 4, seed: int = 0, scale: float = 0.3, architecture: str = "") -> Path:
+    """`architecture`: say the adapter is for another architecture (the registry must refuse it for this base)."""
     base = gguf.GGUFReader(bundled_model_path())
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), str(base.fields["general.architecture"].contents()))
+    writer = gguf.GGUFWriter(str(path), architecture or str(base.fields["general.architecture"].contents()))
     writer.add_string("general.type", "adapter")
     writer.add_string("adapter.type", "lora")
     writer.add_float32("adapter.lora.alpha", float(rank))

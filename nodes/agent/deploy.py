@@ -5,6 +5,10 @@ loaded only when the RAM available holds its weights and its lanes' KV cache (th
 nodes.agent.window); else it fails with the figures. The node serves what it served meanwhile, and announces the new
 model (`models`) once its worker is ready. A model no longer listed is unannounced first, then drained (what runs
 there finishes), then its worker stops. Each step goes to the head as a `model_state`.
+
+The registry's LoRA adapters come in the same message, by base model: each model of those names the node serves loads
+them in its worker while it serves (pulled first, like a model), announcing BASE:ADAPTER and `lora:ADAPTER`; an
+adapter no longer listed is unannounced, then unloaded once no generation uses it.
 """
 
 from __future__ import annotations
@@ -16,11 +20,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from nodes.agent.engine.base import EngineConfig
+from nodes.agent.engine.base import EngineConfig, StateOpError
 from nodes.agent.gguf_info import GgufError, read_gguf
 from nodes.agent.model_set import ModelSet
 from nodes.agent.window import WindowError, mem_available, size_window
-from nodes.link.codes import ModelPhase
+from nodes.link.codes import ErrorCode, ModelPhase
 from nodes.link.messages import Deploy, Models, ModelState
 
 log = logging.getLogger("nodes.agent")
@@ -64,6 +68,8 @@ class Deployer:
         self.batch_invariant = batch_invariant
         self.tasks: dict[str, asyncio.Task] = {}  # name -> its load or unload
         self.last: dict[str, ModelState] = {}  # name -> the last state reported
+        self.adapters_wanted: dict[str, dict[str, str]] = {}  # base -> {adapter: sha256}, as the head last said
+        self.adapters: dict[tuple[str, str], asyncio.Task] = {}  # (base, adapter) -> its load, kept while loaded
 
     def apply(self, msg: Deploy) -> None:
         """Start what `msg` adds, unload what it no longer lists; report again where each listed model stands."""
@@ -74,6 +80,73 @@ class Deployer:
             gone = last.state in (ModelPhase.DRAINING, ModelPhase.UNLOADED) or name == self.models.primary_name
             if name not in wanted and not gone:
                 self._unwant(name)
+        self.adapters_wanted = {base: {a["name"]: a.get("sha256", "") for a in rows if isinstance(a, dict)
+                                       and isinstance(a.get("name"), str)}
+                                for base, rows in msg.adapters.items() if isinstance(rows, list)}
+        self.sync_adapters()
+
+    # -- LoRA adapters --------------------------------------------------------------------------------------------
+
+    def sync_adapters(self) -> None:
+        """Load each listed adapter on the engines serving its base; unload those no longer listed."""
+        served = [self.models.primary_name, *self.models.serving]
+        for base in served:
+            for name in self.adapters_wanted.get(base, {}):
+                task = self.adapters.get((base, name))
+                if task is None:
+                    self.adapters[base, name] = asyncio.ensure_future(self._load_adapter(base, name))
+                elif task.done() and not task.cancelled() and task.result():
+                    self.report(name, ModelPhase.SERVING, keep=False)  # a head that (re)joined us learns it again
+        for (base, name), task in list(self.adapters.items()):
+            if name not in self.adapters_wanted.get(base, {}) or base not in served:
+                del self.adapters[base, name]
+                asyncio.ensure_future(self._unload_adapter(base, name, task))
+
+    async def _load_adapter(self, base: str, name: str) -> bool:
+        try:
+            self.report(name, ModelPhase.PULLING, keep=False)
+            path = await self.fetch(name, self._progress(name, keep=False))
+            self.report(name, ModelPhase.LOADING, keep=False)
+            engine = self.models.engine_of(base)
+            if not hasattr(engine, "adapter"):
+                raise DeployRefused(f"{base!r} runs in several replicas here; adapters load on one worker only")
+            await engine.adapter(name, str(path))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a failed pull, a file llama.cpp refuses: reported, never raised
+            log.warning("fleet node: could not load LoRA adapter %s on %s: %s", name, base, exc)
+            self.report(name, ModelPhase.FAILED, detail=str(exc) or type(exc).__name__, keep=False)
+            return False
+        self.announce()
+        log.info("fleet node: LoRA adapter %s loaded on %s (served as %s:%s)", name, base, base, name)
+        self.report(name, ModelPhase.SERVING, keep=False)
+        return True
+
+    async def _unload_adapter(self, base: str, name: str, load: asyncio.Task) -> None:
+        """Unannounce first, then unload once no queued or running generation uses it."""
+        if not load.done():
+            load.cancel()
+        if not load.done() or load.cancelled() or not load.result():
+            self.report(name, ModelPhase.UNLOADED, keep=False)
+            return
+        self.models.retiring_adapters.add(name)
+        self.announce()
+        self.report(name, ModelPhase.DRAINING, keep=False)
+        await asyncio.sleep(DRAIN_GRACE_S)
+        engine = self.models.engine_of(base)
+        while engine is not None:
+            try:
+                await engine.adapter(name, None)
+                break
+            except StateOpError as exc:
+                if exc.code != ErrorCode.ADAPTER_IN_USE:
+                    log.warning("fleet node: could not unload LoRA adapter %s: %s", name, exc.message)
+                    break
+                await asyncio.sleep(DRAIN_POLL_S)
+        self.models.retiring_adapters.discard(name)
+        self.announce()
+        log.info("fleet node: LoRA adapter %s unloaded from %s", name, base)
+        self.report(name, ModelPhase.UNLOADED, keep=False)
 
     def _want(self, name: str, spec: dict[str, Any]) -> None:
         busy = name in self.tasks and not self.tasks[name].done()
@@ -95,13 +168,18 @@ class Deployer:
             task.cancel()
         self.report(name, ModelPhase.UNLOADED)
 
-    def report(self, name: str, state: ModelPhase, *, progress: float = 0.0, detail: str = "") -> None:
-        self.last[name] = ModelState(model=name, state=state.value, progress=round(progress, 3), detail=detail[:500])
-        self.send(self.last[name])
+    def report(self, name: str, state: ModelPhase, *, progress: float = 0.0, detail: str = "",
+               keep: bool = True) -> None:
+        """Tell the head where `name` stands (`keep`: a model, whose last state decides what a deploy changes)."""
+        msg = ModelState(model=name, state=state.value, progress=round(progress, 3), detail=detail[:500])
+        if keep:
+            self.last[name] = msg
+        self.send(msg)
 
     def announce(self) -> None:
         info = self.models.info()
-        self.send(Models(models=info["models"], lanes=info["lanes"], context_window=info.get("context_window", 0)))
+        self.send(Models(models=info["models"], lanes=info["lanes"], context_window=info.get("context_window", 0),
+                         capabilities=info["capabilities"]))
 
     async def _load(self, name: str, spec: dict[str, Any], previous: asyncio.Task | None) -> None:
         if previous is not None and not previous.done():
@@ -132,6 +210,7 @@ class Deployer:
         log.info("fleet node: %s deployed, context window %d tokens, %d lanes", name, info["context_window"],
                  info["lanes"])
         self.report(name, ModelPhase.SERVING)
+        self.sync_adapters()  # its registry adapters
 
     async def _unload(self, name: str) -> None:
         engine = self.models.retire(name)
@@ -142,10 +221,11 @@ class Deployer:
             await asyncio.sleep(DRAIN_POLL_S)
         self.models.drop(name)
         await engine.stop()
+        self.sync_adapters()  # the adapters loaded on it went with it
         log.info("fleet node: %s unloaded", name)
         self.report(name, ModelPhase.UNLOADED)
 
-    def _progress(self, name: str) -> Callable[[float], None]:
+    def _progress(self, name: str, *, keep: bool = True) -> Callable[[float], None]:
         """A pull's progress callback (called on the pull's thread): at most one report each PROGRESS_EVERY_S."""
         loop = asyncio.get_running_loop()
         last = [0.0]
@@ -154,5 +234,5 @@ class Deployer:
             now = time.monotonic()
             if now - last[0] >= PROGRESS_EVERY_S or fraction >= 1.0:
                 last[0] = now
-                loop.call_soon_threadsafe(lambda: self.report(name, ModelPhase.PULLING, progress=fraction))
+                loop.call_soon_threadsafe(lambda: self.report(name, ModelPhase.PULLING, progress=fraction, keep=keep))
         return progress

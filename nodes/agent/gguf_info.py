@@ -27,6 +27,15 @@ class GgufInfo:
     kv_bytes_per_token: int
     chat_template: str
     size: int
+    adapter: bool = False  # a LoRA adapter (general.type "adapter"): no context or KV of its own
+
+
+def _adapter(reader: Any, arch: str, size: int) -> GgufInfo:
+    kind = _value(reader, "adapter.type")
+    if kind != "lora":
+        raise GgufError(f"it is an adapter of type {kind!r}; only LoRA adapters (adapter.type \"lora\") are served")
+    return GgufInfo(architecture=arch, quantization=_quantization(reader), context_length=0, kv_bytes_per_token=0,
+                    chat_template="", size=size, adapter=True)
 
 
 def _value(reader: Any, key: str) -> Any:
@@ -130,6 +139,8 @@ def read_gguf(path: str | os.PathLike) -> GgufInfo:
     arch = _value(reader, "general.architecture")
     if not isinstance(arch, str) or not arch:
         raise GgufError("its metadata names no architecture (general.architecture)")
+    if _value(reader, "general.type") == "adapter":
+        return _adapter(reader, arch, size)
     context = _required_int(reader, f"{arch}.context_length")
     template = _value(reader, "tokenizer.chat_template")
     return GgufInfo(architecture=arch, quantization=_quantization(reader), context_length=context,

@@ -27,6 +27,7 @@ class ModelSet:
         self.draining: dict[str, Any] = {}  # name -> EngineWorker, unannounced, finishing what runs there
         self.retired: set[str] = set()  # unloaded: a late generation of these is sent elsewhere, not to the primary
         self.where: dict[str, Any] = {}  # gen_id -> the deployed engine running it
+        self.retiring_adapters: set[str] = set()  # registry adapters being unloaded: no longer announced
 
     # -- what the node serves ------------------------------------------------------------------------------------
 
@@ -42,13 +43,30 @@ class ModelSet:
         # `--transcribe`: served beside the text model by the same worker (or alone, when it is the worker's model)
         if own.get("speech_model") and own["speech_model"] != rows[0]["name"]:
             rows.append({"name": own["speech_model"], "context_window": own.get("context_window", 0), "lanes": 0})
-        # `--lora`: each adapter is also served as MODEL:ADAPTER, so a plain OpenAI client picks it by model name
-        rows += [{"name": f"{rows[0]['name']}:{key[5:]}", "context_window": own.get("context_window", 0), "lanes": 0}
-                 for key, on in sorted((own.get("capabilities") or {}).items()) if key.startswith("lora:") and on]
+        rows += self._adapter_rows(rows[0]["name"], own)
         for name, engine in self.serving.items():
             info = engine.info()
             rows.append({"name": name, "context_window": info["context_window"], "lanes": info["lanes"]})
+            rows += self._adapter_rows(name, info)
         return rows
+
+    def _adapter_rows(self, base: str, info: dict[str, Any]) -> list[dict[str, Any]]:
+        """Each LoRA adapter of an engine (`--lora`, or loaded for the registry) is also served as BASE:ADAPTER, so a
+        plain OpenAI client picks it by model name; one being unloaded is no longer announced."""
+        return [{"name": f"{base}:{name}", "context_window": info.get("context_window", 0), "lanes": 0}
+                for name in _adapters(info) if name not in self.retiring_adapters]
+
+    def capabilities(self) -> dict[str, Any]:
+        """The primary's capabilities, with every engine's adapters (`lora:NAME`) but those being unloaded."""
+        own = self.primary.info().get("capabilities") or {}
+        caps = {k: v for k, v in own.items() if not k.startswith("lora:")}
+        for info in (self.primary.info(), *(engine.info() for engine in self.serving.values())):
+            caps.update({f"lora:{name}": True for name in _adapters(info) if name not in self.retiring_adapters})
+        return caps
+
+    def engine_of(self, name: str) -> Any:
+        """The engine serving model `name` (the primary or a deployed one), or None."""
+        return self.primary if name == self.primary_name else self.serving.get(name)
 
     def add(self, name: str, engine: Any) -> None:
         self.retired.discard(name)
@@ -77,7 +95,8 @@ class ModelSet:
 
     def info(self) -> dict[str, Any]:
         models = self.models()
-        return {**self.primary.info(), "models": models, "lanes": sum(m["lanes"] for m in models)}
+        return {**self.primary.info(), "models": models, "lanes": sum(m["lanes"] for m in models),
+                "capabilities": self.capabilities()}
 
     @property
     def alive(self) -> bool:
@@ -92,8 +111,9 @@ class ModelSet:
         return stats
 
     async def submit(self, spec: GenerateSpec) -> None:
-        engine = self.serving.get(spec.model) or self.draining.get(spec.model)
-        if engine is None and spec.model in self.retired:
+        base = spec.model.partition(":")[0]  # BASE:ADAPTER runs on BASE's engine
+        engine = self.serving.get(base) or self.draining.get(base)
+        if engine is None and base in self.retired:
             self.forward(error_event(spec.gen_id, ErrorCode.ENGINE_UNAVAILABLE, f"this node unloaded {spec.model!r}; "
                                      "place it on a node serving it", retryable=True))
             return
@@ -112,3 +132,7 @@ class ModelSet:
     async def stop(self) -> None:
         for engine in (*self.serving.values(), *self.draining.values(), self.primary):
             await engine.stop()
+
+
+def _adapters(info: dict[str, Any]) -> list[str]:
+    return [key[5:] for key, on in sorted((info.get("capabilities") or {}).items()) if key.startswith("lora:") and on]

@@ -17,6 +17,7 @@ class ErrorCode(StrEnum):
     ENGINE_UNAVAILABLE = "engine_unavailable"  # the engine worker is restarting; place it elsewhere
     ENGINE_FAILED = "engine_failed"  # llama.cpp refused a step; the lanes in it were reset
     UNKNOWN_OP = "unknown_op"  # a state operation this engine does not have
+    ADAPTER_IN_USE = "adapter_in_use"  # a LoRA adapter a queued or running generation uses is not unloaded yet
     MEDIA_UNAVAILABLE = "media_unavailable"  # the node could not fetch a generation's media blob from the head
     NODE_LOST = "node_lost"  # the head's own: the node's link was lost, or a token batch on its way
 

@@ -135,7 +135,7 @@ class Cancel(Message):
 
 @dataclass(slots=True)
 class StateOp(Message):
-    """head -> node: embed, tokenize, lora_load, lora_unload or capabilities."""
+    """head -> node: embed, tokenize or capabilities."""
 
     TYPE: ClassVar[MessageType] = MessageType.STATE_OP
     op_id: str
@@ -265,11 +265,13 @@ class Deploy(Message):
     """head -> node: every registry model the operator's deployments put on this node, whole each time (sent after
     Registered and whenever a deployment changes). The node loads each one it lacks in an engine worker of its own,
     pulling it first, and unloads a model it loaded for a deployment that is no longer listed (after draining it).
-    Its own `--model` is never unloaded.
+    Its own `--model` is never unloaded. `adapters` lists the registry's LoRA adapters by base model: every model of
+    those names the node serves (its own `--model` too) loads them, and unloads one no longer listed.
     """
 
     TYPE: ClassVar[MessageType] = MessageType.DEPLOY
     models: list[dict[str, Any]]  # [{"name": str, "sha256": str, "lanes": int, "context": int (0: sized)}]
+    adapters: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # base -> [{"name", "sha256"}]
 
 
 @dataclass(slots=True)
@@ -281,6 +283,7 @@ class Models(Message):
     models: list[dict[str, Any]]  # [{"name": str, "context_window": int, "lanes": int}]
     lanes: int
     context_window: int
+    capabilities: dict[str, Any] = field(default_factory=dict)  # when adapters changed: the node's capabilities now
 
 
 @dataclass(slots=True)

@@ -151,12 +151,15 @@ class PlacementState:
             if cache_cleared:
                 self._forget_node_locked(slot.node_id, set(warm))
 
-    def node_models(self, node_id: str, models: list[str], lanes: int) -> None:
-        """A node loaded or unloaded a model: it serves these from now on, with this many lanes (running ones stay)."""
+    def node_models(self, node_id: str, models: list[str], lanes: int, capabilities: list[str] | None = None) -> None:
+        """A node loaded or unloaded a model (or an adapter: then its capabilities changed too): it serves these from
+        now on, with this many lanes (running ones stay)."""
         with self._lock:
             slot = self._nodes.get(node_id)
             if slot is not None:
                 slot.models, slot.lanes = list(models), lanes
+                if capabilities is not None:
+                    slot.capabilities = list(capabilities)
 
     def node_tokenizers(self, node_id: str, tokenizers: dict[str, str]) -> None:
         """The tokenizer of each model the node serves (its fingerprint), as it reported them."""

@@ -369,14 +369,14 @@ class LlamaEngine(LaneEngine):
                     "model": self.info()["model_name"]}
         if op == "capabilities":
             return self.info()["capabilities"]
-        if op in ("adapter_load", "adapter_unload"):
+        if op in ("lora_load", "lora_unload"):
             return self._adapter_op(op, args)
         raise StateOpError(ErrorCode.UNKNOWN_OP, f"this engine has no state operation {op!r}")
 
     def _adapter_op(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         """A deployment's LoRA adapter loaded or unloaded while serving; answers the capabilities after it."""
         try:
-            if op == "adapter_load":
+            if op == "lora_load":
                 self.load_adapter(str(args.get("name", "")), str(args.get("path", "")))
             else:
                 self.unload_adapter(str(args.get("name", "")))

@@ -145,6 +145,19 @@ class EngineWorker:
             raise StateOpError(result["code"], result["message"])
         return result
 
+    async def adapter(self, name: str, path: str | None) -> None:
+        """Load (`path`) or unload (None) a LoRA adapter while serving; a restarted worker loads it again. Raises
+        StateOpError (an unload refused while a generation uses it, a file llama.cpp refuses)."""
+        op, args = ("lora_load", {"name": name, "path": path}) if path else ("lora_unload", {"name": name})
+        result = await self.state_op(op, args)
+        if path:
+            self.config.adapters[name] = path
+        else:
+            self.config.adapters.pop(name, None)
+        kept = {k: v for k, v in (self._info.get("capabilities") or {}).items() if not k.startswith("lora:")}
+        lora = {k: v for k, v in result.get("capabilities", {}).items() if k.startswith("lora:")}
+        self._info = {**self._info, "capabilities": {**kept, **lora}}
+
     async def stop(self, timeout: float = 10.0) -> None:
         """Stop the worker (no restart); running generations get an `engine_unavailable` error."""
         self._stopping = True
