@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from nodes.link.prefix import prefix_keys
 from nodes.registry import blob_path
 from tests.api_support import FakeLink, Script, add_fake_node, request
 from tests.vision_projector import png
@@ -179,3 +180,17 @@ async def test_a_remote_url_that_redirects_is_not_followed(bearer, fake_node, im
     settings.FLEET_MEDIA_REMOTE_URLS = {"127.0.0.1"}
     error = await error_of(bearer, chat(f"{image_server}/moved"))
     assert error["code"] == "image_fetch_failed" and "redirected" in error["message"]
+
+
+def test_placement_keys_tell_images_apart_and_match_the_same_image():
+    def keys(sha256: str | None) -> list[str]:
+        content = [{"type": "text", "text": "What is it?"}]
+        if sha256:
+            content.append({"type": "image", "image": {"sha256": sha256, "size": 1}})
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]
+        return [k.key for k in prefix_keys(space="smollm2", tokenize=lambda text: list(text.encode()), messages=chat)]
+
+    cat, dog, text = keys("a" * 64), keys("b" * 64), keys(None)
+    assert keys("a" * 64) == cat
+    assert cat[0] == dog[0] == text[0]  # the system message before the images is shared
+    assert cat[-1] != dog[-1] and cat[-1] != text[-1]

@@ -53,6 +53,14 @@ def _message_text(message: dict[str, Any]) -> str:
     return f"{message.get('role', '')}\x1e{content.strip()}\x1e{message.get('tool_calls') or ''}"
 
 
+def _image_hashes(message: dict[str, Any]) -> bytes:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return b""
+    return b"".join(b"\x1d" + str((part.get("image") or {}).get("sha256", "")).encode()
+                    for part in content if isinstance(part, dict) and part.get("type") == "image")
+
+
 def prefix_keys(*, space: str, tokenize: Tokenize, prompt: str | None = None,
                 messages: list[dict] | None = None) -> list[PrefixKey]:
     """The chain of keys for a prompt or a chat, in order. `space`: what the keys are scoped by (the model, its
@@ -64,8 +72,12 @@ def prefix_keys(*, space: str, tokenize: Tokenize, prompt: str | None = None,
     key, tokens = root, 0
     for message in messages or []:
         ids = tokenize(_message_text(message))
-        keys.extend(_blocks(ids, key, tokens))  # a long message's blocks: a shared head of it still matches
-        key = _chain(key, b"\x1e" + _ids(ids))
+        # A message's images (by hash) key it too, so a chat with another image never matches; their tokens are the
+        # projector's, unknown here, so the counts cover the text alone.
+        images = _image_hashes(message)
+        start = _chain(key, images) if images else key
+        keys.extend(_blocks(ids, start, tokens))  # a long message's blocks: a shared head of it still matches
+        key = _chain(start, b"\x1e" + _ids(ids))
         tokens += len(ids)
         keys.append(PrefixKey(key, tokens))
     return keys
