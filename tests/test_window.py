@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from nodes.agent import window as window_module
 from nodes.agent.engine.local import bundled_model_path
 from nodes.agent.gguf_info import read_gguf
 from nodes.agent.window import WindowError, mem_available, size_window
@@ -43,3 +46,46 @@ def test_free_memory_is_the_kernels_mem_available():
     with open("/proc/meminfo") as meminfo:
         line = next(x for x in meminfo if x.startswith("MemAvailable:"))
     assert abs(mem_available() - int(line.split()[1]) * 1024) < 256 * 2**20  # read a moment apart
+
+
+@pytest.fixture
+def fake_nvidia_smi(tmp_path, monkeypatch):
+    """An `nvidia-smi` on PATH that reports two GPUs with 6,000 and 10,000 MiB free, as the real one's query does."""
+    exe = tmp_path / "nvidia-smi"
+    exe.write_text('#!/bin/sh\n[ "$1" = "--query-gpu=index,memory.free" ] || exit 9\nprintf "0, 6000\\n1, 10000\\n"\n')
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return exe
+
+
+def test_on_a_gpu_the_window_is_sized_from_the_visible_gpus_free_vram(fake_nvidia_smi, monkeypatch):
+    monkeypatch.setattr(window_module, "_gpu_offload", lambda: True)
+    assert window_module.device_memory() == (16000 << 20, "VRAM")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    available, memory = window_module.device_memory()
+    assert (available, memory) == (10000 << 20, "VRAM")
+    sized = size_window(kv_bytes_per_token=INFO.kv_bytes_per_token, trained=INFO.context_length, lanes=4,
+                        model_bytes=INFO.size, available=available, memory=memory)
+    assert "10.5 GB of VRAM available" in sized.why
+
+
+def test_without_gpu_offload_the_ram_is_the_device_memory_even_with_a_gpu_present(fake_nvidia_smi, monkeypatch):
+    monkeypatch.setattr(window_module, "_gpu_offload", lambda: False)  # a CPU build of llama.cpp never uses the GPU
+    assert window_module.device_memory()[1] == "RAM"
+    monkeypatch.setattr(window_module, "_gpu_offload", lambda: True)
+    monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi: RAM, never a guess
+    assert window_module.device_memory()[1] == "RAM"
+
+
+def test_node_join_and_deployments_size_from_the_device_memory(monkeypatch):
+    import nodes.agent.deploy as deploy
+    import nodes.agent.main as main
+
+    for module in (main, deploy):
+        monkeypatch.setattr(module, "device_memory", lambda: (INFO.size + GB // 2, "VRAM"))
+    sized = main.device_window(bundled_model_path(), main.NodeOptions(head=None, model="smollm2", max_batch=4))
+    assert sized.tokens == 4096 and "of VRAM available" in sized.why
+    with pytest.raises(deploy.DeployRefused, match="of VRAM available"):
+        deploy.deployed_window(bundled_model_path(), lanes=4, context=8192, available=INFO.size + GB // 2,
+                               memory="VRAM")

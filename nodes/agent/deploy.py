@@ -1,10 +1,10 @@
 """The node's side of deployments: load what the head's `deploy` lists, each model in an engine worker of its own.
 
 A model the node lacks is pulled first (nodes.agent.pull, through the same grant as `node_join --model NAME`). It is
-loaded only when the RAM available holds its weights and its lanes' KV cache (the same rule as the window sizing in
-nodes.agent.window); else it fails with the figures. The node serves what it served meanwhile, and announces the new
-model (`models`) once its worker is ready. A model no longer listed is unannounced first, then drained (what runs
-there finishes), then its worker stops. Each step goes to the head as a `model_state`.
+loaded only when the memory available (VRAM on a GPU, else RAM) holds its weights and its lanes' KV cache (the same
+rule as the window sizing in nodes.agent.window); else it fails with the figures. The node serves what it served
+meanwhile, and announces the new model (`models`) once its worker is ready. A model no longer listed is unannounced
+first, then drained (what runs there finishes), then its worker stops. Each step goes to the head as a `model_state`.
 
 The registry's LoRA adapters come in the same message, by base model: each model of those names the node serves loads
 them in its worker while it serves (pulled first, like a model), announcing BASE:ADAPTER and `lora:ADAPTER`; an
@@ -23,7 +23,7 @@ from typing import Any
 from nodes.agent.engine.base import EngineConfig, StateOpError
 from nodes.agent.gguf_info import GgufError, read_gguf
 from nodes.agent.model_set import ModelSet
-from nodes.agent.window import WindowError, mem_available, size_window
+from nodes.agent.window import WindowError, device_memory, size_window
 from nodes.link.codes import ErrorCode, ModelPhase
 from nodes.link.messages import Deploy, Models, ModelState
 
@@ -38,16 +38,16 @@ class DeployRefused(Exception):
     """This node cannot serve the model (not on the node and not pullable, or no room for it); says why."""
 
 
-def deployed_window(path: Path, *, lanes: int, context: int, available: int) -> int:
+def deployed_window(path: Path, *, lanes: int, context: int, available: int, memory: str = "RAM") -> int:
     """The context window a lane of `path` gets on this device (`context`, or sized when 0); DeployRefused with the
-    figures when its weights and KV cache do not fit in the RAM available."""
+    figures when its weights and KV cache do not fit in the memory available (`memory`: RAM or VRAM)."""
     try:
         info = read_gguf(path)
     except (GgufError, OSError) as exc:
         raise DeployRefused(f"the model file is refused: {exc}") from None
     try:
         window = size_window(kv_bytes_per_token=info.kv_bytes_per_token, trained=context or info.context_length,
-                             lanes=lanes, model_bytes=info.size, available=available)
+                             lanes=lanes, model_bytes=info.size, available=available, memory=memory)
     except WindowError as exc:
         raise DeployRefused(f"not enough memory: {exc}") from None
     if context and window.tokens < context:
@@ -190,8 +190,9 @@ class Deployer:
             path = await self.fetch(name, self._progress(name))
             self.report(name, ModelPhase.LOADING)
             lanes, context = int(spec.get("lanes") or 1), int(spec.get("context") or 0)
+            available, memory = await asyncio.to_thread(device_memory)
             window = await asyncio.to_thread(deployed_window, path, lanes=lanes, context=context,
-                                             available=mem_available())
+                                             available=available, memory=memory)
             worker = self.make_worker(EngineConfig(model_path=str(path), model_name=name, lanes=lanes,
                                                    max_context=window, batch_invariant=self.batch_invariant))
             info = await worker.start()

@@ -19,7 +19,7 @@ from nodes.agent.gguf_info import GgufError, read_gguf
 from nodes.agent.model_set import ModelSet
 from nodes.agent.models import ModelNotFound, is_registry_name, resolve_model, resolve_speech_model
 from nodes.agent.replicas import ReplicaConfigError, ReplicaSet, cpu_groups, gpu_groups
-from nodes.agent.window import Window, WindowError, mem_available, size_window
+from nodes.agent.window import Window, WindowError, device_memory, size_window
 from nodes.link import logs
 from nodes.link.handshake import BadToken, parse_token
 from nodes.link.messages import PullGrant
@@ -122,15 +122,16 @@ def engine_configs(options: NodeOptions, pulled: Path | None = None) -> tuple[li
 
 
 def device_window(path: Path, options: NodeOptions) -> Window:
-    """Each lane's window from the model's KV bytes a token and the RAM free on this device (nodes.agent.window)."""
+    """Each lane's window from the model's KV bytes a token and the memory free on this device (nodes.agent.window)."""
     try:
         info = read_gguf(path)
     except (GgufError, OSError) as exc:
         raise NodeError(f"the model file {str(path)!r} is refused: {exc}") from None
     try:
+        available, memory = device_memory()
         return size_window(kv_bytes_per_token=info.kv_bytes_per_token, trained=info.context_length,
-                           lanes=options.max_batch, model_bytes=info.size, available=mem_available(),
-                           workers=options.replicas)
+                           lanes=options.max_batch, model_bytes=info.size, available=available,
+                           workers=options.replicas, memory=memory)
     except WindowError as exc:
         raise NodeError(f"{exc}, or pin the window with --max-context") from None
 

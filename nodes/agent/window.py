@@ -1,13 +1,17 @@
 """A lane's context window sized for the device when `node_join --max-context` is not given.
 
-The memory free for the KV cache is the RAM the kernel says is available (MemAvailable) less what the model's weights
-will take (its file size, once per engine worker), of which KV_SHARE is given to the cache (the rest stays for
+The memory free for the KV cache is the device's: the free VRAM of the visible GPUs when this llama.cpp offloads to
+a GPU and `nvidia-smi` reports one, else the RAM the kernel says is available (MemAvailable); less what the model's
+weights will take (its file size, once per engine worker), of which KV_SHARE is given to the cache (the rest stays for
 llama.cpp's compute buffers and the system). That over the KV bytes of one token (from the GGUF's metadata) and the
 lanes is each lane's window, clamped to the context the model was trained for and rounded down to STEP tokens.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,16 +39,54 @@ def mem_available() -> int:
     raise WindowError(f"{MEMINFO} has no MemAvailable line; give the window with --max-context")
 
 
+def device_memory() -> tuple[int, str]:
+    """(bytes free for weights and KV, which memory that is): the visible GPUs' free VRAM where llama.cpp offloads
+    to a GPU, else the RAM available."""
+    if _gpu_offload() and (free := vram_free()):
+        return free, "VRAM"
+    return mem_available(), "RAM"
+
+
+def _gpu_offload() -> bool:
+    try:
+        import llama_cpp
+
+        return bool(llama_cpp.llama_supports_gpu_offload())
+    except (ImportError, OSError, AttributeError):
+        return False
+
+
+def vram_free() -> int:
+    """Free bytes over the GPUs CUDA_VISIBLE_DEVICES leaves visible (llama.cpp splits layers over all of them), as
+    `nvidia-smi` reports them; 0 when it is missing or fails."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return 0
+    try:
+        out = subprocess.run([exe, "--query-gpu=index,memory.free", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    wanted = {v.strip() for v in visible.split(",")} if visible else None
+    free_mib = 0
+    for line in out.splitlines():
+        index, _, mib = line.partition(",")
+        if mib.strip().isdigit() and (wanted is None or index.strip() in wanted):
+            free_mib += int(mib)
+    return free_mib << 20
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
 def size_window(*, kv_bytes_per_token: int, trained: int, lanes: int, model_bytes: int, available: int,
-                workers: int = 1) -> Window:
+                workers: int = 1, memory: str = "RAM") -> Window:
     """Each lane's window on a device with `available` bytes free, for `workers` engine workers of `lanes` lanes."""
     free = (available - workers * model_bytes) * KV_SHARE / workers
     fits = int(free // (kv_bytes_per_token * lanes)) if free > 0 else 0
-    figures = (f"{_gb(available)} of RAM available, less {_gb(model_bytes)} of weights"
+    figures = (f"{_gb(available)} of {memory} available, less {_gb(model_bytes)} of weights"
                f"{f' per worker x {workers}' if workers > 1 else ''}, {int(KV_SHARE * 100)}% of the rest for KV at "
                f"{kv_bytes_per_token:,} bytes a token over {lanes} lanes: {fits:,} tokens a lane")
     if fits < MIN_WINDOW:
