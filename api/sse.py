@@ -45,17 +45,17 @@ class SSEBody:
     its own cleanup never runs, and the node would keep decoding for nobody.
     """
 
-    def __init__(self, run: Run, first: Any):
+    def __init__(self, run: Run, first: Any, shape: Any = None):
         self.run = run
         self.started = False
-        self.body = self._body(first)
+        self.body = self._body(first, shape)
         pending = _bodies.get()
         if pending is not None:
             pending.append(self)
 
-    async def _body(self, first: Any):
+    async def _body(self, first: Any, shape: Any):
         self.started = True
-        async for chunk in sse_body(self.run, first):
+        async for chunk in sse_body(self.run, first, shape):
             yield chunk
 
     def __aiter__(self):
@@ -83,8 +83,10 @@ def sse_guard(app):
     return guarded
 
 
-def sse_response(run: Run, first: Any) -> StreamingHttpResponse:
-    response = StreamingHttpResponse(SSEBody(run, first), content_type="text/event-stream; charset=utf-8")
+def sse_response(run: Run, first: Any, shape: Any = None) -> StreamingHttpResponse:
+    """The stream of `run` from event `first` on; `shape` turns events into chunks (the run's completion or chat shape
+    unless given: a transcription has its own)."""
+    response = StreamingHttpResponse(SSEBody(run, first, shape), content_type="text/event-stream; charset=utf-8")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     response["X-Fleet-Generation"] = run.request.gen_id
@@ -93,8 +95,8 @@ def sse_response(run: Run, first: Any) -> StreamingHttpResponse:
     return response
 
 
-async def sse_body(run: Run, first: Any):
-    shape = shape_for(run)
+async def sse_body(run: Run, first: Any, shape: Any = None):
+    shape = shape or shape_for(run)
     event = first
     try:
         for chunk in shape.opening_chunks():

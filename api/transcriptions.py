@@ -17,14 +17,14 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from api.audio import AUDIO_FORMATS, RESPONSE_FORMATS, audio_format, subtitles, verbose
 from api.errors import OpenAIError, invalid
 from api.generation import Run
 from api.specs import GenerationRequest
-from api.sse import DONE, sse_event
-from fleet.dispatch import Finished, Tokens
+from api.sse import first_event, sse_response
+from fleet.dispatch import Tokens
 from nodes.link.spec import GenerateSpec
 from nodes.registry import media_put, media_ref
 
@@ -111,9 +111,8 @@ async def serve_transcription(request: HttpRequest) -> HttpResponse:
     run = Run(gen, request.quota)
     segments: list[dict[str, Any]] = []
     try:
-        first = await _next(run, segments)
         if gen.stream:
-            return _stream_response(run, first, segments)
+            return sse_response(run, await first_event(run), TranscriptShape(run))
         while await _next(run, segments) is not None:
             pass
     except asyncio.CancelledError:
@@ -151,30 +150,20 @@ def _answer(run: Run, transcript: Transcript, options: dict[str, Any]) -> HttpRe
     return response
 
 
-def _stream_response(run: Run, first: Any, segments: list[dict[str, Any]]) -> StreamingHttpResponse:
-    response = StreamingHttpResponse(_events(run, first, segments), content_type="text/event-stream; charset=utf-8")
-    response["Cache-Control"] = "no-cache"
-    response["X-Accel-Buffering"] = "no"
-    response["X-Fleet-Generation"] = run.request.gen_id
-    response["X-Fleet-Node"] = run.node
-    return response
+class TranscriptShape:
+    """A streamed transcription's events for api.sse: `transcript.text.delta` a segment as it arrives, then
+    `transcript.text.done` with the whole text and its usage (keep-alives, errors and `[DONE]` as for chat)."""
 
+    def __init__(self, run: Run) -> None:
+        self.run = run
 
-async def _events(run: Run, event: Any, segments: list[dict[str, Any]]):
-    """`transcript.text.delta` a segment, then `transcript.text.done` with the whole text; an error event if the
-    transcription fails after the headers went out."""
-    try:
-        while event is not None:
-            if isinstance(event, Tokens):
-                yield sse_event({"type": "transcript.text.delta", "delta": event.text})
-            elif isinstance(event, Finished):
-                duration = float(event.timings.get("audio_s", 0.0))
-                yield sse_event({"type": "transcript.text.done", "text": run.text.strip(),
-                                 "usage": Transcript(run.text, segments, duration, "").usage()})
-            event = await _next(run, segments)
-    except OpenAIError as exc:
-        yield sse_event(exc.body())
-    except (asyncio.CancelledError, GeneratorExit):
-        await run.abandon()
-        raise
-    yield DONE
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def token_chunks(self, event: Tokens) -> list[dict[str, Any]]:
+        return [{"type": "transcript.text.delta", "delta": event.text}]
+
+    def closing_chunks(self) -> list[dict[str, Any]]:
+        duration = float((self.run.finished.timings if self.run.finished else {}).get("audio_s", 0.0))
+        return [{"type": "transcript.text.done", "text": self.run.text.strip(),
+                 "usage": Transcript(self.run.text, [], duration, "").usage()}]

@@ -129,3 +129,17 @@ def test_the_playground_s_staff_session_may_transcribe_with_its_csrf_token_and_n
     token = client.get("/admin/playground/").context["csrf_token"]
     answer = session_post(client, wav_bytes, X_CSRFToken=str(token))
     assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found"  # past the session check
+
+
+async def test_a_streamed_transcription_keeps_the_connection_alive_until_its_first_segment(bearer, wav_bytes,
+                                                                                           monkeypatch):
+    monkeypatch.setattr("api.sse.HEADER_WAIT_S", 0.05)
+    monkeypatch.setattr("api.sse.KEEPALIVE_S", 0.05)
+    add_fake_node(FakeLink(script=Script(tokens=[" Hi", " there"], per_batch=1, start_delay=0.3)),
+                  model="whisper-tiny.en", capabilities=SPEECH)
+    answer = await transcribe(bearer, wav_bytes, stream="true")
+    body = b"".join(answer.chunks).decode()
+    assert answer.status == 200 and answer.headers["content-type"].startswith("text/event-stream")
+    assert body.index(": keep-alive") < body.index("transcript.text.delta")  # a long file's first segment takes time
+    assert body.count('"type":"transcript.text.delta"') == 2 and '"text":"Hi there"' in body
+    assert body.rstrip().endswith("data: [DONE]")
