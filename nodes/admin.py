@@ -11,6 +11,7 @@ from nodes.deployments import (
     deployment_delete,
     deployment_states,
     deployment_update,
+    model_node_states,
 )
 from nodes.models import Deployment, FleetToken, Model, Node, RevokedNodeKey
 from nodes.registry import model_delete
@@ -192,8 +193,8 @@ class ModelAdmin(admin.ModelAdmin):
     list_display = ("name", "base", "architecture", "quantization", "size_mb", "context_length", "kv_bytes_per_token",
                     "sha256_short", "created_at")
     search_fields = ("name", "sha256", "architecture")
-    readonly_fields = ("id", "name", "base", "sha256", "size", "architecture", "quantization", "context_length",
-                       "kv_bytes_per_token", "chat_template", "created_at", "updated_at")
+    readonly_fields = ("id", "name", "base", "on_nodes", "sha256", "size", "architecture", "quantization",
+                       "context_length", "kv_bytes_per_token", "chat_template", "created_at", "updated_at")
 
     def add_view(self, request, form_url="", extra_context=None):
         from django.conf import settings
@@ -212,6 +213,14 @@ class ModelAdmin(admin.ModelAdmin):
     def delete_queryset(self, request, queryset):
         for model in queryset:
             model_delete(model=model)
+
+    @admin.display(description="on nodes")
+    def on_nodes(self, model):
+        """Each node's state for it (a deployed model, or an adapter of a model nodes serve), as last reported."""
+        pairs = model_node_states(model=model)
+        if not pairs:
+            return "no node reported it"
+        return format_html_join("", "{}: {}<br>", ((p.node.identity, p.describe()) for p in pairs))
 
     @admin.display(description="size (MB)", ordering="size")
     def size_mb(self, model):

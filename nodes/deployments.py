@@ -161,6 +161,11 @@ def _tell_online_nodes() -> None:
     tell_nodes([str(pk) for pk in Node.objects.exclude(state=Node.State.OFFLINE).values_list("pk", flat=True)])
 
 
+def model_node_states(*, model: Model) -> list[NodeModel]:
+    """Every node's pair for a registry model or adapter, as the nodes last reported them."""
+    return list(NodeModel.objects.filter(model=model.name).select_related("node").order_by("node__identity"))
+
+
 def deployment_states(*, deployment: Deployment) -> list[NodeModel]:
     """Every node-model pair of the deployment's model and of its LoRA adapters, as the nodes last reported them."""
     names = [deployment.model.name, *deployment.model.adapters.values_list("name", flat=True)]

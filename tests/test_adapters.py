@@ -222,3 +222,14 @@ def test_a_deployment_shows_its_adapters_pairs_and_a_rejoining_node_keeps_them(h
         ("smol", "serving"), ("style", "serving")]
     deployments.node_models_forget(node_id=node.pk, keep=["smol", "smol:style"])  # it rejoined serving both
     assert NodeModel.objects.count() == 2
+
+
+@pytest.mark.django_db
+def test_the_admin_shows_an_adapter_with_its_base_and_each_nodes_state_for_it(home, adapter_file, client):
+    registry.model_add(path=MODEL, name="smol")
+    adapter = registry.model_add(path=adapter_file, name="style", base="smol")
+    node = NodeFactory(identity="gpu-1", models_served=["smol"])
+    deployments.node_model_record(node_id=node.pk, model="style", state="failed", detail="no room")
+    client.force_login(UserFactory(username="operator"))
+    page = client.get(f"/admin/nodes/model/{adapter.pk}/change/").content.decode()
+    assert "gpu-1: failed: no room" in page and ">smol<" in page
