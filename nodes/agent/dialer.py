@@ -287,7 +287,8 @@ class NodeAgent:
             self.outbox.put_nowait(Error(gen_id=msg.gen_id, code=ErrorCode.INVALID_REQUEST, message=str(exc)))
             return
         self.running.add(msg.gen_id)
-        if (spec.audio is not None or spec.images()) and (problem := await media_ready(self.media, self.head_url, spec)):
+        has_media = spec.audio is not None or bool(spec.images())
+        if has_media and (problem := await media_ready(self.media, self.head_url, spec)):
             self.running.discard(msg.gen_id)
             if self.outbox is not None:
                 self.outbox.put_nowait(Error(gen_id=msg.gen_id, code=ErrorCode.MEDIA_UNAVAILABLE, message=problem))
