@@ -35,9 +35,22 @@ def _integer(lo: int, hi: int, description: str = "") -> dict[str, Any]:
     return _opt({"type": "integer", "minimum": lo, "maximum": hi}, description)
 
 
-TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
-    "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}
+TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"type": "string", "enum": ["text", "input_text"]}, "text": {"type": "string"}}}
+TEXT_PARTS = {"type": "array", "items": TEXT_PART}
 CONTENT = {"oneOf": [{"type": "string"}, TEXT_PARTS]}
+IMAGE_PART = {"oneOf": [
+    {"type": "object", "required": ["type", "image_url"], "properties": {
+        "type": {"type": "string", "enum": ["image_url"]},
+        "image_url": {"type": "object", "required": ["url"], "properties": {
+            "url": {"type": "string", "description": "A base64 data URL (PNG, JPEG, GIF, BMP), or an http(s) URL "
+                                                     "when FLEET_MEDIA_REMOTE_URLS allows its host."},
+            "detail": {"type": "string"}}}}},
+    {"type": "object", "required": ["type", "image_url"], "properties": {
+        "type": {"type": "string", "enum": ["input_image"]}, "image_url": {"type": "string"}}},
+]}
+USER_CONTENT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"oneOf": [TEXT_PART, IMAGE_PART]}}],
+                "description": "Text, or text and image parts (images need a node with capability vision)."}
 
 
 TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
@@ -52,7 +65,8 @@ def _message(roles: list[str], required: list[str], **extra: Any) -> dict[str, A
 
 
 MESSAGE = {"oneOf": [
-    _message(["system", "developer", "user"], ["content"]),
+    _message(["system", "developer"], ["content"]),
+    _message(["user"], ["content"], content=USER_CONTENT),
     _message(["assistant"], [], content={**CONTENT, "nullable": True},
              tool_calls={"type": "array", "minItems": 1, "items": TOOL_CALL,
                          "description": "Calls the assistant made; content may then be null."}),
