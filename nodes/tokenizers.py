@@ -109,7 +109,12 @@ def registry_fingerprint(name: str) -> str:
     found = _registry_fingerprints.get(name)
     if found is None:
         model = Model.objects.filter(name=name).first()
-        found = _registry_fingerprints[name] = model_tokenizer(model) if model is not None else ""
+        try:
+            found = model_tokenizer(model) if model is not None else ""
+        except VocabError as exc:  # its blob is gone or unreadable: its prompts are keyed as its nodes report
+            log.warning("fleet cannot read the tokenizer of registry model %r: %s", name, exc)
+            found = ""
+        _registry_fingerprints[name] = found
     return found
 
 

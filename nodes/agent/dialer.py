@@ -186,6 +186,8 @@ class NodeAgent:
                 channel = await self._handshake(ws)
                 await ws.send(channel.seal(question))
                 answer = channel.open(await asyncio.wait_for(ws.recv(), 10))  # a Check is answered by the close
+                if isinstance(answer, Refusal):
+                    raise refused(answer)
                 if not isinstance(answer, PullGrant):
                     raise LinkError(f"expected pull_grant, got {type(answer).__name__}")
                 return head, answer
@@ -237,7 +239,7 @@ class NodeAgent:
         )))
         reply = channel.open(await asyncio.wait_for(ws.recv(), 15))
         if isinstance(reply, Refusal):
-            raise Refused(refusal(reply.code, reply.reason) or f"the head refused this node: {reply.reason}")
+            raise refused(reply)
         if not isinstance(reply, Registered):
             raise LinkError(f"expected registered, got {type(reply).__name__}")
         self.cache_cleared = False
@@ -278,6 +280,8 @@ class NodeAgent:
                 self.deployer.apply(msg)
             elif isinstance(msg, Bye):
                 return
+            elif isinstance(msg, Refusal):  # the head closes the link next (a revoked key or token)
+                raise refused(msg)
 
     async def _on_generate(self, msg: Generate) -> None:
         try:
@@ -319,6 +323,11 @@ class NodeAgent:
             due = time.monotonic() + self.heartbeat_s
             while time.monotonic() < due and self.engine.alive == ready:
                 await asyncio.sleep(READY_POLL_S)
+
+
+def refused(msg: Refusal) -> Refused:
+    """What the node exits with when the head refuses it: the close code's line, with the head's reason."""
+    return Refused(refusal(msg.code, msg.reason) or f"the head refused this node: {msg.reason}")
 
 
 def tokenizer_parts(model_path: str, fingerprint: str) -> list[TokenizerFile]:
