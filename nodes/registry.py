@@ -26,6 +26,7 @@ from django.db import IntegrityError, transaction
 
 from nodes.agent.gguf_info import GgufError, read_gguf
 from nodes.agent.pull import sha256_of
+from nodes.agent.vocab import tokenizer_fingerprint
 from nodes.link.messages import PullGrant
 from nodes.models import Model
 
@@ -125,7 +126,8 @@ def _store(staged: Path, sha256: str, name: str, base: str = "") -> Model:
             model = Model.objects.create(
                 name=name, sha256=sha256, size=info.size, architecture=info.architecture,
                 quantization=info.quantization, context_length=info.context_length,
-                kv_bytes_per_token=info.kv_bytes_per_token, chat_template=info.chat_template, base=base_model)
+                kv_bytes_per_token=info.kv_bytes_per_token, chat_template=info.chat_template, base=base_model,
+                tokenizer=tokenizer_fingerprint(target))
     except IntegrityError:
         raise RegistryError(f"a model named {name!r} was added meanwhile; pick another name") from None
     if base_model is not None:  # every node serving the base loads it

@@ -71,9 +71,13 @@ def register(**overrides):
 
 
 def test_the_head_computes_the_registry_models_fingerprint_as_the_node_does(registry_model):
+    from nodes.models import Model
     from nodes.tokenizers import model_tokenizer, tokenizer_path
 
-    assert registry_model.tokenizer == ""  # filled in the first time it is needed (rows from before it, too)
+    assert registry_model.tokenizer == tokenizer_fingerprint(BUNDLED)  # computed when the model is added
+    # A row from before the field is filled in the first time it is needed, with the tokenizer's file
+    Model.objects.filter(pk=registry_model.pk).update(tokenizer="")
+    registry_model.refresh_from_db()
     assert model_tokenizer(registry_model) == tokenizer_fingerprint(BUNDLED)
     registry_model.refresh_from_db()
     assert registry_model.tokenizer == tokenizer_fingerprint(BUNDLED)
