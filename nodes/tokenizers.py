@@ -33,7 +33,7 @@ FINGERPRINT_RE = re.compile(r"[0-9a-f]{64}")
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024  # a metadata-only GGUF: a 256k vocabulary is some 10 MB
 
 _lock = threading.Lock()
-_loaded: dict[str, Vocab] = {}
+_loaded: dict[str, Vocab] = {}  # by file path
 _registry_fingerprints: TTLCache = TTLCache(maxsize=1024, ttl=30)
 
 
@@ -51,7 +51,7 @@ def tokenizer_path(fingerprint: str) -> Path:
 
 def tokenizer_known(fingerprint: str) -> bool:
     """The head can tokenize with it: builtin, or its file is here."""
-    return fingerprint in BUILTINS or fingerprint in _loaded or tokenizer_path(fingerprint).exists()
+    return fingerprint in BUILTINS or tokenizer_path(fingerprint).exists()
 
 
 def tokenizer_store(fingerprint: str, data: bytes) -> Path:
@@ -122,14 +122,14 @@ def tokenizer_get(fingerprint: str) -> Builtin | Vocab:
     """The tokenizer with this fingerprint (loaded on its first tokenize); bytes when its file is not here."""
     if fingerprint in BUILTINS:
         return BUILTINS[fingerprint]
+    path = tokenizer_path(fingerprint)
     with _lock:
-        vocab = _loaded.get(fingerprint)
+        vocab = _loaded.get(str(path))
         if vocab is None:
-            path = tokenizer_path(fingerprint)
             if not path.exists():
                 log.warning("fleet has no tokenizer file %s; keying its prompts by bytes", fingerprint[:12])
                 return BUILTINS[BYTES]
-            vocab = _loaded[fingerprint] = Vocab(path, fingerprint)
+            vocab = _loaded[str(path)] = Vocab(path, fingerprint)
         return vocab
 
 
