@@ -32,6 +32,7 @@ import httpx  # noqa: E402
 from nodes.agent.engine.base import EngineConfig  # noqa: E402
 from nodes.agent.engine.worker import EngineWorker  # noqa: E402
 from nodes.agent.models import resolve_model  # noqa: E402
+from nodes.link.messages import Done, Error, TokenBatch  # noqa: E402
 from nodes.link.spec import GenerateSpec  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper and a storm."}]
@@ -85,14 +86,14 @@ async def direct(worker: EngineWorker, queue: asyncio.Queue, tokens: int) -> tup
     await worker.submit(spec)
     while True:
         event = await queue.get()
-        if event.get("gen_id") != spec.gen_id:
+        if event.gen_id != spec.gen_id:
             continue
-        if event["type"] == "tokens":
+        if isinstance(event, TokenBatch):
             now = time.perf_counter()
             first = first or now
             last = now
-            count += len(event["ids"])
-        elif event["type"] in {"done", "error"}:
+            count += len(event.ids)
+        elif isinstance(event, Done | Error):
             break
     # The head's client sees batches too; measure both from first to last batch the same way.
     return (first - start) * 1000, (count - 1) / max(last - first, 1e-9), count

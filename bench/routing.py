@@ -44,10 +44,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nodes.agent.engine.base import EngineConfig  # noqa: E402
+from nodes.agent.engine.base import (
+    EngineConfig,  # noqa: E402
+    Event,  # noqa: E402
+)
 from nodes.agent.engine.mock import MockEngine  # noqa: E402
 from nodes.agent.vocab import BUILTINS, MOCK  # noqa: E402
 from nodes.link.lifecycle import PlacementLifecycle, placement_keys  # noqa: E402
+from nodes.link.messages import Accepted, Done, TokenBatch  # noqa: E402
 from nodes.link.placement import NodeSlot, PlacementState  # noqa: E402
 from nodes.link.prefix import PrefixKey  # noqa: E402
 
@@ -174,7 +178,7 @@ class SimNode:
                 self.busy_s += time.perf_counter() - started
             if events:
                 # what the node's heartbeat would carry, read on its own thread when a generation ends
-                figures = engine.stats() if any(e["type"] == "done" for e in events) else None
+                figures = engine.stats() if any(isinstance(e, Done) for e in events) else None
                 self._deliver(self.index, events, time.perf_counter(), figures)
             if self._stopping and not engine.busy():
                 return
@@ -217,7 +221,7 @@ class Policy:
     def report(self) -> dict[str, Any]:
         return {}
 
-    def finished(self, node: int, gen: Generation, done: dict[str, Any]) -> None:
+    def finished(self, node: int, gen: Generation, done: Done) -> None:
         self.running[node] -= 1
 
 
@@ -257,15 +261,15 @@ class CacheAware(Policy):
         self.routed[node] += 1
         return node
 
-    def accepted(self, node: int, event: dict[str, Any]) -> None:
-        self.lifecycle.accepted(f"n{node}", event["evicted"])
+    def accepted(self, node: int, event: Accepted) -> None:
+        self.lifecycle.accepted(f"n{node}", event.evicted)
 
     def measured(self, node: int, figures: dict[str, Any]) -> None:
         self.lifecycle.measured(f"n{node}", figures)
 
-    def finished(self, node: int, gen: Generation, done: dict[str, Any]) -> None:
-        self.lifecycle.done(f"n{node}", gen.spec, gen.keys, answer=gen.text, usage=done["usage"],
-                            tokenizer=MOCK_TOKENIZER, evicted=done["evicted"])
+    def finished(self, node: int, gen: Generation, done: Done) -> None:
+        self.lifecycle.done(f"n{node}", gen.spec, gen.keys, answer=gen.text, usage=done.usage,
+                            tokenizer=MOCK_TOKENIZER, evicted=done.evicted)
         super().finished(node, gen, done)
 
     def report(self) -> dict[str, Any]:
@@ -337,28 +341,27 @@ class Head:
             self.tally.per_node[node] += 1
             self.nodes[node].inbox.put(gen.spec)
 
-    def _deliver(self, index: int, events: list[dict[str, Any]], at: float, figures: dict[str, Any] | None) -> None:
+    def _deliver(self, index: int, events: list[Event], at: float, figures: dict[str, Any] | None) -> None:
         self.loop.call_soon_threadsafe(self._on_events, index, events, at, figures)
 
-    def _on_events(self, index: int, events: list[dict[str, Any]], at: float, figures: dict[str, Any] | None) -> None:
+    def _on_events(self, index: int, events: list[Event], at: float, figures: dict[str, Any] | None) -> None:
         if figures is not None:
             self.policy.measured(index, figures)
         for event in events:
-            gen = self.gens[event["gen_id"]]
-            kind = event["type"]
-            if kind == "tokens":
+            gen = self.gens[event.gen_id]
+            if isinstance(event, TokenBatch):
                 gen.first_token = gen.first_token or at
-                gen.text += "".join(event["text"])
-                gen.completion_tokens += len(event["ids"])
-            elif kind == "accepted":
-                gen.prompt_tokens, gen.cached_tokens = event["prompt_tokens"], event["cached_tokens"]
+                gen.text += "".join(event.text)
+                gen.completion_tokens += len(event.ids)
+            elif isinstance(event, Accepted):
+                gen.prompt_tokens, gen.cached_tokens = event.prompt_tokens, event.cached_tokens
                 self.policy.accepted(gen.node, event)
-            elif kind == "done":
+            elif isinstance(event, Done):
                 self._on_done(gen, event)
             elif not gen.done.done():
-                gen.done.set_exception(RuntimeError(f"generation {event['gen_id']} failed on node {gen.node}: {event}"))
+                gen.done.set_exception(RuntimeError(f"generation {event.gen_id} failed on node {gen.node}: {event}"))
 
-    def _on_done(self, gen: Generation, event: dict[str, Any]) -> None:
+    def _on_done(self, gen: Generation, event: Done) -> None:
         self.policy.finished(gen.node, gen, event)
         del self.gens[gen.spec.gen_id]
         t = self.tally

@@ -33,11 +33,12 @@ PROMPT = "Tell me about lane {i} of the fleet, briefly."
 async def node_main(args) -> None:
     from nodes.agent.engine.base import EngineConfig
     from nodes.agent.engine.worker import EngineWorker
+    from nodes.link.messages import Done, Error, TokenBatch
     from nodes.link.spec import GenerateSpec
 
     queues: dict[str, asyncio.Queue] = {}
     worker = EngineWorker(EngineConfig(model_name="smollm2", lanes=args.lanes, mock={"decode_tps": args.tps}),
-                          on_event=lambda e: queues[e["gen_id"]].put_nowait(e) if e.get("gen_id") in queues else None)
+                          on_event=lambda e: queues[e.gen_id].put_nowait(e) if e.gen_id in queues else None)
     await worker.start()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -55,10 +56,10 @@ async def node_main(args) -> None:
         try:
             while True:
                 event = await queue.get()
-                if event["type"] == "tokens":
-                    writer.write(b"data: " + json.dumps({"text": "".join(event["text"])}).encode() + b"\n\n")
+                if isinstance(event, TokenBatch):
+                    writer.write(b"data: " + json.dumps({"text": "".join(event.text)}).encode() + b"\n\n")
                     await writer.drain()
-                elif event["type"] in ("done", "error"):
+                elif isinstance(event, Done | Error):
                     break
             writer.write(b"data: [DONE]\n\n")
             await writer.drain()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from nodes.agent.engine.base import EngineConfig
 from nodes.agent.engine.mock import MockEngine
+from nodes.link.messages import Done, Error, TokenBatch
 from nodes.link.spec import GenerateSpec
 
 if TYPE_CHECKING:
@@ -38,9 +39,9 @@ class Oracle:
                             messages=body.get("messages"), max_tokens=body["max_tokens"], seed=body["seed"],
                             temperature=body["temperature"])
         events = self.engine.submit(spec)
-        while not any(e["type"] in ("done", "error") for e in events):
+        while not any(isinstance(e, Done | Error) for e in events):
             events += self.engine.step()
-        return "".join(t for e in events if e["type"] == "tokens" for t in e["text"]).split()
+        return "".join(t for e in events if isinstance(e, TokenBatch) for t in e.text).split()
 
 
 def token_diff(expected: list[str], got: list[str]) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from nodes.agent.deploy import Deployer, DeployRefused, deployed_window
 from nodes.agent.engine.local import bundled_model_path
 from nodes.agent.model_set import ModelSet
 from nodes.link.codes import ModelPhase
-from nodes.link.messages import Deploy, Models, ModelState
+from nodes.link.messages import Deploy, Done, Models, ModelState
 from nodes.link.spec import GenerateSpec
 from nodes.models import Model, NodeModel
 from tests.factories import NodeFactory, UserFactory
@@ -161,7 +161,7 @@ async def _deploy_then_unload(monkeypatch) -> tuple[list, ModelSet, FakeWorker]:
     deployer.apply(Deploy(models=[]))
     await asyncio.sleep(0.2)
     assert not made[0].stopped  # g1 still runs there: drained first
-    models.on_event({"type": "done", "gen_id": "g1"})
+    models.on_event(Done(gen_id="g1", seq=1, finish_reason="stop", usage={}, timings={}))
     await deployer.tasks[NAME]
     return sent, models, made[0]
 

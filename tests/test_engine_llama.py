@@ -57,10 +57,10 @@ def test_chat_answer_streams_real_tokens(engine):
     assert out.error is None
     assert "Paris" in out.text
     assert out.finish_reason == "stop"
-    assert out.accepted["prompt_tokens"] == out.done["usage"]["prompt_tokens"] > 10
-    assert out.done["usage"]["completion_tokens"] == len(out.ids) == len(out.texts)
+    assert out.accepted.prompt_tokens == out.done.usage["prompt_tokens"] > 10
+    assert out.done.usage["completion_tokens"] == len(out.ids) == len(out.texts)
     assert engine.state_op("detokenize", {"tokens": out.ids})["text"] == out.text
-    timings = out.done["timings"]
+    timings = out.done.timings
     assert 0 < timings["prompt_ms"] <= timings["ttft_ms"] <= timings["total_ms"]
     assert engine.info()["capabilities"]["chat"] is True
 
@@ -87,7 +87,7 @@ def test_max_tokens_finishes_with_length(engine):
     out = one(engine, chat("len", "Tell me a long story about a dragon.", max_tokens=5))
 
     assert out.finish_reason == "length"
-    assert out.done["usage"]["completion_tokens"] == 5
+    assert out.done.usage["completion_tokens"] == 5
 
 
 def test_gbnf_grammar_constrains_the_answer(engine):
@@ -105,7 +105,7 @@ def test_a_grammar_with_no_way_forward_fails_that_generation_only(engine):
     out = run_local(engine, [stuck, chat("fine", "Say hello.", max_tokens=4)])
 
     assert out["stuck"].text == "yes"
-    assert out["stuck"].error["code"] == "invalid_grammar" and out["stuck"].done is None
+    assert out["stuck"].error.code == "invalid_grammar" and out["stuck"].done is None
     assert out["fine"].finish_reason == "length"
 
 
@@ -161,7 +161,7 @@ def test_a_default_engine_is_fast_and_refuses_a_request_for_batch_invariance(eng
     assert invariant_engine.info()["flash_attn"] == "off"
     assert invariant_engine.info()["capabilities"]["batch_invariant"] is True
     out = one(engine, chat("inv", "Hi", batch_invariant=True))
-    assert out.error["code"] == "invalid_request" and "--batch-invariant" in out.error["message"] and not out.ids
+    assert out.error.code == "invalid_request" and "--batch-invariant" in out.error.message and not out.ids
     served = one(invariant_engine, chat("inv2", "Hi", max_tokens=2, batch_invariant=True))
     assert served.error is None and len(served.ids) == 2
 
@@ -172,7 +172,7 @@ def test_concurrent_greedy_generations_match_the_same_prompts_run_alone(invarian
     alone = {f"a{i}": one(engine, chat(f"a{i}", q, max_tokens=24, ignore_eos=True)) for i, q in enumerate(questions)}
     together = run_local(engine, [chat(f"t{i}", q, max_tokens=24, ignore_eos=True) for i, q in enumerate(questions)])
 
-    assert len({o.accepted["lane"] for o in together.values()}) == 4
+    assert len({o.accepted.lane for o in together.values()}) == 4
     for i in range(len(questions)):
         assert together[f"t{i}"].finish_reason == "length"
         assert together[f"t{i}"].ids == alone[f"a{i}"].ids
@@ -184,11 +184,11 @@ def test_same_long_prompt_twice_reuses_the_prefix(engine):
     first = one(engine, GenerateSpec(gen_id="p1", messages=messages, max_tokens=4, temperature=0))
     second = one(engine, GenerateSpec(gen_id="p2", messages=messages, max_tokens=4, temperature=0))
 
-    prompt = first.done["usage"]["prompt_tokens"]
+    prompt = first.done.usage["prompt_tokens"]
     assert prompt > 300
-    assert first.done["usage"]["cached_tokens"] < prompt // 2
-    assert second.done["usage"]["cached_tokens"] == prompt - 1  # only the last token is read again
-    assert second.done["timings"]["prompt_ms"] < first.done["timings"]["prompt_ms"] / 3
+    assert first.done.usage["cached_tokens"] < prompt // 2
+    assert second.done.usage["cached_tokens"] == prompt - 1  # only the last token is read again
+    assert second.done.timings["prompt_ms"] < first.done.timings["prompt_ms"] / 3
     assert second.ids == first.ids
 
 
@@ -215,7 +215,7 @@ def test_a_shared_system_prompt_is_copied_from_a_busy_lane_and_both_answers_are_
         copier_alone = one(single, ask("copier-alone", "What is a node?"))
     finally:
         single.close()
-    assert donor_alone.accepted["cached_tokens"] == 0 and copier_alone.accepted["cached_tokens"] > 150
+    assert donor_alone.accepted.cached_tokens == 0 and copier_alone.accepted.cached_tokens > 150
 
     seen: dict[str, int] = {}
 
@@ -229,9 +229,9 @@ def test_a_shared_system_prompt_is_copied_from_a_busy_lane_and_both_answers_are_
     both = run_local(engine, [ask("donor", "What is a lane?")], on_step=submit_once_the_donor_generates)
 
     copier = both["copier"]
-    assert copier.accepted["lane"] != seen["lane"]
-    assert copier.accepted["cached_tokens"] == copier_alone.accepted["cached_tokens"]  # from the donor's lane
-    assert "donor" not in copier.accepted["evicted"]
+    assert copier.accepted.lane != seen["lane"]
+    assert copier.accepted.cached_tokens == copier_alone.accepted.cached_tokens  # from the donor's lane
+    assert "donor" not in copier.accepted.evicted
     assert engine.stats()["prefix_copies"] == seen["copies"] + 1
     assert len(both["donor"].ids) == len(copier.ids) == 24
     if engine.config.batch_invariant:
@@ -242,9 +242,9 @@ def test_a_shared_system_prompt_is_copied_from_a_busy_lane_and_both_answers_are_
 def test_prompt_longer_than_the_window_is_refused(engine):
     out = one(engine, GenerateSpec(gen_id="huge", prompt="hello " * 2 * WINDOW, max_tokens=4))
 
-    assert out.error["code"] == "context_length_exceeded"
-    assert str(WINDOW) in out.error["message"] and "tokens" in out.error["message"]
-    assert out.error["retryable"] is False and out.done is None
+    assert out.error.code == "context_length_exceeded"
+    assert str(WINDOW) in out.error.message and "tokens" in out.error.message
+    assert out.error.retryable is False and out.done is None
 
 
 def test_bad_input_gets_error_codes(engine):
@@ -257,10 +257,10 @@ def test_bad_input_gets_error_codes(engine):
             chat("bad-bias", "hi", logit_bias={10**9: 1.0}),
         ],
     )
-    assert out["bad-grammar"].error["code"] == "invalid_grammar"
-    assert out["bad-schema"].error["code"] == "invalid_grammar"
-    assert out["bad-penalty"].error["code"] == "invalid_request"
-    assert out["bad-bias"].error["code"] == "invalid_request"
+    assert out["bad-grammar"].error.code == "invalid_grammar"
+    assert out["bad-schema"].error.code == "invalid_grammar"
+    assert out["bad-penalty"].error.code == "invalid_request"
+    assert out["bad-bias"].error.code == "invalid_request"
 
 
 def test_cancel_stops_a_running_generation(engine):
@@ -289,7 +289,7 @@ def test_resume_text_continues_where_another_node_stopped(engine):
     resumed = one(engine, chat("resume", "Write a short poem about the sea.", max_tokens=14, resume_text=streamed))
 
     resume_tokens = len(engine.state_op("tokenize", {"text": streamed})["tokens"])
-    assert resumed.done["usage"]["prompt_tokens"] == base.done["usage"]["prompt_tokens"] + resume_tokens
+    assert resumed.done.usage["prompt_tokens"] == base.done.usage["prompt_tokens"] + resume_tokens
     assert streamed + resumed.text == base.text
 
 
@@ -320,7 +320,7 @@ def test_a_generation_resumed_from_its_token_ids_on_another_node_goes_on_token_f
     cut = len(base.ids) // 2
     resumed = one(other_node, chat("rest", question, max_tokens=len(base.ids) - cut,
                                    resume_text="".join(base.texts[:cut]), resume_ids=base.ids[:cut], **sampling))
-    assert resumed.accepted["cached_tokens"] == 0  # read from scratch, as on a node that never saw it
+    assert resumed.accepted.cached_tokens == 0  # read from scratch, as on a node that never saw it
     assert resumed.ids == base.ids[cut:]
     assert "".join(base.texts[:cut]) + resumed.text == base.text
 
@@ -337,7 +337,7 @@ def test_resume_text_advances_the_grammar(engine):
 
     assert json.loads('{"city": "' + out.text)["city"]
     wrong = one(engine, chat("rw", "Name a city.", grammar='root ::= "yes" | "no"', resume_text="maybe"))
-    assert wrong.error["code"] == "invalid_request"
+    assert wrong.error.code == "invalid_request"
 
 
 def test_seeded_sampling_repeats_and_penalties_run(engine):
@@ -356,7 +356,7 @@ def test_more_generations_than_lanes_queue_in_order(engine):
     out = run_local(engine, [chat(f"q{i}", f"Say the number {i}.", max_tokens=3, ignore_eos=True) for i in range(5)])
 
     assert all(o.finish_reason == "length" for o in out.values())
-    assert out["q4"].done["timings"]["ttft_ms"] > out["q0"].done["timings"]["ttft_ms"]
+    assert out["q4"].done.timings["ttft_ms"] > out["q0"].done.timings["ttft_ms"]
 
 
 def test_embeddings_and_tokenize(engine):
@@ -388,8 +388,8 @@ def test_park_saves_lanes_and_a_new_engine_starts_warm(tmp_path):
     warm = one(second, GenerateSpec(gen_id="warm", messages=messages, max_tokens=4, temperature=0))
     second.close()
 
-    assert cold.done["usage"]["cached_tokens"] == 0
-    assert warm.done["usage"]["cached_tokens"] == warm.done["usage"]["prompt_tokens"] - 1
+    assert cold.done.usage["cached_tokens"] == 0
+    assert warm.done.usage["cached_tokens"] == warm.done.usage["prompt_tokens"] - 1
     assert warm.ids == cold.ids
     # a cache parked under other context settings (flash attention) does not load (llama.cpp refuses the layout):
     # that engine starts cold rather than wrong
@@ -405,11 +405,11 @@ def test_the_heartbeat_carries_the_prefill_rate_and_decode_slowdown_the_engine_m
     engine.pace = Pace()  # measured afresh, whatever this module's earlier tests ran
     long_question = "Summarise the history of the bicycle in Europe, decade by decade, with dates. " * 12
     solo = run_local(engine, [chat("pace-solo", long_question, max_tokens=8, ignore_eos=True)])["pace-solo"]
-    read = solo.done["usage"]["prompt_tokens"] - solo.done["usage"]["cached_tokens"]
+    read = solo.done.usage["prompt_tokens"] - solo.done.usage["cached_tokens"]
     # the rate its heartbeat reports is the one its own timings show for reading that prompt
     assert read > 100
     assert heartbeat_of(engine.stats(), engine_ready=True).prefill_tps == pytest.approx(
-        read / solo.done["timings"]["prompt_ms"] * 1000, rel=0.25)
+        read / solo.done.timings["prompt_ms"] * 1000, rel=0.25)
 
     # decode steps with one lane and with four, taking turns (so another process busy on the machine for a while
     # slows both kinds alike)

@@ -6,12 +6,11 @@ import time
 
 import pytest
 
-from nodes.agent.dialer import _event_to_message
 from nodes.agent.engine import EngineConfig, create_engine
 from nodes.agent.engine.local import run_local
 from nodes.agent.engine.mock import MockEngine
 from nodes.agent.engine.runs import stop_cut
-from nodes.link.messages import decode, encode
+from nodes.link.messages import Accepted, decode, encode
 from nodes.link.spec import GenerateSpec
 
 LONG = " ".join(f"word{i}" for i in range(300))
@@ -34,16 +33,14 @@ def test_same_request_gives_the_same_text_and_other_prompts_differ():
     assert first.text == again.text
     assert first.text != other.text
     assert first.finish_reason == "length"
-    assert first.done["usage"]["completion_tokens"] == 12 == len(first.ids)
+    assert first.done.usage["completion_tokens"] == 12 == len(first.ids)
 
 
 def test_events_come_in_order_with_sequence_numbers_and_flush_batches():
     engine = create_engine(EngineConfig(lanes=1, flush_tokens=4, flush_ms=10_000, mock={"decode_tps": 2000}))
     outcome = run_local(engine, [GenerateSpec(gen_id="a", prompt="hello there", max_tokens=10)])["a"]
 
-    assert outcome.accepted == {
-        "type": "accepted", "gen_id": "a", "prompt_tokens": 2, "cached_tokens": 0, "lane": 0, "evicted": [],
-    }
+    assert outcome.accepted == Accepted(gen_id="a", prompt_tokens=2, cached_tokens=0, lane=0, evicted=[])
     assert outcome.seqs == [1, 2, 3, 4]  # 4 + 4 + 2 tokens, then done
     assert len(outcome.ids) == 10
 
@@ -53,9 +50,9 @@ def test_cached_tokens_follow_the_lane_prefix():
     run_local(engine, [GenerateSpec(gen_id="turn1", prompt=LONG, max_tokens=3)])
     second = run_local(engine, [GenerateSpec(gen_id="turn2", prompt=LONG + " and more words", max_tokens=3)])["turn2"]
 
-    assert second.accepted["cached_tokens"] == 300
-    assert second.done["usage"] == {"prompt_tokens": 303, "cached_tokens": 300, "completion_tokens": 3}
-    assert second.done["evicted"] == []
+    assert second.accepted.cached_tokens == 300
+    assert second.done.usage == {"prompt_tokens": 303, "cached_tokens": 300, "completion_tokens": 3}
+    assert second.done.evicted == []
 
 
 def test_a_replaced_prefix_is_reported_as_evicted():
@@ -63,23 +60,19 @@ def test_a_replaced_prefix_is_reported_as_evicted():
     run_local(engine, [GenerateSpec(gen_id="old", prompt="alpha beta gamma", max_tokens=2)])
     new = run_local(engine, [GenerateSpec(gen_id="new", prompt="alpha delta", max_tokens=2)])["new"]
 
-    assert new.accepted["cached_tokens"] == 1
+    assert new.accepted.cached_tokens == 1
     # Reported at admission, so the head forgets the old prefix a whole generation earlier; done repeats it.
-    assert new.accepted["evicted"] == ["old"]
-    assert new.done["evicted"] == ["old"]
+    assert new.accepted.evicted == ["old"]
+    assert new.done.evicted == ["old"]
 
 
 def test_the_accepted_message_forwards_the_evicted_generations_to_the_head():
-    from nodes.agent.dialer import _event_to_message
-    from nodes.link.messages import Accepted
-
     engine = mock(lanes=1)
     run_local(engine, [GenerateSpec(gen_id="old", prompt="alpha beta gamma", max_tokens=2)])
     new = run_local(engine, [GenerateSpec(gen_id="new", prompt="delta", max_tokens=2)])["new"]
 
-    msg = _event_to_message(new.accepted)
+    msg = decode(encode(new.accepted))  # the engine's event is the link message the head reads
     assert isinstance(msg, Accepted) and msg.evicted == ["old"] and msg.cached_tokens == 0
-    assert _event_to_message({"type": "accepted", "gen_id": "g", "prompt_tokens": 3}).evicted == []  # older engine
 
 
 def test_reading_the_same_prompt_again_evicts_nobody():
@@ -87,8 +80,8 @@ def test_reading_the_same_prompt_again_evicts_nobody():
     run_local(engine, [GenerateSpec(gen_id="first", prompt=LONG, max_tokens=2)])
     again = run_local(engine, [GenerateSpec(gen_id="again", prompt=LONG, max_tokens=2)])["again"]
 
-    assert again.accepted["cached_tokens"] == 299  # the last prompt token is read again for its logits
-    assert again.accepted["evicted"] == [] == again.done["evicted"]
+    assert again.accepted.cached_tokens == 299  # the last prompt token is read again for its logits
+    assert again.accepted.evicted == [] == again.done.evicted
 
 
 def chat_turn(engine: MockEngine, gen_id: str, messages: list[dict[str, str]], max_tokens: int = 20):
@@ -115,11 +108,11 @@ def test_two_conversations_alternating_on_two_lanes_each_keep_their_own_lane():
             if turn:
                 messages.append({"role": "user", "content": f"and more on {name} please, turn {turn}"})
             out = chat_turn(engine, f"{name}{turn}", messages)
-            lanes[name].add(out.accepted["lane"])
-            assert out.accepted["evicted"] == []
+            lanes[name].add(out.accepted.lane)
+            assert out.accepted.evicted == []
             if turn:
                 # All but the new question (and the "<|assistant|>" marker) comes from the lane's cache.
-                assert out.accepted["cached_tokens"] >= out.accepted["prompt_tokens"] - 12
+                assert out.accepted.cached_tokens >= out.accepted.prompt_tokens - 12
     assert lanes["a"] == {0} and lanes["b"] == {1}
 
 
@@ -129,12 +122,12 @@ def test_a_new_unrelated_prompt_takes_an_empty_lane_rather_than_a_warm_one():
     first = chat_turn(engine, "warm1", warm)
     other = chat_turn(engine, "other", chat("boats"))
 
-    assert other.accepted["lane"] != first.accepted["lane"]
-    assert other.accepted["cached_tokens"] == 0 and other.accepted["evicted"] == []
+    assert other.accepted.lane != first.accepted.lane
+    assert other.accepted.cached_tokens == 0 and other.accepted.evicted == []
     warm.append({"role": "user", "content": "go on"})
     again = chat_turn(engine, "warm2", warm)
-    assert again.accepted["lane"] == first.accepted["lane"]
-    assert again.accepted["cached_tokens"] > 60
+    assert again.accepted.lane == first.accepted.lane
+    assert again.accepted.cached_tokens > 60
 
 
 def test_with_no_empty_lane_the_least_valuable_then_least_recently_used_lane_is_evicted():
@@ -143,15 +136,15 @@ def test_with_no_empty_lane_the_least_valuable_then_least_recently_used_lane_is_
     chat_turn(engine, "newer", chat("boats"))
     # Both lanes hold caches of the same size: the least recently used one goes.
     out = chat_turn(engine, "third", chat("cars"))
-    assert out.accepted["evicted"] == ["older"]
-    assert out.accepted["cached_tokens"] == 1  # only "<|system|>" was shared
+    assert out.accepted.evicted == ["older"]
+    assert out.accepted.cached_tokens == 1  # only "<|system|>" was shared
 
     # A smaller cache is worth less than a bigger one, even when it was used more recently.
     engine = mock(lanes=2)
     chat_turn(engine, "big", chat("apples", words=200))
     chat_turn(engine, "small", chat("boats", words=20))
     out = chat_turn(engine, "third", chat("cars"))
-    assert out.accepted["evicted"] == ["small"]
+    assert out.accepted.evicted == ["small"]
 
 
 def test_a_shared_prefix_is_copied_into_an_empty_lane_and_nobody_is_evicted():
@@ -163,14 +156,14 @@ def test_a_shared_prefix_is_copied_into_an_empty_lane_and_nobody_is_evicted():
     # first conversation keeps its whole cache.
     other = chat_turn(engine, "other", [{"role": "system", "content": system}, {"role": "user", "content": "hi"}])
 
-    assert other.accepted["lane"] != first.accepted["lane"]
-    assert other.accepted["cached_tokens"] > 100
-    assert other.accepted["evicted"] == []
+    assert other.accepted.lane != first.accepted.lane
+    assert other.accepted.cached_tokens > 100
+    assert other.accepted.evicted == []
     assert engine.stats()["prefix_copies"] == 1
     base.append({"role": "user", "content": "and then?"})
     again = chat_turn(engine, "first2", base)
-    assert again.accepted["lane"] == first.accepted["lane"]
-    assert again.accepted["cached_tokens"] >= again.accepted["prompt_tokens"] - 6
+    assert again.accepted.lane == first.accepted.lane
+    assert again.accepted.cached_tokens >= again.accepted.prompt_tokens - 6
 
 
 def test_a_prefix_is_copied_from_a_lane_that_is_still_generating():
@@ -184,10 +177,10 @@ def test_a_prefix_is_copied_from_a_lane_that_is_still_generating():
         engine.step()
     short = GenerateSpec(gen_id="copy", messages=[{"role": "system", "content": system},
                                                   {"role": "user", "content": "hi"}], max_tokens=3)
-    accepted = next(e for e in engine.submit(short) if e["type"] == "accepted")
+    accepted = next(e for e in engine.submit(short) if isinstance(e, Accepted))
 
-    assert accepted["lane"] == 1
-    assert accepted["cached_tokens"] > 100 and accepted["evicted"] == []
+    assert accepted.lane == 1
+    assert accepted.cached_tokens > 100 and accepted.evicted == []
     while engine.busy():
         engine.step()
 
@@ -198,7 +191,7 @@ def test_a_short_shared_prefix_is_read_again_rather_than_copied():
     other = chat_turn(engine, "other", [{"role": "system", "content": " ".join(f"apples{i}" for i in range(10))},
                                         {"role": "user", "content": "something else"}])
 
-    assert other.accepted["cached_tokens"] == 0  # ~12 shared tokens: below COPY_MIN_TOKENS
+    assert other.accepted.cached_tokens == 0  # ~12 shared tokens: below COPY_MIN_TOKENS
     assert engine.stats()["prefix_copies"] == 0
 
 
@@ -207,9 +200,9 @@ def test_prefill_cost_is_spent_only_on_uncached_tokens():
     cold = run_local(engine, [GenerateSpec(gen_id="cold", prompt=LONG, max_tokens=2)])["cold"]
     warm = run_local(engine, [GenerateSpec(gen_id="warm", prompt=LONG, max_tokens=2)])["warm"]
 
-    assert cold.done["timings"]["ttft_ms"] >= 250  # 300 tokens at 1 ms each
-    assert warm.done["timings"]["ttft_ms"] < cold.done["timings"]["ttft_ms"] / 5
-    assert warm.done["usage"]["cached_tokens"] == 299
+    assert cold.done.timings["ttft_ms"] >= 250  # 300 tokens at 1 ms each
+    assert warm.done.timings["ttft_ms"] < cold.done.timings["ttft_ms"] / 5
+    assert warm.done.usage["cached_tokens"] == 299
 
 
 def test_decode_rate_is_honoured_and_lanes_decode_together():
@@ -221,7 +214,7 @@ def test_decode_rate_is_honoured_and_lanes_decode_together():
     assert all(o.finish_reason == "length" for o in outcomes.values())
     # 20 steps of 10 ms serve all four lanes at once: nowhere near the 0.8 s four lanes one by one would take.
     assert 0.18 <= elapsed < 0.6
-    assert max(o.done["timings"]["decode_tps"] for o in outcomes.values()) <= 110
+    assert max(o.done.timings["decode_tps"] for o in outcomes.values()) <= 110
 
 
 def test_stop_string_ends_the_generation_and_is_never_emitted():
@@ -263,8 +256,8 @@ def test_cancel_and_deadline_finish_with_their_reasons():
     gone = run_local(engine, [GenerateSpec(gen_id="gone", prompt="c", deadline=time.time() - 1)])
     assert gone["gone"].finish_reason == "deadline" and gone["gone"].ids == []
     # It never had a lane, and its done still crosses the link (a None lane was a protocol error that cut the node).
-    assert gone["gone"].done["lane"] == -1
-    frame = encode(_event_to_message(gone["gone"].done))
+    assert gone["gone"].done.lane == -1
+    frame = encode(gone["gone"].done)
     assert decode(frame).lane == -1
 
 
@@ -278,10 +271,10 @@ def test_errors_have_codes_and_clear_messages():
             GenerateSpec(gen_id="zero", prompt="x", max_tokens=0),
         ],
     )
-    assert out["long"].error["code"] == "context_length_exceeded"
-    assert "300 tokens" in out["long"].error["message"] and "64" in out["long"].error["message"]
-    assert out["grammar"].error["code"] == "invalid_grammar"
-    assert out["zero"].error["code"] == "invalid_request"
+    assert out["long"].error.code == "context_length_exceeded"
+    assert "300 tokens" in out["long"].error.message and "64" in out["long"].error.message
+    assert out["grammar"].error.code == "invalid_grammar"
+    assert out["zero"].error.code == "invalid_request"
     assert not engine.busy()
 
 
@@ -290,7 +283,7 @@ def test_more_generations_than_lanes_wait_their_turn_in_order():
     out = run_local(engine, [GenerateSpec(gen_id=f"g{i}", prompt=f"p{i}", max_tokens=3) for i in range(3)])
 
     assert [o.finish_reason for o in out.values()] == ["length"] * 3
-    ends = [o.done["timings"]["total_ms"] for o in out.values()]
+    ends = [o.done.timings["total_ms"] for o in out.values()]
     assert ends == sorted(ends)
 
 
@@ -316,4 +309,4 @@ def test_a_resumed_run_completes_a_character_the_first_node_left_unfinished():
     run.continue_after(b"Look: " + star[:2])  # the last streamed token held half of the emoji
     run.add_token(7, star[2:], None, 0.0)
     run.release_all(0.0)
-    assert run.take_batch(0.0, force=True)["text"] == ["🌟"]
+    assert run.take_batch(0.0, force=True).text == ["🌟"]

@@ -10,6 +10,7 @@ import pytest
 from nodes.agent.engine import EngineConfig, EngineWorker
 from nodes.agent.main import NodeOptions, engine_configs
 from nodes.agent.models import resolve_speech_model
+from nodes.link.messages import Done
 from nodes.link.spec import GenerateSpec
 from tests.speech import SENTENCE, heard, speak
 from tests.test_engine_worker import Recorder
@@ -40,10 +41,10 @@ async def test_the_worker_transcribes_by_segments_and_refuses_a_chat(worker, tmp
     wav = speak(SENTENCE, tmp_path / "speech.wav")
     await worker.submit(GenerateSpec(gen_id="t1", model=MODEL, prompt="", audio={"local_path": str(wav)}))
     done = await recorder.wait_for("t1", ("done", "error"))
-    assert done["type"] == "done" and done["timings"]["audio_s"] > 1, done
+    assert isinstance(done, Done) and done.timings["audio_s"] > 1, done
     tokens = recorder.of("t1", "tokens")
-    assert tokens and all(t["segments"][0]["end"] > t["segments"][0]["start"] for t in tokens)
-    assert heard("".join(t["text"][0] for t in tokens))
+    assert tokens and all(t.segments[0]["end"] > t.segments[0]["start"] for t in tokens)
+    assert heard("".join(t.text[0] for t in tokens))
     await worker.submit(GenerateSpec(gen_id="t2", model=MODEL, messages=[{"role": "user", "content": "Hi"}]))
     refused = await recorder.wait_for("t2", ("done", "error"))
-    assert refused["code"] == "invalid_request" and "/v1/audio/transcriptions" in refused["message"]
+    assert refused.code == "invalid_request" and "/v1/audio/transcriptions" in refused.message

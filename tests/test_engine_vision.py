@@ -73,8 +73,8 @@ def test_a_node_with_a_projector_reports_vision_and_one_without_does_not(seeing)
 def test_an_image_is_read_and_its_tokens_count_in_the_prompt(seeing, images):
     text_only = one(seeing, chat("text", question=QUESTION))
     with_image = one(seeing, chat("image", images["a"]))
-    assert with_image.done["usage"]["prompt_tokens"] == text_only.done["usage"]["prompt_tokens"] + IMAGE_TOKENS
-    assert len(with_image.ids) == 8 and with_image.done["finish_reason"] == "length"
+    assert with_image.done.usage["prompt_tokens"] == text_only.done.usage["prompt_tokens"] + IMAGE_TOKENS
+    assert len(with_image.ids) == 8 and with_image.done.finish_reason == "length"
     # the model read the picture: another image (the same text) changes what it says
     assert one(seeing, chat("other", images["b"], max_tokens=8)).ids != with_image.ids
 
@@ -82,11 +82,11 @@ def test_an_image_is_read_and_its_tokens_count_in_the_prompt(seeing, images):
 def test_the_same_image_in_the_next_turn_is_not_embedded_again(seeing, images):
     first = one(seeing, chat("turn1", images["a"], question="Describe it."))
     again = one(seeing, chat("turn2", images["a"], question="Describe it."))
-    assert again.accepted["cached_tokens"] == again.done["usage"]["prompt_tokens"] - 1  # image included
+    assert again.accepted.cached_tokens == again.done.usage["prompt_tokens"] - 1  # image included
     assert again.ids == first.ids
     other = one(seeing, chat("turn3", images["b"], question="Describe it."))
     # another image at the same place: only the text before it is reused
-    assert other.accepted["cached_tokens"] < other.done["usage"]["prompt_tokens"] - IMAGE_TOKENS
+    assert other.accepted.cached_tokens < other.done.usage["prompt_tokens"] - IMAGE_TOKENS
 
 
 def test_image_and_text_generations_share_the_batch_and_each_equals_its_run_alone(seeing, images):
@@ -99,7 +99,7 @@ def test_image_and_text_generations_share_the_batch_and_each_equals_its_run_alon
 
 def test_an_image_the_decoder_refuses_is_an_invalid_request_saying_so(seeing, images):
     outcome = run_local(seeing, [chat("broken", images["broken"])])["broken"]
-    assert outcome.error["code"] == "invalid_request" and "could not be decoded" in outcome.error["message"]
+    assert outcome.error.code == "invalid_request" and "could not be decoded" in outcome.error.message
 
 
 def test_a_node_without_a_projector_refuses_an_image_naming_the_flag(images):
@@ -108,7 +108,7 @@ def test_a_node_without_a_projector_refuses_an_image_naming_the_flag(images):
         outcome = run_local(plain, [chat("blind", images["a"])])["blind"]
     finally:
         plain.close()
-    assert outcome.error["code"] == "invalid_request" and "--mmproj" in outcome.error["message"]
+    assert outcome.error.code == "invalid_request" and "--mmproj" in outcome.error.message
 
 
 def test_a_projector_of_another_width_is_refused_at_load(tmp_path, monkeypatch):

@@ -10,27 +10,31 @@ import pytest
 
 from nodes.agent.engine import EngineConfig, EngineLoadError, EngineWorker, StateOpError
 from nodes.agent.engine.local import bundled_model_path
+from nodes.link.messages import Accepted, Done, Error, TokenBatch
 from nodes.link.spec import GenerateSpec
+
+KINDS = {"accepted": Accepted, "tokens": TokenBatch, "done": Done, "error": Error}
 
 
 class Recorder:
     """Collects worker events and lets a test wait for a generation's end."""
 
     def __init__(self) -> None:
-        self.events: list[dict] = []
+        self.events: list = []
         self._changed = asyncio.Event()
 
-    def __call__(self, event: dict) -> None:
+    def __call__(self, event) -> None:
         self.events.append(event)
         self._changed.set()
 
-    def of(self, gen_id: str, kind: str | None = None) -> list[dict]:
-        return [e for e in self.events if e["gen_id"] == gen_id and (kind is None or e["type"] == kind)]
+    def of(self, gen_id: str, kind: str | None = None) -> list:
+        """The events of `gen_id` (of one kind: accepted, tokens, done, error), in order."""
+        return [e for e in self.events if e.gen_id == gen_id and (kind is None or isinstance(e, KINDS[kind]))]
 
-    async def wait_for(self, gen_id: str, kinds: tuple[str, ...], timeout: float = 60) -> dict:
-        async def waiter() -> dict:
+    async def wait_for(self, gen_id: str, kinds: tuple[str, ...], timeout: float = 60):
+        async def waiter():
             while True:
-                found = [e for e in self.of(gen_id) if e["type"] in kinds]
+                found = [e for e in self.of(gen_id) if isinstance(e, tuple(KINDS[k] for k in kinds))]
                 if found:
                     return found[0]
                 self._changed.clear()
@@ -64,11 +68,11 @@ async def test_mock_worker_streams_events_and_answers_state_ops():
         await worker.submit(GenerateSpec(gen_id="a", prompt="hello there", max_tokens=10))
         done = await events.wait_for("a", ("done", "error"))
 
-        assert done["type"] == "done" and done["finish_reason"] == "length"
-        kinds = [e["type"] for e in events.of("a")]
-        assert kinds[0] == "accepted" and kinds[-1] == "done"
-        assert sum(len(e["ids"]) for e in events.of("a", "tokens")) == 10
-        assert [e["seq"] for e in events.of("a") if "seq" in e] == list(range(1, done["seq"] + 1))
+        assert isinstance(done, Done) and done.finish_reason == "length"
+        kinds = [type(e) for e in events.of("a")]
+        assert kinds[0] is Accepted and kinds[-1] is Done
+        assert sum(len(e.ids) for e in events.of("a", "tokens")) == 10
+        assert [e.seq for e in events.of("a") if isinstance(e, TokenBatch | Done)] == list(range(1, done.seq + 1))
 
         assert len((await worker.state_op("tokenize", {"text": "one two"}))["tokens"]) == 2
         assert len((await worker.state_op("embed", {"texts": ["x", "y"]}))["embeddings"]) == 2
@@ -91,7 +95,7 @@ async def test_mock_worker_cancel_reaches_the_child():
         await events.wait_for("long", ("tokens",))
         await worker.cancel("long")
         done = await events.wait_for("long", ("done",))
-        assert done["finish_reason"] == "cancelled"
+        assert done.finish_reason == "cancelled"
     finally:
         await worker.stop()
 
@@ -119,13 +123,9 @@ async def test_killed_mock_worker_fails_its_generations_and_restarts():
         os.kill(first_pid, signal.SIGKILL)
 
         error = await events.wait_for("victim", ("error", "done"))
-        assert error == {
-            "type": "error",
-            "gen_id": "victim",
-            "code": "engine_crashed",
-            "message": "the engine worker died (exit code -9); the generation was stopped",
-            "retryable": True,
-        }
+        assert error == Error(gen_id="victim", code="engine_crashed",
+                              message="the engine worker died (exit code -9); the generation was stopped",
+                              retryable=True)
         await wait_until(lambda: worker.alive)
         assert worker.pid != first_pid
         assert restarts and restarts[0]["cache_cleared"] is True
@@ -133,7 +133,7 @@ async def test_killed_mock_worker_fails_its_generations_and_restarts():
         assert "cache_cleared" not in worker.info()  # reported once
 
         await worker.submit(GenerateSpec(gen_id="after", prompt="y", max_tokens=5))
-        assert (await events.wait_for("after", ("done", "error")))["type"] == "done"
+        assert isinstance(await events.wait_for("after", ("done", "error")), Done)
     finally:
         await worker.stop()
 
@@ -147,14 +147,14 @@ async def test_an_abort_inside_the_engine_is_a_crash_not_an_agent_death():
         await events.wait_for("running", ("tokens",))
         await worker.submit(GenerateSpec(gen_id="boom", prompt="BOOM", max_tokens=5))
         crashed = await events.wait_for("boom", ("error",))
-        assert crashed["code"] == "engine_crashed" and "exit code -6" in crashed["message"]
-        assert (await events.wait_for("running", ("error",)))["code"] == "engine_crashed"
+        assert crashed.code == "engine_crashed" and "exit code -6" in crashed.message
+        assert (await events.wait_for("running", ("error",))).code == "engine_crashed"
 
         while_down = Recorder()
         worker.on_event = while_down
         if not worker.alive:
             await worker.submit(GenerateSpec(gen_id="early", prompt="z"))
-            assert (await while_down.wait_for("early", ("error",)))["code"] == "engine_unavailable"
+            assert (await while_down.wait_for("early", ("error",))).code == "engine_unavailable"
         await wait_until(lambda: worker.alive)
     finally:
         await worker.stop()
@@ -172,20 +172,20 @@ async def test_real_model_worker_generates_and_survives_kill_9():
         question = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
         await worker.submit(GenerateSpec(gen_id="paris", messages=question, max_tokens=16, temperature=0))
         done = await events.wait_for("paris", ("done", "error"))
-        assert done["type"] == "done"
-        assert "Paris" in "".join(t for e in events.of("paris", "tokens") for t in e["text"])
+        assert isinstance(done, Done)
+        assert "Paris" in "".join(t for e in events.of("paris", "tokens") for t in e.text)
 
         story = GenerateSpec(gen_id="story", prompt="Once upon a time", max_tokens=400, ignore_eos=True)
         await worker.submit(story)
         await events.wait_for("story", ("tokens",))
         os.kill(worker.pid, signal.SIGKILL)
         error = await events.wait_for("story", ("error", "done"))
-        assert error["code"] == "engine_crashed" and error["retryable"] is True
+        assert error.code == "engine_crashed" and error.retryable is True
 
         await wait_until(lambda: worker.alive, timeout=120)
         await worker.submit(GenerateSpec(gen_id="again", messages=question, max_tokens=16, temperature=0))
         again = await events.wait_for("again", ("done", "error"))
-        assert again["type"] == "done" and again["usage"]["cached_tokens"] == 0
+        assert isinstance(again, Done) and again.usage["cached_tokens"] == 0
         assert worker.stats().get("cache_cleared") is True
     finally:
         await worker.stop()

@@ -6,6 +6,7 @@ from nodes.agent.models import resolve_model
 from nodes.agent.replicas import ReplicaSet
 from nodes.agent.vocab import tokenizer_fingerprint
 from nodes.link.lifecycle import placement_keys
+from nodes.link.messages import Accepted, Done, TokenBatch
 from nodes.link.spec import GenerateSpec
 
 SYSTEM = {"role": "system", "content": "You answer questions about bicycles. " * 20}
@@ -35,8 +36,8 @@ def spec(gen_id: str, *turns: str) -> GenerateSpec:
 
 
 def done(replicas: ReplicaSet, index: int, gen_id: str, prompt_tokens: int = 200) -> None:
-    replicas.on_event(index, {"type": "done", "gen_id": gen_id, "usage": {"prompt_tokens": prompt_tokens},
-                              "evicted": []})
+    replicas.on_event(index, Done(gen_id=gen_id, seq=1, finish_reason="stop", usage={"prompt_tokens": prompt_tokens},
+                                  timings={}))
 
 
 def two_replicas_running_g1() -> tuple[list[StandInWorker], ReplicaSet, int]:
@@ -54,7 +55,7 @@ def test_a_conversation_returns_to_the_replica_holding_it_and_evictions_at_accep
     asyncio.run(replicas.submit(spec("g2", "hi", "and brakes?")))
     assert "g2" in workers[first].submitted  # back to the replica that holds the conversation
     # The replica reports at admission that g2 took g1's lane: the index forgets what only g1 put there.
-    replicas.on_event(first, {"type": "accepted", "gen_id": "g2", "prompt_tokens": 220, "evicted": ["g1"]})
+    replicas.on_event(first, Accepted(gen_id="g2", prompt_tokens=220, evicted=["g1"]))
     key = replicas.keys["g2"][-1].key
     assert replicas.placement.holders(key) == set()
     done(replicas, first, "g2")
@@ -73,8 +74,8 @@ def test_a_dead_replica_takes_no_work():
 
 def test_a_replica_holds_the_answer_too_so_the_next_turn_matches_the_whole_conversation():
     _, replicas, first = two_replicas_running_g1()
-    replicas.on_event(first, {"type": "tokens", "gen_id": "g1", "seq": 1, "text": [" Hello", " rider"], "ids": [1, 2]})
-    replicas.on_event(first, {"type": "done", "gen_id": "g1", "usage": {"completion_tokens": 2}, "evicted": []})
+    replicas.on_event(first, TokenBatch(gen_id="g1", seq=1, text=[" Hello", " rider"], ids=[1, 2]))
+    replicas.on_event(first, Done(gen_id="g1", seq=2, finish_reason="stop", usage={"completion_tokens": 2}, timings={}))
 
     answered = [SYSTEM, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello rider"}]
     key = placement_keys(GenerateSpec(gen_id="g2", model="m", messages=answered), replicas.tokenizer)[-1].key
@@ -103,8 +104,8 @@ def test_replicas_key_prompts_with_the_models_own_tokenizer_as_the_head_does():
     asyncio.run(replicas.start())
     asyncio.run(replicas.submit(spec("g1", "hi")))
     first = 0 if workers[0].submitted else 1
-    replicas.on_event(first, {"type": "tokens", "gen_id": "g1", "seq": 1, "text": [" Hello", " rider"], "ids": [1, 2]})
-    replicas.on_event(first, {"type": "done", "gen_id": "g1", "usage": {"completion_tokens": 2}, "evicted": []})
+    replicas.on_event(first, TokenBatch(gen_id="g1", seq=1, text=[" Hello", " rider"], ids=[1, 2]))
+    replicas.on_event(first, Done(gen_id="g1", seq=2, finish_reason="stop", usage={"completion_tokens": 2}, timings={}))
 
     # Then what they hold is keyed by the model's real tokens: the keys the head makes with the same vocabulary
     head = Vocab(path, model["tokenizer"])

@@ -23,6 +23,7 @@ import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from nodes.agent import keys
+from nodes.agent.engine.base import ENDS, Event
 from nodes.agent.media import MediaCache, media_ready
 from nodes.agent.pull import http_base
 from nodes.agent.vocab import vocab_gguf
@@ -30,7 +31,6 @@ from nodes.link.channel import MAX_FRAME, SecureChannel
 from nodes.link.codes import ErrorCode, refusal
 from nodes.link.handshake import HeadKeyChanged, Initiator, fingerprint, parse_token
 from nodes.link.messages import (
-    Accepted,
     Bye,
     Cancel,
     Check,
@@ -47,7 +47,6 @@ from nodes.link.messages import (
     Registered,
     StateOp,
     StateResult,
-    TokenBatch,
     TokenizerFile,
 )
 from nodes.link.spec import GenerateSpec, SpecError
@@ -80,33 +79,16 @@ class AgentConfig:
         return socket.gethostname()
 
 
-def _event_to_message(event: dict[str, Any]):
-    kind = event["type"]
-    if kind == "accepted":
-        return Accepted(gen_id=event["gen_id"], prompt_tokens=event["prompt_tokens"],
-                        cached_tokens=event.get("cached_tokens", 0), lane=event.get("lane", 0),
-                        replica=event.get("replica", 0), evicted=list(event.get("evicted", [])))
-    if kind == "tokens":
-        return TokenBatch(gen_id=event["gen_id"], seq=event["seq"], text=event["text"], ids=event["ids"],
-                          logprobs=event.get("logprobs"), segments=event.get("segments"))
-    if kind == "done":
-        return Done(gen_id=event["gen_id"], seq=event["seq"], finish_reason=event["finish_reason"],
-                    usage=event["usage"], timings=event["timings"], lane=event.get("lane", 0),
-                    replica=event.get("replica", 0), evicted=list(event.get("evicted", [])))
-    return Error(gen_id=event["gen_id"], code=event["code"], message=event["message"],
-                 retryable=bool(event.get("retryable", False)))
-
-
-def _log_end(event: dict[str, Any]) -> None:
+def _log_end(event: Done | Error) -> None:
     """One line when a generation ends on this node (not per token)."""
-    gen_id = event["gen_id"]
-    if event["type"] == "error":
-        log.warning("fleet node: generation %s failed: %s: %s", gen_id, event["code"], event["message"],
-                    extra={"gen_id": gen_id, "code": event["code"]})
+    gen_id = event.gen_id
+    if isinstance(event, Error):
+        log.warning("fleet node: generation %s failed: %s: %s", gen_id, event.code, event.message,
+                    extra={"gen_id": gen_id, "code": event.code})
         return
-    usage = event.get("usage") or {}
+    usage = event.usage or {}
     log.info("fleet node: generation %s done (%s): %d prompt tokens (%d cached), %d completion tokens", gen_id,
-             event["finish_reason"], usage.get("prompt_tokens", 0), usage.get("cached_tokens", 0),
+             event.finish_reason, usage.get("prompt_tokens", 0), usage.get("cached_tokens", 0),
              usage.get("completion_tokens", 0), extra={"gen_id": gen_id})
 
 
@@ -134,13 +116,13 @@ class NodeAgent:
         if self.outbox is not None:
             self.outbox.put_nowait(msg)
 
-    def on_engine_event(self, event: dict[str, Any]) -> None:
-        """Engine callback (on the loop): forward to the head while a link is up."""
-        if event["type"] in {"done", "error"}:
-            self.running.discard(event["gen_id"])
+    def on_engine_event(self, event: Event) -> None:
+        """Engine callback (on the loop): the event is the link's message; forward it while a link is up."""
+        if isinstance(event, ENDS):
+            self.running.discard(event.gen_id)
             _log_end(event)
         if self.outbox is not None:
-            self.outbox.put_nowait(_event_to_message(event))
+            self.outbox.put_nowait(event)
 
     async def run(self) -> None:
         """Dial, serve, redial; returns only by raising Refused (or on cancellation)."""

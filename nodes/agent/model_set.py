@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from nodes.agent.engine.base import error_event
+from nodes.agent.engine.base import ENDS, Event, error_event
 from nodes.link.codes import ErrorCode
 from nodes.link.spec import GenerateSpec
 
@@ -20,7 +20,7 @@ SUMMED = ("lanes_busy", "lanes", "kv_used", "kv_total", "tokens_per_s")
 class ModelSet:
     """The primary engine plus the deployed ones; the agent's `engine`. `forward` gets every engine's events."""
 
-    def __init__(self, primary: Any, *, forward: Callable[[dict[str, Any]], Any] | None = None) -> None:
+    def __init__(self, primary: Any, *, forward: Callable[[Event], Any] | None = None) -> None:
         self.primary = primary
         self.forward = forward or (lambda event: None)
         self.serving: dict[str, Any] = {}  # name -> EngineWorker, announced to the head
@@ -85,10 +85,10 @@ class ModelSet:
     def running(self, engine: Any) -> int:
         return sum(1 for e in self.where.values() if e is engine)
 
-    def on_event(self, event: dict[str, Any]) -> None:
+    def on_event(self, event: Event) -> None:
         """A deployed engine's event hook."""
-        if event["type"] in ("done", "error"):
-            self.where.pop(event["gen_id"], None)
+        if isinstance(event, ENDS):
+            self.where.pop(event.gen_id, None)
         self.forward(event)
 
     # -- the engine interface --------------------------------------------------------------------------------------

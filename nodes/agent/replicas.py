@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from nodes.agent.engine.base import ENDS, Event
 from nodes.agent.vocab import BUILTINS, BYTES, tokenizer_of
 from nodes.link.codes import ErrorCode
 from nodes.link.lifecycle import PlacementLifecycle, aplacement_keys
+from nodes.link.messages import Accepted, Done, TokenBatch
 from nodes.link.placement import NodeSlot, PlacementState
 from nodes.link.spec import GenerateSpec
 
@@ -92,21 +94,22 @@ class ReplicaSet:
                       "warm_generations": sorted({g for i in infos for g in i.get("warm_generations", [])})}
         return self._info
 
-    def on_event(self, index: int, event: dict[str, Any]) -> dict[str, Any]:
+    def on_event(self, index: int, event: Event) -> Event:
         """Called by each worker's event hook: tags the replica and takes the placement through its lifecycle."""
-        event = {**event, "replica": index}
-        gen_id, kind, replica = event.get("gen_id"), event["type"], f"r{index}"
-        if kind == "accepted":
-            self.lifecycle.accepted(replica, event.get("evicted", []))
-        elif kind == "tokens" and gen_id in self.answers:
-            self.answers[gen_id].extend(event["text"])
-        elif kind in {"done", "error"} and self.where.pop(gen_id, None) is not None:
+        gen_id, replica = event.gen_id, f"r{index}"
+        if isinstance(event, Accepted):
+            event.replica = index
+            self.lifecycle.accepted(replica, event.evicted)
+        elif isinstance(event, TokenBatch) and gen_id in self.answers:
+            self.answers[gen_id].extend(event.text)
+        elif isinstance(event, ENDS) and self.where.pop(gen_id, None) is not None:
             spec, keys, answer = self.specs.pop(gen_id), self.keys.pop(gen_id), "".join(self.answers.pop(gen_id))
-            if kind == "done":
-                self.lifecycle.done(replica, spec, keys, answer=answer, usage=event["usage"], tokenizer=self.tokenizer,
-                                    evicted=event.get("evicted", []))
+            if isinstance(event, Done):
+                event.replica = index
+                self.lifecycle.done(replica, spec, keys, answer=answer, usage=event.usage, tokenizer=self.tokenizer,
+                                    evicted=event.evicted)
             else:
-                self.lifecycle.lost(replica, gen_id, cache_gone=event.get("code") == ErrorCode.ENGINE_CRASHED)
+                self.lifecycle.lost(replica, gen_id, cache_gone=event.code == ErrorCode.ENGINE_CRASHED)
         return event
 
     async def submit(self, spec: GenerateSpec) -> None:

@@ -1,13 +1,9 @@
 """The engine interface shared by the llama.cpp engine, the mock engine and the worker process.
 
 An engine owns `lanes` decode slots over one model. The worker drives it: `submit` admits a generation,
-`step` runs one decode step over every busy lane, and both return event dicts that map 1:1 onto the
-node-link messages the agent forwards to the head:
-
-- ``{"type": "accepted", "gen_id", "prompt_tokens", "cached_tokens", "lane", "evicted"}``
-- ``{"type": "tokens", "gen_id", "seq", "text": [str], "ids": [int], "logprobs": [dict] | None}``
-- ``{"type": "done", "gen_id", "seq", "finish_reason", "usage", "timings", "lane", "evicted"}``
-- ``{"type": "error", "gen_id", "code", "message", "retryable"}``
+`step` runs one decode step over every busy lane, and both return events, which are the node-link's own typed
+messages (nodes.link.messages): `Accepted`, `TokenBatch`, `Done` and `Error`. The worker pipes them to the agent
+and the agent puts them on the link as they are; there is no second vocabulary of event dicts.
 """
 
 from __future__ import annotations
@@ -16,9 +12,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from nodes.link.codes import FinishReason
+from nodes.link.messages import Accepted, Done, Error, TokenBatch
 from nodes.link.spec import GenerateSpec
 
-Event = dict[str, Any]
+Event = Accepted | TokenBatch | Done | Error
+ENDS = (Done, Error)  # the events that end a generation
 
 # Finish reasons a `done` event carries.
 FINISH_STOP = FinishReason.STOP.value
@@ -111,24 +109,18 @@ class Engine(Protocol):
 
 def accepted_event(
     gen_id: str, prompt_tokens: int, cached_tokens: int, lane: int, evicted: list[str] | None = None
-) -> Event:
+) -> Accepted:
     """`evicted`: the generations whose cached prompts this one's lane choice discarded (`done` repeats them)."""
-    return {
-        "type": "accepted",
-        "gen_id": gen_id,
-        "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached_tokens,
-        "lane": lane,
-        "evicted": list(evicted or []),
-    }
+    return Accepted(gen_id=gen_id, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, lane=lane,
+                    evicted=list(evicted or []))
 
 
-def tokens_event(gen_id: str, seq: int, text: list[str], ids: list[int], logprobs: list[dict] | None) -> Event:
-    return {"type": "tokens", "gen_id": gen_id, "seq": seq, "text": text, "ids": ids, "logprobs": logprobs}
+def tokens_event(gen_id: str, seq: int, text: list[str], ids: list[int], logprobs: list[dict] | None) -> TokenBatch:
+    return TokenBatch(gen_id=gen_id, seq=seq, text=text, ids=ids, logprobs=logprobs)
 
 
-def error_event(gen_id: str, code: str, message: str, retryable: bool = False) -> Event:
-    return {"type": "error", "gen_id": gen_id, "code": code, "message": message, "retryable": retryable}
+def error_event(gen_id: str, code: str, message: str, retryable: bool = False) -> Error:
+    return Error(gen_id=gen_id, code=code, message=message, retryable=retryable)
 
 
 def create_engine(config: EngineConfig, on_progress: Any = None) -> Engine:

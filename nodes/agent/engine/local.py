@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodes.agent.engine.base import Engine, Event
+from nodes.link.messages import Accepted, Done, Error, TokenBatch
 from nodes.link.spec import GenerateSpec
 
 
@@ -16,13 +17,13 @@ class Outcome:
     """Everything one generation streamed, gathered the way a client would see it."""
 
     gen_id: str
-    accepted: Event | None = None
+    accepted: Accepted | None = None
     texts: list[str] = field(default_factory=list)  # one entry per token
     ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     seqs: list[int] = field(default_factory=list)  # seq of every tokens event, then done's
-    done: Event | None = None
-    error: Event | None = None
+    done: Done | None = None
+    error: Error | None = None
 
     @property
     def text(self) -> str:
@@ -30,21 +31,20 @@ class Outcome:
 
     @property
     def finish_reason(self) -> str | None:
-        return self.done["finish_reason"] if self.done else None
+        return self.done.finish_reason if self.done else None
 
     def add(self, event: Event) -> None:
-        kind = event["type"]
-        if kind == "accepted":
+        if isinstance(event, Accepted):
             self.accepted = event
-        elif kind == "tokens":
-            self.texts += event["text"]
-            self.ids += event["ids"]
-            self.logprobs += event["logprobs"] or []
-            self.seqs.append(event["seq"])
-        elif kind == "done":
+        elif isinstance(event, TokenBatch):
+            self.texts += event.text
+            self.ids += event.ids
+            self.logprobs += event.logprobs or []
+            self.seqs.append(event.seq)
+        elif isinstance(event, Done):
             self.done = event
-            self.seqs.append(event["seq"])
-        elif kind == "error":
+            self.seqs.append(event.seq)
+        elif isinstance(event, Error):
             self.error = event
 
 
@@ -60,7 +60,7 @@ def run_local(
 
     def absorb(events: list[Event]) -> None:
         for event in events:
-            outcomes.setdefault(event["gen_id"], Outcome(event["gen_id"])).add(event)
+            outcomes.setdefault(event.gen_id, Outcome(event.gen_id)).add(event)
 
     for spec in specs:
         absorb(engine.submit(spec))

@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nodes.agent.engine.base import Event, tokens_event
+from nodes.agent.engine.base import tokens_event
+from nodes.link.messages import Done, TokenBatch
 from nodes.link.spec import GenerateSpec
 
 # (token id, text, logprob entry or None)
@@ -130,7 +131,7 @@ class Run:
             self._out_since = now
         self._out.extend(tokens)
 
-    def take_batch(self, now: float, force: bool = False) -> Event | None:
+    def take_batch(self, now: float, force: bool = False) -> TokenBatch | None:
         """A `tokens` event when a flush is due (enough tokens, or the oldest waited long enough)."""
         if not self._out:
             return None
@@ -148,29 +149,28 @@ class Run:
         self.seq += 1
         return event
 
-    def done_event(self, finish_reason: str, now: float) -> Event:
+    def done_event(self, finish_reason: str, now: float) -> Done:
         first = self.first_token_at
         decode_s = now - first if first is not None else 0.0
         prefill_from = self.prefill_started_at if self.prefill_started_at is not None else self.submitted_at
-        return {
-            "type": "done",
-            "gen_id": self.gen_id,
-            "seq": self.seq,
-            "finish_reason": finish_reason,
-            "usage": {
+        return Done(
+            gen_id=self.gen_id,
+            seq=self.seq,
+            finish_reason=finish_reason,
+            usage={
                 "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_tokens,
                 "completion_tokens": self.completion_tokens,
             },
-            "timings": {
+            timings={
                 "ttft_ms": round((first - self.submitted_at) * 1000, 3) if first is not None else None,
                 "prompt_ms": round((first - prefill_from) * 1000, 3) if first is not None else None,
                 "decode_tps": round((self.completion_tokens - 1) / decode_s, 3) if decode_s > 0 else 0.0,
                 "total_ms": round((now - self.submitted_at) * 1000, 3),
             },
-            "lane": -1 if self.lane is None else self.lane,  # -1: it ended before it had a lane (deadline)
-            "evicted": list(self.evicted),
-        }
+            lane=-1 if self.lane is None else self.lane,  # -1: it ended before it had a lane (deadline)
+            evicted=list(self.evicted),
+        )
 
 
 def clock() -> float:

@@ -24,6 +24,7 @@ from nodes.agent.engine.base import (
     error_event,
 )
 from nodes.link.codes import ErrorCode
+from nodes.link.messages import Done, TokenBatch
 from nodes.link.spec import GenerateSpec
 
 log = logging.getLogger("nodes.agent")
@@ -111,22 +112,20 @@ def _load(path: str, threads: int | None) -> Any:
         return WhisperModel(path, device="cpu", compute_type="auto", cpu_threads=threads or 0)
 
 
-def _segment_event(gen_id: str, seq: int, segment: Any, language: str) -> Event:
+def _segment_event(gen_id: str, seq: int, segment: Any, language: str) -> TokenBatch:
     words = [{"word": w.word, "start": round(float(w.start), 2), "end": round(float(w.end), 2)}
              for w in segment.words or []]
     entry = {"id": segment.id, "start": round(float(segment.start), 2), "end": round(float(segment.end), 2),
              "text": segment.text, "tokens": list(segment.tokens), "temperature": float(segment.temperature),
              "avg_logprob": float(segment.avg_logprob), "compression_ratio": float(segment.compression_ratio),
              "no_speech_prob": float(segment.no_speech_prob), "words": words, "language": language}
-    return {"type": "tokens", "gen_id": gen_id, "seq": seq, "text": [segment.text], "ids": list(segment.tokens),
-            "logprobs": None, "segments": [entry]}
+    return TokenBatch(gen_id=gen_id, seq=seq, text=[segment.text], ids=list(segment.tokens), logprobs=None,
+                      segments=[entry])
 
 
-def _done_event(gen_id: str, seq: int, reason: str, tokens: int, duration: float, took: float) -> Event:
-    return {"type": "done", "gen_id": gen_id, "seq": seq, "finish_reason": reason,
-            "usage": {"prompt_tokens": 0, "completion_tokens": tokens},
-            "timings": {"audio_s": round(float(duration), 3), "total_ms": round(took * 1000, 1)},
-            "lane": 0, "evicted": []}
+def _done_event(gen_id: str, seq: int, reason: str, tokens: int, duration: float, took: float) -> Done:
+    return Done(gen_id=gen_id, seq=seq, finish_reason=reason, usage={"prompt_tokens": 0, "completion_tokens": tokens},
+                timings={"audio_s": round(float(duration), 3), "total_ms": round(took * 1000, 1)})
 
 
 class SpeechOnlyEngine:

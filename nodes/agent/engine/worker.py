@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nodes.agent.engine.base import (
+    ENDS,
     EngineConfig,
     EngineLoadError,
     Event,
@@ -215,8 +216,8 @@ class EngineWorker:
         kind = message[0]
         if kind == "events":
             for event in message[1]:
-                if event["type"] in ("done", "error"):
-                    self._in_flight.discard(event["gen_id"])
+                if isinstance(event, ENDS):
+                    self._in_flight.discard(event.gen_id)
                 self._emit(event)
         elif kind == "stats":
             self._stats = message[1]
@@ -283,7 +284,7 @@ class EngineWorker:
         try:
             self.on_event(event)
         except Exception:
-            log.exception("on_event failed for %s event of %s", event.get("type"), event.get("gen_id"))
+            log.exception("on_event failed for %s of %s", type(event).__name__, event.gen_id)
 
     def _fail_in_flight(self, code: str, message: str) -> None:
         gen_ids, self._in_flight = sorted(self._in_flight), set()
