@@ -59,7 +59,7 @@ def test_an_adapter_changes_greedy_output_and_only_for_the_requests_that_name_it
 
     named = run_local(lora, [chat("named", question, STYLE)])["named"]
     assert named.ids != plain
-    assert named.accepted["cached_tokens"] == 0  # a lane computed without the adapter holds nothing it can reuse
+    assert named.accepted.cached_tokens == 0  # a lane computed without the adapter holds nothing it can reuse
     other = "Who wrote Hamlet?"
     assert ids(lora, chat("unnamed", other))["unnamed"] == ids(base, chat("ref", other))["ref"]
     assert lora.info()["capabilities"]["lora"] is True and lora.info()["capabilities"]["lora:style"] is True
@@ -75,7 +75,7 @@ def test_batched_with_and_without_the_adapter_equals_each_run_alone(lora):
 
     for i in range(len(questions)):
         assert together[f"t{i}"].ids == alone[f"a{i}"]
-    assert len({o.accepted["lane"] for o in together.values()}) == 4
+    assert len({o.accepted.lane for o in together.values()}) == 4
     assert any(len(sets_running) == 2 for sets_running in steps)  # both sets ran at once, in separate steps
 
 
@@ -115,15 +115,17 @@ def test_unloading_restores_the_base_output_and_refuses_the_name(base, lora):  #
     sea = "Describe the sea."
     assert ids(lora, chat("after", sea))["after"] == ids(base, chat("ref2", sea))["ref2"]
     refused = run_local(lora, [chat("gone", "Hi", STYLE)])["gone"]
-    assert refused.error["code"] == "invalid_request" and "no LoRA adapter 'style'" in refused.error["message"]
+    assert refused.error.code == "invalid_request" and "no LoRA adapter 'style'" in refused.error.message
     assert "lora:style" not in lora.info()["capabilities"]
 
 
 def test_placement_keys_a_prompt_apart_for_each_adapter_set():
+    from nodes.agent.vocab import BUILTINS, BYTES
     from nodes.link.lifecycle import placement_keys
 
     def keys(lora):
-        return [k.key for k in placement_keys(GenerateSpec(gen_id="k", model="smollm2", prompt="p" * 600, lora=lora))]
+        spec = GenerateSpec(gen_id="k", model="smollm2", prompt="p" * 600, lora=lora)
+        return [k.key for k in placement_keys(spec, BUILTINS[BYTES])]
 
     assert keys([]) != keys([["style", 1.0]]) != keys([["style", 0.5]])
     assert keys([["style", 1.0]]) == keys([["style", 1.0]])
