@@ -24,7 +24,7 @@ def test_a_node_given_no_address_joins_a_daphne_head_found_by_mdns(tmp_path):
     """A production head (daphne, not `manage.py up`) with FLEET_ANNOUNCE set is found by a node with no address."""
     import pytest
 
-    from tests.live import make_head, start_node
+    from tests.live import make_head, start_node, wait_for
 
     port = free_port()
     head = make_head(tmp_path, port=port, extra_env={"FLEET_MDNS": "1", "FLEET_ANNOUNCE": f"127.0.0.1:{port}"})
@@ -33,7 +33,8 @@ def test_a_node_given_no_address_joins_a_daphne_head_found_by_mdns(tmp_path):
     try:
         node = start_node(head, "--max-batch", "1", identity="found-by-mdns", discover=True)
         head.wait_nodes(1, timeout=180)
-        assert "joined" in node.log() and head.address.split(":")[1] in node.log()
+        wait_for(lambda: "joined" in node.log(), 30, "no join line")  # logged once Registered arrives
+        assert head.address.split(":")[1] in node.log()
     except AssertionError:
         pytest.fail(f"the node did not find the head by mDNS: {node.log() if node else ''}\nhead: {head.log()}")
     finally:
