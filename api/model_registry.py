@@ -21,12 +21,13 @@ from nodes.models import Model
 
 
 class ModelSerializer(serializers.ModelSerializer):
-    base = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True,
-                                        help_text="For a LoRA adapter: the model it adapts; null for a model.")
+    base = serializers.SlugRelatedField(
+        slug_field="name", read_only=True, allow_null=True,
+        help_text="For a LoRA adapter or a projector: the model it belongs to; null for a model.")
 
     class Meta:
         model = Model
-        fields = ["id", "name", "base", "sha256", "size", "architecture", "quantization", "context_length",
+        fields = ["id", "name", "kind", "base", "sha256", "size", "architecture", "quantization", "context_length",
                   "kv_bytes_per_token", "chat_template", "created_at", "updated_at"]
         read_only_fields = fields
 
@@ -35,7 +36,8 @@ class ModelCreateSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=64, help_text="The model's name on the fleet (nodes pull it by this).")
     upload = serializers.CharField(help_text="The id of a finished upload (POST /api/models/uploads/).")
     base = serializers.CharField(max_length=64, required=False, default="",
-                                 help_text="For a LoRA adapter: the registry model it adapts.")
+                                 help_text="For a LoRA adapter or an image projector: the registry model it belongs "
+                                           "to.")
 
 
 class UploadSerializer(serializers.Serializer):

@@ -190,10 +190,10 @@ class ModelAdmin(admin.ModelAdmin):
     """The model registry. Adding uploads the file in parts through /api/models/ (see the add page's script), so the
     head never holds more than one part in memory; every figure comes from the file's own metadata."""
 
-    list_display = ("name", "base", "architecture", "quantization", "size_mb", "context_length", "kv_bytes_per_token",
-                    "sha256_short", "created_at")
+    list_display = ("name", "kind", "base", "architecture", "quantization", "size_mb", "context_length",
+                    "kv_bytes_per_token", "sha256_short", "created_at")
     search_fields = ("name", "sha256", "architecture")
-    readonly_fields = ("id", "name", "base", "on_nodes", "sha256", "size", "architecture", "quantization",
+    readonly_fields = ("id", "name", "kind", "base", "on_nodes", "sha256", "size", "architecture", "quantization",
                        "context_length", "kv_bytes_per_token", "chat_template", "created_at", "updated_at")
 
     def add_view(self, request, form_url="", extra_context=None):

@@ -26,9 +26,9 @@ class DeploymentError(ValueError):
 
 def deployment_check(*, nodes: list, labels: dict, lanes: int, context: int, model: Model | None = None) -> None:
     """Raises DeploymentError unless the model, the selector and the sizes make a deployment."""
-    if model is not None and model.is_adapter:
-        raise DeploymentError(f"{model.name!r} is a LoRA adapter: deploy its base {model.base.name!r}, and every node "
-                              "serving that loads it")
+    if model is not None and model.is_attachment:
+        raise DeploymentError(f"{model.name!r} is a {model.get_kind_display()}: deploy its base {model.base.name!r}, "
+                              "and every node serving that loads it")
     if not isinstance(nodes, list) or not all(isinstance(n, str) and 0 < len(n) <= 200 and "\x00" not in n
                                               for n in nodes):
         raise DeploymentError("nodes must be a list of node identities (the names they joined with)")
@@ -85,7 +85,10 @@ def node_deployments(*, node_id) -> list[dict]:
         moved = [d for d in deployments if d.model.name == pair.model]
         if moved and not _served_as_chosen(pair.model, moved, exclude=node):
             wanted[pair.model] = moved[-1]
-    return [{"name": name, "sha256": d.model.sha256, "lanes": d.lanes, "context": d.context}
+    projectors = {p.base_id: {"name": p.name, "sha256": p.sha256}
+                  for p in Model.objects.filter(kind=Model.Kind.PROJECTOR, base__in=[d.model for d in wanted.values()])}
+    return [{"name": name, "sha256": d.model.sha256, "lanes": d.lanes, "context": d.context,
+             **({"mmproj": projectors[d.model.pk]} if d.model.pk in projectors else {})}
             for name, d in wanted.items()]
 
 
@@ -96,7 +99,8 @@ def node_adapters(*, node_id) -> dict[str, list[dict]]:
     bases = set(node.models_served) | {d.model.name for d in Deployment.objects.select_related("model")
                                        if d.matches(node)}
     adapters: dict[str, list[dict]] = {}
-    for adapter in Model.objects.filter(base__name__in=bases).select_related("base").order_by("name"):
+    for adapter in (Model.objects.filter(base__name__in=bases, kind=Model.Kind.ADAPTER).select_related("base")
+                    .order_by("name")):
         adapters.setdefault(adapter.base.name, []).append({"name": adapter.name, "sha256": adapter.sha256})
     return adapters
 

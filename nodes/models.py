@@ -163,7 +163,8 @@ class Model(models.Model):
 
     Every figure is read from the file's own metadata when it is added (`nodes.registry.model_add`), never typed by
     hand. Several names may share one file; the blob goes when the last of them is deleted. A LoRA adapter is an entry
-    with a `base`: every node serving the base loads it, and clients ask for it as `base:adapter`.
+    with a `base`: every node serving the base loads it, and clients ask for it as `base:adapter`. A projector (mmproj)
+    is an entry with a `base` too: a deployment of the base loads it, so the model reads images.
     """
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
@@ -179,9 +180,16 @@ class Model(models.Model):
     kv_bytes_per_token = models.PositiveBigIntegerField(
         editable=False, help_text="KV cache bytes of one token in every layer (K and V, f16).")
     chat_template = models.TextField(blank=True, editable=False)
+    class Kind(models.TextChoices):
+        MODEL = "model", "model"
+        ADAPTER = "adapter", "LoRA adapter"
+        PROJECTOR = "projector", "multimodal projector"
+
+    kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.MODEL, editable=False,
+                            help_text="Read from the file: a model, a LoRA adapter or an image projector (mmproj).")
     base = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.CASCADE, related_name="adapters", editable=False,
-        help_text="For a LoRA adapter: the model it adapts (nodes serving that model load it).")
+        help_text="For a LoRA adapter or a projector: the model it belongs to (nodes serving that model load it).")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -190,7 +198,12 @@ class Model(models.Model):
 
     @property
     def is_adapter(self) -> bool:
-        return self.base_id is not None
+        return self.kind == self.Kind.ADAPTER
+
+    @property
+    def is_attachment(self) -> bool:
+        """A LoRA adapter or a projector: loaded with its base, never deployed on its own."""
+        return self.kind != self.Kind.MODEL
 
     def __str__(self) -> str:
         return self.name

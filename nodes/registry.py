@@ -92,23 +92,26 @@ def _copy_hashing(source: BinaryIO, target: Path) -> str:
 
 def _base_for(info, base: str) -> Model | None:
     """The registry model an adapter file adapts (`base`), checked against the file; None for a model file."""
-    if not info.adapter:
+    what = {"adapter": "a LoRA adapter", "projector": "an image projector (mmproj)"}.get(info.kind)
+    if what is None:
         if base:
-            raise RegistryError("the file is a model, not a LoRA adapter: add it without a base")
+            raise RegistryError("the file is a model, not a LoRA adapter or a projector: add it without a base")
         return None
     if not base:
-        raise RegistryError("the file is a LoRA adapter: name the registry model it adapts as its base")
+        raise RegistryError(f"the file is {what}: name the registry model it belongs to as its base")
     model = Model.objects.filter(name=base).first()
-    if model is None or model.is_adapter:
+    if model is None or model.is_attachment:
         raise RegistryError(f"the base {base!r} is not a model in the registry; add the base model first")
-    if model.architecture != info.architecture:
+    if info.kind == Model.Kind.PROJECTOR and model.adapters.filter(kind=Model.Kind.PROJECTOR).exists():
+        raise RegistryError(f"{base!r} has a projector already; delete it first")
+    if info.kind == Model.Kind.ADAPTER and model.architecture != info.architecture:
         raise RegistryError(f"the adapter is for {info.architecture!r} models; {base!r} is {model.architecture!r}")
     return model
 
 
 def _store(staged: Path, sha256: str, name: str, base: str = "") -> Model:
-    """Check the staged file is a GGUF model (or a LoRA adapter of `base`), keep it under its hash (once), and
-    record it as `name`."""
+    """Check the staged file is a GGUF model (or a LoRA adapter or projector of `base`), keep it under its hash
+    (once), and record it as `name`."""
     try:
         info = read_gguf(staged)
         base_model = _base_for(info, base)
@@ -127,7 +130,7 @@ def _store(staged: Path, sha256: str, name: str, base: str = "") -> Model:
                 name=name, sha256=sha256, size=info.size, architecture=info.architecture,
                 quantization=info.quantization, context_length=info.context_length,
                 kv_bytes_per_token=info.kv_bytes_per_token, chat_template=info.chat_template, base=base_model,
-                tokenizer=tokenizer_fingerprint(target))
+                kind=info.kind, tokenizer=tokenizer_fingerprint(target))
     except IntegrityError:
         raise RegistryError(f"a model named {name!r} was added meanwhile; pick another name") from None
     if base_model is not None:  # every node serving the base loads it

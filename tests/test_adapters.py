@@ -54,9 +54,9 @@ def test_an_adapter_is_an_entry_tied_to_its_base_and_goes_with_it(home, adapter_
 
 @pytest.mark.django_db
 @pytest.mark.parametrize(("which", "base", "says"), [
-    ("adapter", "", "the file is a LoRA adapter: name the registry model it adapts"),
+    ("adapter", "", "the file is a LoRA adapter: name the registry model it belongs to"),
     ("adapter", "nope", "the base 'nope' is not a model in the registry"),
-    ("model", "smol", "the file is a model, not a LoRA adapter"),
+    ("model", "smol", "the file is a model, not a LoRA adapter or a projector"),
     ("other", "smol", "the adapter is for 'qwen2' models; 'smol' is 'llama'"),
 ])
 def test_an_adapter_that_does_not_fit_its_base_is_refused_saying_why(home, adapter_file, which, base, says):
@@ -233,3 +233,50 @@ def test_the_admin_shows_an_adapter_with_its_base_and_each_nodes_state_for_it(ho
     client.force_login(UserFactory(username="operator"))
     page = client.get(f"/admin/nodes/model/{adapter.pk}/change/").content.decode()
     assert "gpu-1: failed: no room" in page and ">smol<" in page
+
+
+# --- image projectors ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def projector_file(tmp_path_factory) -> Path:
+    from tests.vision_projector import build_projector
+
+    return build_projector(tmp_path_factory.mktemp("projector") / "mmproj.gguf")
+
+
+@pytest.mark.django_db
+def test_a_projector_is_the_registry_entry_of_its_model_and_deployments_of_the_model_load_it(home, projector_file,
+                                                                                             adapter_file):
+    from nodes.models import Deployment
+
+    base = registry.model_add(path=MODEL, name="smol")
+    with pytest.raises(registry.RegistryError, match="the file is an image projector .mmproj.: name the registry"):
+        registry.model_add(path=projector_file, name="eyes")
+    projector = registry.model_add(path=projector_file, name="eyes", base="smol")
+    registry.model_add(path=adapter_file, name="style", base="smol")
+    assert (projector.kind, projector.architecture, projector.is_attachment) == ("projector", "clip", True)
+    with pytest.raises(registry.RegistryError, match="'smol' has a projector already"):
+        registry.model_add(path=projector_file, name="eyes-2", base="smol")
+    node = NodeFactory(identity="a", models_served=["smol"], labels={"pool": "a"})
+    Deployment.objects.create(model=base, nodes=["a"])
+    assert deployments.node_deployments(node_id=node.pk)[0]["mmproj"] == {"name": "eyes", "sha256": projector.sha256}
+    assert list(deployments.node_adapters(node_id=node.pk)["smol"][0]) == ["name", "sha256"]
+    assert [a["name"] for a in deployments.node_adapters(node_id=node.pk)["smol"]] == ["style"]  # not the projector
+    with pytest.raises(deployments.DeploymentError, match="'eyes' is a multimodal projector: deploy its base"):
+        deployments.deployment_create(model=projector, nodes=["a"], labels={})
+
+
+def test_the_node_loads_a_deployed_model_with_its_registry_projector(monkeypatch):
+    async def scenario():
+        made: list = []
+        configs: list = []
+        deployer, _, _ = _deployer(monkeypatch, AdapterWorker("own"), made)
+        original = deployer.make_worker
+        deployer.make_worker = lambda config: (configs.append(config), original(config))[1]
+        deployer.apply(Deploy(models=[{"name": "smol", "lanes": 2, "mmproj": {"name": "eyes", "sha256": "c" * 64}}]))
+        await deployer.tasks["smol"]
+        return configs
+
+    configs = asyncio.run(scenario())
+    assert configs[0].mmproj_path == "/models/eyes.gguf" and configs[0].model_path == "/models/smol.gguf"

@@ -1,5 +1,6 @@
-"""Images in chat end to end: a real head, a real node started with `--mmproj` (a random-weight projector built for
-the bundled model at test time: it proves the path, not the answer), one without, and the official `openai` client
+"""Images in chat end to end: a real head, a real node started with `--mmproj eyes` (a random-weight projector built
+for the bundled model at test time, added to the head's registry as the entry of its model and pulled by the node: it
+proves the path, not the answer), one without, and the official `openai` client
 sending a base64 image."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import urllib.request
 import pytest
 from openai import APIStatusError, BadRequestError, OpenAI
 
+from nodes.agent.engine.local import bundled_model_path
 from tests.live import make_head, start_node, wait_for
 from tests.vision_projector import IMAGE_TOKENS, build_projector, png
 
@@ -24,9 +26,12 @@ QUESTION = "What is in this picture?"
 def vision_head(tmp_path_factory):
     projector = build_projector(tmp_path_factory.mktemp("mmproj") / "mmproj.gguf")
     head = make_head(tmp_path_factory.mktemp("vision"))
+    # The projector as the registry's entry for its model: the seeing node names it and pulls it from the head.
+    head.manage("model_add", bundled_model_path(), "--name", "smol-base")
+    head.manage("model_add", str(projector), "--name", "eyes", "--base", "smol-base")
     head.start()
-    seeing = start_node(head, "--mmproj", str(projector), "--max-batch", "2", "--max-context", "512",
-                        identity="seeing")
+    seeing = start_node(head, "--mmproj", "eyes", "--max-batch", "2", "--max-context", "512", identity="seeing",
+                        offline=False, extra_env={"FLEET_HOME": str(tmp_path_factory.mktemp("seeing"))})
     blind = start_node(head, "--max-batch", "2", "--max-context", "512", identity="blind",
                        extra_env={"FLEET_HOME": str(tmp_path_factory.mktemp("blind"))})  # a node key of its own
     head.wait_nodes(2, timeout=180)
@@ -65,13 +70,14 @@ def streamed(client: OpenAI, messages: list[dict]) -> tuple[str, object]:
 
 def test_an_image_streams_an_answer_whose_usage_counts_its_tokens_and_the_next_turn_moves_no_bytes(vision_head):
     client = client_of(vision_head)
+    pulled = blob_bytes_served(vision_head)  # the projector the seeing node pulled from the registry when it joined
     text_only = client.chat.completions.create(model="smollm2", max_tokens=1, temperature=0,
                                                messages=[{"role": "user", "content": QUESTION}])
     answer, usage = streamed(client, [asking()])
     assert answer and usage.completion_tokens == 8
     assert usage.prompt_tokens == text_only.usage.prompt_tokens + IMAGE_TOKENS
-    served = wait_for(lambda: blob_bytes_served(vision_head), 10, "the node fetched no blob bytes")
-    assert served == len(IMAGE)  # the image went to the node once, by its hash
+    served = wait_for(lambda: blob_bytes_served(vision_head) - pulled, 10, "the node fetched no blob bytes") + pulled
+    assert served - pulled == len(IMAGE)  # the image went to the node once, by its hash
 
     follow_up = [asking(), {"role": "assistant", "content": answer}, {"role": "user", "content": "And its colours?"}]
     _, usage = streamed(client, follow_up)
@@ -105,3 +111,11 @@ def test_with_only_a_node_without_a_projector_left_an_image_is_a_400_naming_visi
     error = wait_for(refusal, 30, "an image was never refused with only the blind node left")
     assert error["code"] == "capability_unavailable" and error["param"] == "vision"
     assert "--mmproj" in error["message"] and "blind" in error["message"]
+
+
+def test_the_seeing_node_pulled_its_projector_from_the_registry(vision_head):
+    from tests.vision_projector import build_projector
+
+    size = build_projector(vision_head.home / "same-projector.gguf").stat().st_size  # the same seed: the same file
+    assert blob_bytes_served(vision_head) >= size
+    assert "pulling eyes: " in vision_head.nodes["seeing"].log()  # its progress lines, then the engine loaded it

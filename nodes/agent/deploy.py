@@ -5,6 +5,8 @@ loaded only when the memory available (VRAM on a GPU, else RAM) holds its weight
 rule as the window sizing in nodes.agent.window); else it fails with the figures. The node serves what it served
 meanwhile, and announces the new model (`models`) once its worker is ready. A model no longer listed is unannounced
 first, then drained (what runs there finishes), then its worker stops. Each step goes to the head as a `model_state`.
+A listed model with an `mmproj` (the registry's projector for it) is loaded with that projector, pulled the same way,
+so it reads images.
 
 The registry's LoRA adapters come in the same message, by base model: each model of those names the node serves loads
 them in its worker while it serves (pulled first, like a model), announcing BASE:ADAPTER and `lora:ADAPTER`; an
@@ -188,13 +190,16 @@ class Deployer:
         try:
             self.report(name, ModelPhase.PULLING)
             path = await self.fetch(name, self._progress(name))
+            mmproj = spec.get("mmproj") if isinstance(spec.get("mmproj"), dict) else None
+            projector = await self.fetch(str(mmproj["name"]), lambda fraction: None) if mmproj else None
             self.report(name, ModelPhase.LOADING)
             lanes, context = int(spec.get("lanes") or 1), int(spec.get("context") or 0)
             available, memory = await asyncio.to_thread(device_memory)
             window = await asyncio.to_thread(deployed_window, path, lanes=lanes, context=context,
                                              available=available, memory=memory)
             worker = self.make_worker(EngineConfig(model_path=str(path), model_name=name, lanes=lanes,
-                                                   max_context=window, batch_invariant=self.batch_invariant))
+                                                   max_context=window, batch_invariant=self.batch_invariant,
+                                                   mmproj_path=str(projector) if projector else None))
             info = await worker.start()
         except asyncio.CancelledError:
             if worker is not None:

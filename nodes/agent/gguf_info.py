@@ -27,15 +27,25 @@ class GgufInfo:
     kv_bytes_per_token: int
     chat_template: str
     size: int
-    adapter: bool = False  # a LoRA adapter (general.type "adapter"): no context or KV of its own
+    # "model"; "adapter": a LoRA adapter (general.type "adapter"); "projector": a multimodal projector (a CLIP GGUF,
+    # general.architecture "clip"). Neither of the last two has a context or KV of its own.
+    kind: str = "model"
 
 
-def _adapter(reader: Any, arch: str, size: int) -> GgufInfo:
-    kind = _value(reader, "adapter.type")
-    if kind != "lora":
-        raise GgufError(f"it is an adapter of type {kind!r}; only LoRA adapters (adapter.type \"lora\") are served")
+def _attachment(reader: Any, arch: str, size: int) -> GgufInfo | None:
+    """A LoRA adapter's or a projector's facts; None for a model."""
+    if arch == "clip":
+        if not _value(reader, "clip.has_vision_encoder"):
+            raise GgufError("it is a CLIP file without a vision encoder; only image projectors (mmproj) are served")
+        kind = "projector"
+    elif _value(reader, "general.type") == "adapter":
+        if (lora := _value(reader, "adapter.type")) != "lora":
+            raise GgufError(f"it is an adapter of type {lora!r}; only LoRA adapters (adapter.type \"lora\") are served")
+        kind = "adapter"
+    else:
+        return None
     return GgufInfo(architecture=arch, quantization=_quantization(reader), context_length=0, kv_bytes_per_token=0,
-                    chat_template="", size=size, adapter=True)
+                    chat_template="", size=size, kind=kind)
 
 
 def _value(reader: Any, key: str) -> Any:
@@ -139,8 +149,8 @@ def read_gguf(path: str | os.PathLike) -> GgufInfo:
     arch = _value(reader, "general.architecture")
     if not isinstance(arch, str) or not arch:
         raise GgufError("its metadata names no architecture (general.architecture)")
-    if _value(reader, "general.type") == "adapter":
-        return _adapter(reader, arch, size)
+    if (attachment := _attachment(reader, arch, size)) is not None:
+        return attachment
     context = _required_int(reader, f"{arch}.context_length")
     template = _value(reader, "tokenizer.chat_template")
     return GgufInfo(architecture=arch, quantization=_quantization(reader), context_length=context,

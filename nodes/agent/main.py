@@ -196,6 +196,8 @@ async def _run(options: NodeOptions, resolve_head) -> None:
     agent: NodeAgent | None = None
     asker = NodeAgent(agent_config, None, resolve_head=resolve_head)
     pulled = await pulled_model(options, asker) if options.mock is None and is_registry_name(options.model) else None
+    if options.mmproj and is_registry_name(options.mmproj):  # the head's registry entry for the projector
+        options = replace(options, mmproj=str(await pulled_model(replace(options, model=options.mmproj), asker)))
     configs, name, why = engine_configs(options, pulled)
 
     def forward(index: int):

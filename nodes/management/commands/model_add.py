@@ -12,8 +12,8 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("path", help="the .gguf file on this machine (copied into $FLEET_HOME/blobs/)")
         parser.add_argument("--name", required=True, help="the model's name on the fleet")
-        parser.add_argument("--base", default="", help="for a LoRA adapter: the registry model it adapts "
-                            "(every node serving that model loads it; clients ask for BASE:NAME)")
+        parser.add_argument("--base", default="", help="for a LoRA adapter or an image projector (mmproj): the "
+                            "registry model it belongs to (nodes serving that model load it)")
 
     def handle(self, *args, **options):
         try:
@@ -24,6 +24,11 @@ class Command(BaseCommand):
             self.stdout.write(f"LoRA adapter {model.name!r} of {model.base.name!r} added: {model.size:,} bytes, "
                               f"sha256 {model.sha256}.\nEvery node serving {model.base.name!r} loads it; clients "
                               f"ask for model {model.base.name}:{model.name}\n")
+            return
+        if model.is_attachment:
+            self.stdout.write(f"Image projector {model.name!r} of {model.base.name!r} added: {model.size:,} bytes, "
+                              f"sha256 {model.sha256}.\nDeployments of {model.base.name!r} load it; on a node: "
+                              f"node_join <head> --model {model.base.name} --mmproj {model.name}\n")
             return
         self.stdout.write(
             f"Model {model.name!r} added: {model.architecture}, {model.quantization}, {model.size:,} bytes, "

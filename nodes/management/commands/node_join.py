@@ -98,9 +98,10 @@ class Command(BaseCommand):
         parser.add_argument("--lora", type=_lora, action="append", default=[], metavar="NAME=PATH",
                             help="load a GGUF LoRA adapter for the model (repeat for more); requests pick it as model "
                                  "MODEL:NAME or with the lora field")
-        parser.add_argument("--mmproj", metavar="PATH",
-                            help="the model's multimodal projector (a GGUF mmproj file): chats may then send images "
-                                 "(capability vision), read through llama.cpp's mtmd")
+        parser.add_argument("--mmproj", metavar="PATH|NAME",
+                            help="the model's multimodal projector (a GGUF mmproj file, or the name of one in the "
+                                 "head's registry, pulled like a model): chats may then send images (capability "
+                                 "vision), read through llama.cpp's mtmd")
         parser.add_argument("--transcribe", metavar="SPEECH_MODEL",
                             help="also serve /v1/audio/transcriptions with this speech model: whisper-tiny.en (the "
                                  "bundled one) or a CTranslate2 Whisper model folder; run by faster-whisper in the "
@@ -121,7 +122,7 @@ class Command(BaseCommand):
         except (ModelNotFound, ReplicaConfigError) as exc:
             sys.stderr.write(f"node_join: {exc}\n")
             sys.exit(2)
-        if options["mmproj"] and not os.path.isfile(options["mmproj"]):
+        if options["mmproj"] and not os.path.isfile(options["mmproj"]) and not is_registry_name(options["mmproj"]):
             sys.stderr.write(f"node_join: --mmproj: no file at {options['mmproj']!r} (give the model's GGUF "
                              "multimodal projector)\n")
             sys.exit(2)
