@@ -35,7 +35,7 @@ class ModelSerializer(serializers.ModelSerializer):
 class ModelCreateSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=64, help_text="The model's name on the fleet (nodes pull it by this).")
     upload = serializers.CharField(help_text="The id of a finished upload (POST /api/models/uploads/).")
-    base = serializers.CharField(max_length=64, required=False, default="",
+    base = serializers.CharField(max_length=64, required=False, default="", allow_blank=True,
                                  help_text="For a LoRA adapter or an image projector: the registry model it belongs "
                                            "to.")
 

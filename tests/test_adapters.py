@@ -77,6 +77,11 @@ def test_the_api_adds_an_adapter_with_its_base_and_refuses_to_deploy_it(home, ad
     sent = api.put(f"/api/models/uploads/{upload}/?offset=0", adapter_file.read_bytes(),
                    content_type="application/octet-stream")
     assert sent.status_code == 200, sent.content
+    blank = api.post("/api/models/", {"name": "style", "upload": upload, "base": ""}, format="json")  # the admin form's
+    assert blank.status_code == 400 and "name the registry model it belongs to" in str(blank.json()), blank.content
+    upload = api.post("/api/models/uploads/").json()["upload"]
+    api.put(f"/api/models/uploads/{upload}/?offset=0", adapter_file.read_bytes(),
+            content_type="application/octet-stream")
     made = api.post("/api/models/", {"name": "style", "upload": upload, "base": "smol"}, format="json")
     assert made.status_code == 201, made.content
     assert made.json()["base"] == "smol"

@@ -69,12 +69,13 @@ def test_the_generation_context_reaches_lines_that_do_not_name_it():
 
 def test_node_lines_about_a_generation_carry_its_id(tmp_path):
     from nodes.agent.dialer import AgentConfig, NodeAgent
+    from nodes.link.messages import Done, Error
 
     agent = NodeAgent(AgentConfig(head=None, token=format_token(LOCAL_TOKEN_ID, make_secret()), home=tmp_path), None)
     with json_lines("nodes.agent") as lines:
-        agent.on_engine_event({"type": "done", "gen_id": "g-done", "finish_reason": "stop",
-                               "usage": {"prompt_tokens": 9, "cached_tokens": 4, "completion_tokens": 3}})
-        agent.on_engine_event({"type": "error", "gen_id": "g-crash", "code": "engine_crashed", "message": "abort"})
+        agent.on_engine_event(Done(gen_id="g-done", seq=1, finish_reason="stop", timings={},
+                                   usage={"prompt_tokens": 9, "cached_tokens": 4, "completion_tokens": 3}))
+        agent.on_engine_event(Error(gen_id="g-crash", code="engine_crashed", message="abort"))
     done, crash = lines
     assert done["gen_id"] == "g-done" and "9 prompt tokens (4 cached), 3 completion tokens" in done["message"]
     assert crash["gen_id"] == "g-crash" and crash["level"] == "WARNING" and crash["code"] == "engine_crashed"
