@@ -185,6 +185,13 @@ class RevokedNodeKeyAdmin(admin.ModelAdmin):
         return fingerprint(bytes.fromhex(row.public_key))
 
 
+def _pairs(pairs, *, empty: str) -> str:
+    """Each node-model pair as `node: state` lines (pulling 43%, serving, failed: why)."""
+    if not pairs:
+        return empty
+    return format_html_join("", "{}: {}<br>", ((p.node.identity, p.describe()) for p in pairs))
+
+
 @admin.register(Model)
 class ModelAdmin(admin.ModelAdmin):
     """The model registry. Adding uploads the file in parts through /api/models/ (see the add page's script), so the
@@ -217,10 +224,7 @@ class ModelAdmin(admin.ModelAdmin):
     @admin.display(description="on nodes")
     def on_nodes(self, model):
         """Each node's state for it (a deployed model, or an adapter of a model nodes serve), as last reported."""
-        pairs = model_node_states(model=model)
-        if not pairs:
-            return "no node reported it"
-        return format_html_join("", "{}: {}<br>", ((p.node.identity, p.describe()) for p in pairs))
+        return _pairs(model_node_states(model=model), empty="no node reported it")
 
     @admin.display(description="size (MB)", ordering="size")
     def size_mb(self, model):
@@ -272,7 +276,4 @@ class DeploymentAdmin(admin.ModelAdmin):
 
     @admin.display(description="on the nodes")
     def states(self, deployment):
-        pairs = deployment_states(deployment=deployment)
-        if not pairs:
-            return "no node reported it yet"
-        return format_html_join("", "{}: {}<br>", ((p.node.identity, p.describe()) for p in pairs))
+        return _pairs(deployment_states(deployment=deployment), empty="no node reported it yet")

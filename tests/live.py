@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -173,3 +174,13 @@ def make_peer_head(head: Head, tmp: Path) -> Head:
     if "DATABASE_URL" not in env:
         env["FLEET_SQLITE_PATH"] = str(head.home / "fleet.sqlite3")
     return Head(home=home, port=free_port(), env=env, api_key=head.api_key)
+
+
+def blob_bytes_served(head: Head) -> float:
+    """The head's `fleet_blob_bytes_served_total` (what nodes pulled: models, projectors, media), read from /metrics."""
+    request = urllib.request.Request(f"{head.url}/metrics",  # noqa: S310 - our own head
+                                     headers={"Authorization": f"Bearer {head.env['FLEET_METRICS_TOKEN']}"})
+    with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - our own head
+        text = response.read().decode()
+    match = re.search(r"^fleet_blob_bytes_served_total (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0

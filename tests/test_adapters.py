@@ -23,6 +23,7 @@ from nodes.link.spec import GenerateSpec
 from nodes.models import Model
 from tests.factories import NodeFactory, UserFactory
 from tests.lora_adapter import build_adapter
+from tests.test_deployments import FakeWorker
 
 MODEL = bundled_model_path()
 
@@ -116,23 +117,15 @@ def test_adding_or_deleting_an_adapter_tells_every_online_node(home, adapter_fil
 # --- the node -----------------------------------------------------------------------------------------------------
 
 
-class AdapterWorker:
-    """An engine worker that keeps LoRA adapters as its real counterpart reports them (capabilities lora:NAME)."""
+class AdapterWorker(FakeWorker):
+    """A fake engine worker that keeps LoRA adapters as its real counterpart reports them (capabilities lora:NAME)."""
 
     def __init__(self, name: str, lanes: int = 2) -> None:
-        self.name, self.lanes, self.loaded, self.busy = name, lanes, {}, set()
+        super().__init__(name, lanes)
+        self.loaded, self.busy = {}, set()
 
     def info(self):
-        caps = {"lora": True, **{f"lora:{n}": True for n in self.loaded}}
-        return {"model_name": self.name, "context_window": 1024, "lanes": self.lanes, "capabilities": caps}
-
-    def stats(self):
-        return {"lanes": self.lanes, "lanes_busy": 0}
-
-    alive = True
-
-    async def start(self):
-        return self.info()
+        return {**super().info(), "capabilities": {"lora": True, **{f"lora:{n}": True for n in self.loaded}}}
 
     async def submit(self, spec):
         self.busy.add(spec.model.partition(":")[2])
@@ -144,9 +137,6 @@ class AdapterWorker:
             self.loaded[name] = path
         else:
             del self.loaded[name]
-
-    async def stop(self):
-        pass
 
 
 def _deployer(monkeypatch, primary: AdapterWorker, made: list) -> tuple[Deployer, ModelSet, list]:

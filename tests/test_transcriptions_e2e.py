@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import re
-import urllib.request
 
 import httpx
 import numpy as np
 import pytest
 from openai import BadRequestError, OpenAI
 
-from tests.live import make_head, start_node, wait_for
+from tests.live import blob_bytes_served, make_head, start_node, wait_for
 from tests.speech import SENTENCE, heard, speak, write_wav
 
 MODEL = "whisper-tiny.en"
@@ -40,15 +39,6 @@ def wav(tmp_path_factory):
 
 def client_of(head) -> OpenAI:
     return OpenAI(base_url=f"{head.url}/v1", api_key=head.api_key, max_retries=0)
-
-
-def blob_bytes_served(head) -> float:
-    request = urllib.request.Request(f"{head.url}/metrics",  # noqa: S310 - our own head
-                                     headers={"Authorization": f"Bearer {head.env['FLEET_METRICS_TOKEN']}"})
-    with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - our own head
-        text = response.read().decode()
-    match = re.search(r"^fleet_blob_bytes_served_total (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
 
 
 @contextlib.contextmanager

@@ -6,14 +6,12 @@ sending a base64 image."""
 from __future__ import annotations
 
 import base64
-import re
-import urllib.request
 
 import pytest
 from openai import APIStatusError, BadRequestError, OpenAI
 
 from nodes.agent.engine.local import bundled_model_path
-from tests.live import make_head, start_node, wait_for
+from tests.live import blob_bytes_served, make_head, start_node, wait_for
 from tests.vision_projector import IMAGE_TOKENS, build_projector, png
 
 pytestmark = pytest.mark.slow
@@ -44,15 +42,6 @@ def vision_head(tmp_path_factory):
 
 def client_of(head) -> OpenAI:
     return OpenAI(base_url=f"{head.url}/v1", api_key=head.api_key, max_retries=0)
-
-
-def blob_bytes_served(head) -> float:
-    request = urllib.request.Request(f"{head.url}/metrics",  # noqa: S310 - our own head
-                                     headers={"Authorization": f"Bearer {head.env['FLEET_METRICS_TOKEN']}"})
-    with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - our own head
-        text = response.read().decode()
-    match = re.search(r"^fleet_blob_bytes_served_total (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
 
 
 def asking(image: bytes = IMAGE) -> dict:
