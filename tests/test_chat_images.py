@@ -3,6 +3,7 @@ placed (only on nodes with `vision`), and a 400 that says what is wrong for ever
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import http.server
@@ -137,7 +138,11 @@ async def test_a_part_of_another_kind_is_a_400(bearer, fake_node):
 class _Images(http.server.BaseHTTPRequestHandler):
     """A tiny image server on localhost: /cat.png is an image, /moved redirects to it."""
 
+    release = threading.Event()  # /slow.png answers once this is set
+
     def do_GET(self):  # noqa: N802 - http.server's name
+        if self.path == "/slow.png":
+            self.release.wait(30)
         if self.path == "/moved":
             self.send_response(302)
             self.send_header("Location", "/cat.png")
@@ -174,6 +179,18 @@ async def test_a_remote_url_on_an_allowed_host_is_fetched_once_by_the_head(beare
     sha256 = hashlib.sha256(png()).hexdigest()
     assert link.specs[0]["messages"][-1]["content"][1]["image"]["sha256"] == sha256
     assert blob_path(sha256).read_bytes() == png()
+
+
+async def test_a_slow_image_server_holds_up_its_own_request_only(bearer, image_server, settings):
+    settings.FLEET_MEDIA_REMOTE_URLS = {"127.0.0.1"}
+    _Images.release.clear()
+    add_fake_node(FakeLink(script=Script(tokens=[" A"])), capabilities=VISION)
+    slow = asyncio.ensure_future(request("POST", URL, key=bearer, body=chat(f"{image_server}/slow.png")))
+    await asyncio.sleep(0.5)  # its fetch has begun
+    models = await asyncio.wait_for(request("GET", "/v1/models", key=bearer), 8)  # the sync thread is free
+    assert models.status == 200 and not slow.done()
+    _Images.release.set()
+    assert (await slow).status == 200
 
 
 async def test_a_remote_url_that_redirects_is_not_followed(bearer, fake_node, image_server, settings):
