@@ -5,7 +5,7 @@ import os
 import pytest
 from openai import OpenAI
 
-from tests.live import make_head, make_peer_head, start_node
+from tests.live import make_head, make_peer_head, start_node, wait_for
 
 pytestmark = [
     pytest.mark.slow,
@@ -33,6 +33,8 @@ def test_a_conversation_goes_back_to_its_node_whichever_head_takes_the_turn(head
     try:
         first.wait_nodes(1, timeout=240)
         second.wait_nodes(1, timeout=240)
+        for head in (first, second):  # each head keys prompts by the nodes' tokenizer once its file is in
+            wait_for(lambda head=head: "sent tokenizer" in head.log(), 60, f"no tokenizer reached {head.url}")
         clients = [OpenAI(base_url=f"{h.url}/v1", api_key=first.api_key, max_retries=0, timeout=120)
                    for h in (first, second)]
         messages = [{"role": "system", "content": SYSTEM}]
