@@ -275,3 +275,12 @@ def test_the_node_loads_a_deployed_model_with_its_registry_projector(monkeypatch
 
     configs = asyncio.run(scenario())
     assert configs[0].mmproj_path == "/models/eyes.gguf" and configs[0].model_path == "/models/smol.gguf"
+
+
+def test_an_adapter_of_a_model_the_head_renamed_keeps_the_head_s_name_for_its_base():
+    from types import SimpleNamespace
+
+    from nodes.link_deploy import _fleet_name
+
+    node = SimpleNamespace(fleet_names={"smollm2": "smol"})  # the node joined serving smollm2; the head calls it smol
+    assert [_fleet_name(node, n) for n in ("smollm2", "smollm2:style", "other")] == ["smol", "smol:style", "other"]
