@@ -34,11 +34,13 @@ from nodes.link.codes import REFUSALS, CloseCode
 from nodes.link.handshake import LOCAL_TOKEN_ID, Responder, TokenRefused
 from nodes.link.messages import (
     Accepted,
+    Bundle,
     Bye,
     Cancel,
     Check,
     Done,
     Error,
+    Feature,
     Generate,
     Heartbeat,
     LinkError,
@@ -52,6 +54,7 @@ from nodes.link.messages import (
     StateResult,
     TokenBatch,
     TokenizerFile,
+    unbundle,
 )
 from nodes.link.placement import NodeSlot
 from nodes.models import FleetToken, LinkEvent, Node
@@ -278,7 +281,12 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             await self.channel_layer.group_add(token_group(self.token.public_id), self.channel_name)
 
     async def _on_message(self, msg: Any, body: bytes = b"") -> None:
-        if isinstance(msg, TokenBatch | Accepted | Done | Error):
+        if isinstance(msg, Bundle):  # messages the node sent at once: each handled as if it had a frame of its own
+            if not self.node_id:
+                raise LinkError("bundle before the node registered")
+            for part, part_body in unbundle(msg):
+                await self._on_message(part, part_body)
+        elif isinstance(msg, TokenBatch | Accepted | Done | Error):
             if msg.gen_id not in self.running:
                 if msg.gen_id in self.ended:
                     return  # a straggler after a cancel raced the node's own end of the generation
@@ -412,7 +420,7 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         )
         await self._send(Registered(node_id=self.node_id, model_names=reg.model_names,
                                     heartbeat_s=float(settings.FLEET_HEARTBEAT_S), warnings=reg.warnings,
-                                    tokenizers_wanted=wanted))
+                                    tokenizers_wanted=wanted, features=[Feature.BUNDLE.value]))
         registry_.links[self.node_id] = self
         self.held, self.engine_ready = not node.schedulable, True
         await registry_.aplacement.set_schedulable(self.node_id, self._placeable())

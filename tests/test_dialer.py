@@ -6,8 +6,9 @@ import pytest
 from websockets.exceptions import ConnectionClosedError
 
 from nodes.agent.dialer import AgentConfig, NodeAgent
+from tests.test_link_channel import _connect
 from nodes.link.handshake import LOCAL_TOKEN_ID, format_token, make_secret
-from nodes.link.messages import Heartbeat
+from nodes.link.messages import Bundle, Heartbeat, TokenBatch, unbundle
 
 pytestmark = pytest.mark.asyncio
 
@@ -71,3 +72,36 @@ async def test_the_head_hears_at_once_when_the_engine_goes_down_and_comes_back(t
         assert (await asyncio.wait_for(node.outbox.get(), 1)).engine_ready is True
     finally:
         task.cancel()
+
+
+class FrameSink:
+    def __init__(self):
+        self.frames: list[bytes] = []
+
+    async def send(self, frame: bytes) -> None:
+        self.frames.append(frame)
+
+
+@pytest.mark.parametrize("bundle", [True, False])
+async def test_what_the_outbox_holds_at_once_goes_as_one_bundle_to_a_head_that_takes_them(tmp_path, bundle):
+    node = agent(tmp_path)
+    node.outbox = asyncio.Queue()
+    sent = [TokenBatch(gen_id=f"g{i}", seq=1, text=["x"], ids=[1]) for i in range(5)]
+    for msg in sent:  # an engine step's events, put in by one callback
+        node.outbox.put_nowait(msg)
+    ws, (node_channel, head_channel) = FrameSink(), _connect()
+    task = asyncio.ensure_future(node._send(ws, node_channel, bundle))
+    try:
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if node.outbox.empty():
+                break
+        await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+    opened = [head_channel.open(frame) for frame in ws.frames]
+    if bundle:
+        assert len(opened) == 1 and isinstance(opened[0], Bundle)
+        assert [msg for msg, _ in unbundle(opened[0])] == sent
+    else:
+        assert opened == sent  # an older head: one message a frame

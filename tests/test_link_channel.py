@@ -61,7 +61,7 @@ def _every_message() -> list[messages.Message]:
             tokenizers={"qwen": "cd" * 32},
         ),
         messages.Registered(node_id="n-1", model_names=["qwen"], heartbeat_s=2.5, warnings=["old engine"],
-                            tokenizers_wanted=["cd" * 32]),
+                            tokenizers_wanted=["cd" * 32], features=["bundle"]),
         messages.Heartbeat(
             lanes_busy=1,
             lanes=4,
@@ -106,6 +106,7 @@ def _every_message() -> list[messages.Message]:
         messages.ModelState(model="tiny-chat", state="pulling", progress=0.43, detail=""),
         messages.TokenizerFile(fingerprint="cd" * 32, part=1, parts=3, data=b"\x78\x9c\x00partial"),
         messages.Refusal(code=4012, reason="tokenizer 6933a85f6426 differs from the registry's 4fba48d09c14"),
+        messages.Bundle(parts=[messages.encode(messages.Cancel(gen_id="g1", reason="x"))]),
     ]
 
 
@@ -433,3 +434,53 @@ def test_format_token_checks_its_inputs():
         format_token("tok", b"short")
     with pytest.raises(BadToken, match="token id"):
         format_token("has space", bytes(32))
+
+
+def _batches(n: int) -> list[messages.Message]:
+    return [messages.TokenBatch(gen_id=f"g{i}", seq=1, text=["a", "b"], ids=[1, 2]) for i in range(n)]
+
+
+def _opened(head: SecureChannel, frames: list[bytes]) -> list[list[messages.Message]]:
+    """Each frame's messages, a bundle's unpacked."""
+    out = []
+    for frame in frames:
+        msg, body = head.open_with_body(frame)
+        if isinstance(msg, messages.Bundle):
+            parts = messages.unbundle(msg)
+            assert all(messages.decode(part_body) == part for part, part_body in parts)  # each keeps its own body
+            out.append([part for part, _ in parts])
+        else:
+            assert messages.decode(body) == msg
+            out.append([msg])
+    return out
+
+
+def test_seal_all_puts_messages_ready_at_once_in_one_frame_in_order():
+    node, head = _connect()
+    batches = _batches(64)
+    frames = node.seal_all(batches)
+    assert len(frames) == 1
+    assert _opened(head, frames) == [batches]
+
+
+def test_seal_all_starts_a_new_frame_at_the_byte_cap_and_sends_a_lone_or_larger_message_as_itself():
+    node, head = _connect()
+    batches = _batches(10)
+    one = len(messages.encode(batches[0]))
+    frames = node.seal_all(batches, bundle_bytes=one * 4)
+    assert [len(group) for group in _opened(head, frames)] == [4, 4, 2]
+    big = messages.TokenizerFile(fingerprint="cd" * 32, part=0, parts=1, data=b"x" * (one * 8))
+    frames = node.seal_all([batches[0], big, batches[1]], bundle_bytes=one * 4)
+    assert _opened(head, frames) == [[batches[0]], [big], [batches[1]]]
+    lone = node.seal_all([batches[2]])
+    assert not isinstance(head.open(lone[0]), messages.Bundle)
+
+
+def test_unbundle_refuses_a_bundle_inside_a_bundle_and_parts_that_are_not_messages():
+    inner = messages.encode(messages.Bundle(parts=[messages.encode(messages.Bye(reason="x"))]))
+    with pytest.raises(ProtocolError, match="bundle inside a bundle"):
+        messages.unbundle(messages.Bundle(parts=[inner]))
+    with pytest.raises(ProtocolError, match="must be bytes"):
+        messages.unbundle(messages.Bundle(parts=["text"]))
+    with pytest.raises(ProtocolError, match="not a msgpack message|must be a msgpack map"):
+        messages.unbundle(messages.Bundle(parts=[b"\xc1"]))

@@ -10,7 +10,7 @@ from channels.testing import WebsocketCommunicator
 from fleet.links import registry
 from nodes.link.codes import CloseCode
 from nodes.link.handshake import LOCAL_TOKEN_ID, Initiator, format_token, make_secret, parse_token
-from nodes.link.messages import Check, Heartbeat, Pull, Register, Registered
+from nodes.link.messages import Bundle, Check, Heartbeat, Pull, Register, Registered, encode
 from nodes.link.noise import generate_static
 from nodes.models import Node
 from nodes.services import fleet_token_create, fleet_token_revoke
@@ -95,6 +95,7 @@ async def test_the_local_node_registers_and_heartbeats():
     await comm.send_to(bytes_data=channel.seal(REGISTER))
     reply = channel.open(await comm.receive_from(timeout=5))
     assert isinstance(reply, Registered) and reply.model_names == ["smollm2"]
+    assert reply.features == ["bundle"]  # the node may send several messages a frame
     node = await Node.objects.aget(identity="gpu-7")
     assert node.state == Node.State.ONLINE and node.lanes == 4
     assert node.key_fingerprint and node.key_bound_at is not None
@@ -336,6 +337,34 @@ async def test_tampered_frame_after_the_handshake_closes_4003():
     frame[-1] ^= 0x01
     await comm.send_to(bytes_data=bytes(frame))
     assert await closed_with(comm) == 4003
+
+
+async def test_a_bundle_is_handled_as_its_messages_one_after_another():
+    comm, channel = await joined()
+    node = await Node.objects.aget(identity="gpu-7")
+    beats = [Heartbeat(lanes_busy=busy, lanes=4, prefill_tps=100.0 * busy) for busy in (1, 3)]
+    await comm.send_to(bytes_data=channel.seal(Bundle(parts=[encode(beat) for beat in beats])))
+    for _ in range(100):
+        beat = await _beat_of(str(node.pk))
+        if beat["lanes_busy"] == 3:
+            break
+        await asyncio.sleep(0.02)
+    assert beat["lanes_busy"] == 3 and beat["prefill_tps"] == 300.0  # the second, handled after the first
+    await comm.disconnect()
+
+
+async def test_a_bundle_before_register_or_inside_a_bundle_closes_4003(caplog):
+    comm = communicator()
+    await comm.connect()
+    channel = await handshake(comm)
+    await comm.send_to(bytes_data=channel.seal(Bundle(parts=[encode(REGISTER)])))
+    assert await closed_with(comm) == 4003
+    assert "bundle before the node registered" in caplog.text
+    comm, channel = await joined()
+    nested = encode(Bundle(parts=[encode(Heartbeat(lanes_busy=0, lanes=4))]))
+    await comm.send_to(bytes_data=channel.seal(Bundle(parts=[nested])))
+    assert await closed_with(comm) == 4003
+    assert "bundle inside a bundle" in caplog.text
 
 
 async def test_replayed_frame_closes_4003():

@@ -37,6 +37,7 @@ from nodes.link.messages import (
     Deploy,
     Done,
     Error,
+    Feature,
     Generate,
     Heartbeat,
     LinkError,
@@ -189,7 +190,7 @@ class NodeAgent:
             for warning in registered.warnings:
                 log.warning("fleet node: %s", warning)
             self.heartbeat_s = registered.heartbeat_s or self.heartbeat_s
-            await self._serve(ws, channel)
+            await self._serve(ws, channel, bundle=Feature.BUNDLE in registered.features)
             return True
 
     async def _handshake(self, ws) -> SecureChannel:
@@ -230,9 +231,9 @@ class NodeAgent:
                 await ws.send(channel.seal(part))
         return reply
 
-    async def _serve(self, ws, channel: SecureChannel) -> None:
+    async def _serve(self, ws, channel: SecureChannel, *, bundle: bool = False) -> None:
         self.outbox = asyncio.Queue()
-        tasks = [asyncio.ensure_future(c) for c in (self._receive(ws, channel), self._send(ws, channel),
+        tasks = [asyncio.ensure_future(c) for c in (self._receive(ws, channel), self._send(ws, channel, bundle),
                                                      self._heartbeat())]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -292,10 +293,19 @@ class NodeAgent:
         if self.outbox is not None:
             self.outbox.put_nowait(reply)
 
-    async def _send(self, ws, channel: SecureChannel) -> None:
+    async def _send(self, ws, channel: SecureChannel, bundle: bool) -> None:
+        """Every outbox message onto the link, in order. To a head that takes bundles, what the outbox holds at
+        once goes in as few frames as fit (an engine step's token batches for all its lanes arrive together): no
+        waiting for more, so a lone message leaves as soon as before."""
         while True:
-            msg = await self.outbox.get()
-            await ws.send(channel.seal(msg))
+            msgs = [await self.outbox.get()]
+            if not bundle:
+                await ws.send(channel.seal(msgs[0]))
+                continue
+            while not self.outbox.empty():
+                msgs.append(self.outbox.get_nowait())
+            for frame in channel.seal_all(msgs):
+                await ws.send(frame)
 
     async def _heartbeat(self) -> None:
         """A heartbeat every `heartbeat_s`, and one at once when the engine worker dies or comes back."""

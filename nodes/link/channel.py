@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from nodes.link import messages
-from nodes.link.messages import LinkError, Message
+from nodes.link.messages import Bundle, LinkError, Message
 from nodes.link.noise import TAGLEN, CipherState, NoiseError
 
 MAX_FRAME = 4 * 1024 * 1024
+BUNDLE_BYTES = 64 * 1024  # what `seal_all` puts in one frame at most (a larger message goes alone)
 
 
 class FrameError(LinkError):
@@ -50,9 +53,37 @@ class SecureChannel:
         self._check_usable()
         # A message that cannot be encoded or is too large fails alone: no nonce was spent, so the channel stays
         # usable for every other generation on the link.
-        body = messages.encode(msg)
+        return self._seal_body(messages.encode(msg), msg.TYPE.value)
+
+    def seal_all(self, msgs: Sequence[Message], bundle_bytes: int = BUNDLE_BYTES) -> list[bytes]:
+        """The frames to send for `msgs`, in order: consecutive messages share a frame as a `Bundle` while it holds
+        at most `bundle_bytes` of bodies; one that is alone, or larger, is sealed as itself. For a peer that takes
+        bundles (messages.Feature.BUNDLE)."""
+        self._check_usable()
+        frames: list[bytes] = []
+        group: list[bytes] = []
+        size = 0
+
+        def flush() -> None:
+            if len(group) == 1:
+                frames.append(self._seal_body(group[0], "message"))
+            elif group:
+                frames.append(self._seal_body(messages.encode(Bundle(parts=list(group))), "bundle"))
+            group.clear()
+
+        for msg in msgs:
+            body = messages.encode(msg)
+            if group and size + len(body) > bundle_bytes:
+                flush()
+                size = 0
+            group.append(body)
+            size += len(body)
+        flush()
+        return frames
+
+    def _seal_body(self, body: bytes, what: str) -> bytes:
         if len(body) + TAGLEN > self.max_frame:
-            raise FrameError(f"{msg.TYPE.value} message of {len(body)} bytes is too large (cap {self.max_frame})")
+            raise FrameError(f"{what} message of {len(body)} bytes is too large (cap {self.max_frame})")
         try:
             return self._send.encrypt_with_ad(b"", body)
         except NoiseError as exc:

@@ -47,6 +47,15 @@ class MessageType(StrEnum):
     MODEL_STATE = "model_state"
     TOKENIZER_FILE = "tokenizer_file"
     REFUSAL = "refusal"
+    BUNDLE = "bundle"
+
+
+class Feature(StrEnum):
+    """What a head can take beyond protocol 1's messages; it lists them in `registered`, and a node uses one only
+    when listed, so a newer node works with an older head (and a newer head with an older node: it merely never
+    receives what the node does not send)."""
+
+    BUNDLE = "bundle"  # several node -> head messages in one frame
 
 
 class Message:
@@ -92,6 +101,7 @@ class Registered(Message):
     # fingerprints of the node's tokenizers the head has no file of: the node sends each (tokenizer_file frames),
     # and takes no generation until they are in
     tokenizers_wanted: list[str] = field(default_factory=list)
+    features: list[str] = field(default_factory=list)  # Feature values this head takes
 
 
 @dataclass(slots=True)
@@ -320,6 +330,31 @@ class Refusal(Message):
     reason: str
 
 
+@dataclass(slots=True)
+class Bundle(Message):
+    """node -> head, once the head listed Feature.BUNDLE: messages that were ready to send at the same moment, in
+    order, one frame for all (each part the msgpack body of one message, never itself a bundle). What a node's
+    outbox holds at once is mostly one engine step's token batches for its many generations; bundled, the head
+    parses, decrypts and dispatches one websocket frame for them instead of one each."""
+
+    TYPE: ClassVar[MessageType] = MessageType.BUNDLE
+    parts: list[bytes]
+
+
+def unbundle(bundle: Bundle) -> list[tuple[Message, bytes]]:
+    """The messages in `bundle`, each with its own body; raises ProtocolError on a part that is not a message or
+    is a bundle."""
+    opened = []
+    for part in bundle.parts:
+        if not isinstance(part, bytes):
+            raise ProtocolError(f"bundle: a part must be bytes, got {type(part).__name__}")
+        msg = decode(part)
+        if isinstance(msg, Bundle):
+            raise ProtocolError("bundle: a bundle inside a bundle")
+        opened.append((msg, part))
+    return opened
+
+
 REGISTRY: dict[str, type[Message]] = {
     cls.TYPE.value: cls
     for cls in (
@@ -343,6 +378,7 @@ REGISTRY: dict[str, type[Message]] = {
         ModelState,
         TokenizerFile,
         Refusal,
+        Bundle,
     )
 }
 
