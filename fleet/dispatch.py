@@ -24,7 +24,7 @@ from nodes.link.lifecycle import aplacement_keys
 from nodes.link.messages import Accepted, Done, Error, TokenBatch
 from nodes.link.prefix import PrefixKey
 from nodes.link.spec import GenerateSpec
-from nodes.tokenizers import fingerprint_served, tokenizer_get
+from nodes.tokenizers import fingerprint_served, tokenizer_get, tokenizer_known
 
 log = logging.getLogger("fleet")
 
@@ -154,6 +154,7 @@ class GenerationStream:
         self._counted = False  # counted in _running (from its first placement to its end)
         self.keys: list[PrefixKey] | None = None  # the prompt's, once its model's tokenizer is known (_key)
         self.tokenizer: Any = None
+        self._tokenizer_due = ""  # the fingerprint whose file the keys wait for (they are bytes' until it is in)
         self.outcome = Outcome()
         self._seq = 0
         self._cancelled = False
@@ -254,7 +255,7 @@ class GenerationStream:
             served = ", ".join(sorted({m for s in nodes for m in s.models})) or "none"
             raise GenerationError("model_not_found", f"The model {model!r} is not served by any node "
                                   f"(served: {served}).", status=404, param="model")
-        if self.keys is None:
+        if self.keys is None or (self._tokenizer_due and tokenizer_known(self._tokenizer_due)):
             await self._key(nodes)
         unable = self._unable(nodes)
         ahead = _waiters.ahead_of(self.spec.gen_id, model, self.deadline, self.batch)
@@ -280,6 +281,9 @@ class GenerationStream:
         fingerprint = fingerprint_served(self.spec.model, [s.tokenizers for s in nodes]) or BYTES
         self.tokenizer = BUILTINS.get(fingerprint) or await asyncio.to_thread(tokenizer_get, fingerprint)
         self.keys = await aplacement_keys(self.spec, self.tokenizer)
+        # Keyed by bytes while the file of its nodes' tokenizer is on its way (a node that just joined is not
+        # placed until the file is in): keyed again once it is, so the node records the keys the next turn looks up.
+        self._tokenizer_due = fingerprint if self.tokenizer is BUILTINS[BYTES] and fingerprint != BYTES else ""
 
     def _count(self, delta: int) -> None:
         """In _running from its first placement to its end."""

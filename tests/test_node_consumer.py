@@ -2,16 +2,21 @@
 
 import asyncio
 import contextlib
+import time
+import uuid
 
 import pytest
 from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 
+from fleet.dispatch import generation_stream
 from fleet.links import registry
+from nodes.agent.vocab import BUILTINS, BYTES
 from nodes.link.codes import CloseCode
 from nodes.link.handshake import LOCAL_TOKEN_ID, Initiator, format_token, make_secret, parse_token
-from nodes.link.messages import Bundle, Check, Heartbeat, Pull, Register, Registered, encode
+from nodes.link.messages import Bundle, Check, Generate, Heartbeat, Pull, Register, Registered, encode
 from nodes.link.noise import generate_static
+from nodes.link.spec import GenerateSpec
 from nodes.models import Node
 from nodes.services import fleet_token_create, fleet_token_revoke
 
@@ -558,10 +563,26 @@ async def test_a_node_sends_the_tokenizer_the_head_lacks_and_takes_work_once_it_
     assert isinstance(reply, Registered) and reply.tokenizers_wanted == [fingerprint]
     [slot] = registry().placement.nodes()
     assert (slot.tokenizers, slot.schedulable) == ({"smollm2": fingerprint}, False)
+
+    # And a generation that comes before the file, keyed by bytes while it waits, is keyed again by the node's
+    # tokenizer once the file is in, before it is placed there
+    stream = generation_stream(GenerateSpec(gen_id=uuid.uuid4().hex, model="smollm2", prompt="Hello there, how"),
+                               deadline=time.time() + 20)
+    first = asyncio.ensure_future(stream.__aiter__().__anext__())
+    for _ in range(100):
+        if stream.keys is not None:
+            break
+        await asyncio.sleep(0.02)
+    assert stream.tokenizer is BUILTINS[BYTES]
     parts = await asyncio.to_thread(tokenizer_parts, str(path), fingerprint)
     for part in parts:
         await comm.send_to(bytes_data=channel.seal(part))
     assert await placeable(1) and tokenizer_known(fingerprint)
+    while not isinstance(sent := channel.open(await comm.receive_from(timeout=5)), Generate):
+        pass
+    assert sent.gen_id == stream.spec.gen_id and getattr(stream.tokenizer, "fingerprint", "") == fingerprint
+    first.cancel()
+    await stream.cancel()
 
     # And a node that joins later with the same tokenizer is not asked again
     other = communicator()
