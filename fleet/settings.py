@@ -77,15 +77,17 @@ INSTALLED_APPS = [
     "api",
 ]
 
+# Django's stock list; those from fleet.middleware are the stock classes with their hooks run on the event loop
+# instead of a thread hop each (they do no I/O).
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "fleet.middleware.CommonMiddleware",
+    "fleet.middleware.CsrfViewMiddleware",
+    "fleet.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
-    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "fleet.middleware.XFrameOptionsMiddleware",
 ]
 
 ROOT_URLCONF = "fleet.urls"
