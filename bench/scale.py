@@ -19,7 +19,8 @@ less the direct run's at the same stream count: what the node sent). Targets (is
 1,000 tokens. The JSON says how many cores the head had and the load average; a target this machine cannot reach
 is reported as not met, with the reason.
 
-    .venv/bin/python bench/scale.py [--quick] [--streams 100,500,1000] [--seconds 20] [--profile DIR]
+    .venv/bin/python bench/scale.py [--quick] [--streams 100,500,1000] [--seconds 20] [--tokens 100] [--out FILE]
+                                    [--profile DIR]
 
 Writes bench/results/scale.json as {"runs": [{"streams", "heads", "direct_tok_s", "proxy_tok_s", "head_tok_s",
 "head_cpu_s_per_1k_tok", "added_ttft_ms_p50", "added_gap_ms_p99", ...}], "targets_met": ..., ...}. With --profile,
@@ -234,6 +235,7 @@ def main() -> int:
     parser.add_argument("--tps", type=float, default=40.0, help="each mock node's decode steps a second")
     parser.add_argument("--tokens", type=int, default=100, help="tokens each generation asks for")
     parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"where the JSON goes (default {RESULTS.name})")
     args = parser.parse_args()
     if args.quick:
         args.streams, args.seconds, args.warmup = "100,500", 8.0, 6.0
@@ -258,8 +260,8 @@ def main() -> int:
         print(f"{r['streams']:>8}{r['heads']:>6}{r['direct_tok_s']:>9}{r['proxy_tok_s']:>9}{r['head_tok_s']:>9}"
               f"{r['head_cpu_s_per_1k_tok']!s:>8}{r['added_ttft_ms_p50']!s:>9}{r['added_gap_ms_p99']!s:>8}")
     print(json.dumps(result["targets_met"], indent=2))
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
     return 0
 
 
