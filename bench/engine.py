@@ -66,9 +66,9 @@ def run_batched(engine: LlamaEngine, messages: list[list[dict[str, str]]], n_new
     specs = [GenerateSpec(gen_id=f"g{i}", messages=m, max_tokens=n_new, temperature=0) for i, m in enumerate(messages)]
     done = [o.done for o in run_local(engine, specs).values()]
     assert all(d is not None for d in done)
-    first = min(d["timings"]["ttft_ms"] for d in done)  # type: ignore[index]
-    last = max(d["timings"]["total_ms"] for d in done)  # type: ignore[index]
-    tokens = sum(d["usage"]["completion_tokens"] - 1 for d in done)  # type: ignore[index]
+    first = min(d.timings["ttft_ms"] for d in done)  # type: ignore[union-attr]
+    last = max(d.timings["total_ms"] for d in done)  # type: ignore[union-attr]
+    tokens = sum(d.usage["completion_tokens"] - 1 for d in done)  # type: ignore[union-attr]
     return tokens / ((last - first) / 1000), tokens
 
 

@@ -58,7 +58,7 @@ def turn(engine: LlamaEngine, gen_id: str, messages: list[dict[str, str]]) -> di
     spec = GenerateSpec(gen_id=gen_id, messages=messages, max_tokens=32, temperature=0)
     outcome = run_local(engine, [spec])[gen_id]
     assert outcome.done is not None, outcome.error
-    return {"text": outcome.text, "usage": outcome.done["usage"], "timings": outcome.done["timings"]}
+    return {"text": outcome.text, "usage": outcome.done.usage, "timings": outcome.done.timings}
 
 
 def main() -> int:

@@ -123,8 +123,8 @@ def server_prompt_ms(url: str, prompt: str) -> tuple[float, int]:
 def ours_prompt_ms(engine: LlamaEngine, prompt: str, tag: str) -> tuple[float, int]:
     spec = GenerateSpec(gen_id=f"p-{tag}", prompt=prompt, max_tokens=1, temperature=0)
     done = run_local(engine, [spec])[spec.gen_id].done
-    assert done is not None and done["usage"]["cached_tokens"] == 0, done
-    return float(done["timings"]["prompt_ms"]), int(done["usage"]["prompt_tokens"])
+    assert done is not None and done.usage["cached_tokens"] == 0, done
+    return float(done.timings["prompt_ms"]), int(done.usage["prompt_tokens"])
 
 
 def main() -> int:
@@ -201,9 +201,9 @@ def main() -> int:
 
 def _rate(engine: LlamaEngine, specs: list[GenerateSpec]) -> tuple[float, int]:
     done = [o.done for o in run_local(engine, specs).values()]
-    first = min(d["timings"]["ttft_ms"] for d in done)  # type: ignore[index]
-    last = max(d["timings"]["total_ms"] for d in done)  # type: ignore[index]
-    tokens = sum(d["usage"]["completion_tokens"] - 1 for d in done)  # type: ignore[index]
+    first = min(d.timings["ttft_ms"] for d in done)  # type: ignore[union-attr]
+    last = max(d.timings["total_ms"] for d in done)  # type: ignore[union-attr]
+    tokens = sum(d.usage["completion_tokens"] - 1 for d in done)  # type: ignore[union-attr]
     return tokens / ((last - first) / 1000), tokens
 
 
