@@ -6,9 +6,12 @@ cached (median of several distinct prompts). Runs are interleaved and each runne
 bench/engine.py.
 
 - ours:   nodes.agent.engine.llama.LlamaEngine in-process, a default node's settings (flash attention auto);
-- server: llama-server with its defaults (flash attention auto, n_batch 2048, n_ubatch 512, a unified KV cache),
-          given only the model, the threads, 8 slots and 8 x the per-lane window, driven over HTTP with streamed
-          completions; first and last token are timed where they arrive.
+- server: llama-server with its defaults (flash attention auto, n_batch 2048, n_ubatch 512, weight repacking on,
+          a persistent ggml threadpool; one KV stream per slot, as ours: with -np given it leaves kv_unified off,
+          its log says kv_unified = 'false'), given only the model, the threads, 8 slots and 8 x the per-lane
+          window, driven over HTTP with streamed completions; first and last token are timed where they arrive.
+
+bench/server_settings.py measures the context differences on their own, per decode step and paired.
 
 llama-server is not part of the project. Build it from the llama.cpp that llama-cpp-python vendors, so both run
 the same llama.cpp (about 5 minutes on 2 cores):
