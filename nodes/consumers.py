@@ -140,13 +140,13 @@ class FrameBudget:
         self.rate, self.capacity = rate, rate * 2
         self.tokens, self.at = self.capacity, time.monotonic()
 
-    def take(self) -> bool:
+    def take(self, count: int = 1) -> bool:
         now = time.monotonic()
         self.tokens = min(self.capacity, self.tokens + (now - self.at) * self.rate)
         self.at = now
-        if self.tokens < 1:
+        if self.tokens < count:
             return False
-        self.tokens -= 1
+        self.tokens -= count
         return True
 
 
@@ -284,6 +284,10 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         if isinstance(msg, Bundle):  # messages the node sent at once: each handled as if it had a frame of its own
             if not self.node_id:
                 raise LinkError("bundle before the node registered")
+            if not self.budget.take(max(len(msg.parts) - 1, 0)):  # each message counts as the frame it could have had
+                await self._refuse(CloseCode.FLOOD, f"more than {settings.FLEET_LINK_MAX_FRAMES_PER_S} frames a second "
+                                                    "(a bundle's messages count one each)")
+                return
             for part, part_body in unbundle(msg):
                 await self._on_message(part, part_body)
         elif isinstance(msg, TokenBatch | Accepted | Done | Error):

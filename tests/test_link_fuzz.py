@@ -38,6 +38,7 @@ from nodes.link.handshake import (
 )
 from nodes.link.messages import (
     Accepted,
+    Bundle,
     Bye,
     Cancel,
     Check,
@@ -51,6 +52,7 @@ from nodes.link.messages import (
     StateOp,
     StateResult,
     TokenBatch,
+    encode,
 )
 from nodes.link.noise import TAGLEN, CipherState, generate_static
 from nodes.models import Node
@@ -582,4 +584,19 @@ async def test_a_frame_rate_flood_closes_4009_and_a_burst_within_twice_the_rate_
 
         await refused(attack, CloseCode.FLOOD, caplog, steady, f"rate flood #{case}: {flood} frames")
         assert f"more than {rate} frames a second" in caplog.text
+    await steady.finish()
+
+
+async def test_a_bundle_counts_each_of_its_messages_against_the_frame_rate(steady, caplog, settings):
+    settings.FLEET_LINK_MAX_FRAMES_PER_S = rate = 50
+    beat = encode(Heartbeat(lanes_busy=0, lanes=4))
+
+    async def attack(node: Hostile) -> None:
+        channel = await node.join()  # 3 frames of the budget (a burst of 100)
+        await node.send(channel.seal(Bundle(parts=[beat] * (2 * rate - 10))))
+        assert await node.comm.receive_nothing(timeout=0.2)  # within the burst allowance
+        await node.send(channel.seal(Bundle(parts=[beat] * (4 * rate))))  # one frame, four times the rate
+
+    await refused(attack, CloseCode.FLOOD, caplog, steady, "one bundle over the frame rate")
+    assert "a bundle's messages count one each" in caplog.text
     await steady.finish()
