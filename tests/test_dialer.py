@@ -6,9 +6,9 @@ import pytest
 from websockets.exceptions import ConnectionClosedError
 
 from nodes.agent.dialer import AgentConfig, NodeAgent
-from tests.test_link_channel import _connect
 from nodes.link.handshake import LOCAL_TOKEN_ID, format_token, make_secret
 from nodes.link.messages import Bundle, Heartbeat, TokenBatch, unbundle
+from tests.test_link_channel import _connect
 
 pytestmark = pytest.mark.asyncio
 
