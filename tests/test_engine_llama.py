@@ -239,6 +239,105 @@ def test_a_shared_system_prompt_is_copied_from_a_busy_lane_and_both_answers_are_
         assert copier.ids == copier_alone.ids  # and the copied cache reads exactly like the lane's own
 
 
+def test_caches_swapped_to_keep_busy_lanes_together_read_exactly_as_in_place():
+    """A warm conversation in a far lane moves beside the busy lane (llama.cpp reads only consecutive sequence ids
+    in one pass), and the conversation it displaces moves out to the far lane: both KV caches survive the swap
+    through host memory and answer token for token as on a one-lane engine that never moved anything."""
+    from nodes.agent.engine.llama import LlamaEngine
+
+    def config(lanes: int) -> EngineConfig:
+        return EngineConfig(model_path=bundled_model_path(), model_name="smollm2", lanes=lanes, max_context=WINDOW,
+                            batch_invariant=True)
+
+    questions = {"a": "What is a lane?", "b": "Name a boat.", "c": "What is a car?", "d": "Describe a dune."}
+
+    def ask(gen_id: str, messages: list[dict]) -> GenerateSpec:
+        return GenerateSpec(gen_id=gen_id, messages=messages, max_tokens=16, temperature=0, ignore_eos=True)
+
+    def opening(name: str) -> list[dict]:
+        # a system prompt of its own: the template's default one would be a prefix all four share
+        return [{"role": "system", "content": f"Desk {name}."}, {"role": "user", "content": questions[name]}]
+
+    def first(name: str) -> GenerateSpec:
+        return ask(f"{name}1", opening(name))
+
+    def second(name: str, answer: Outcome) -> GenerateSpec:
+        return ask(f"{name}2", [*opening(name),
+                                {"role": "assistant", "content": "".join(answer.texts)},
+                                {"role": "user", "content": "Tell me more."}])
+
+    single = LlamaEngine(config(1))
+    try:
+        reference, answers = {}, {}
+        for name in ("d", "b"):
+            answers[name] = one(single, first(name))
+            reference[name] = one(single, second(name, answers[name]))
+    finally:
+        single.close()
+    assert all(ref.accepted.cached_tokens > 20 for ref in reference.values())
+
+    engine = LlamaEngine(config(4))
+    try:
+        firsts = {name: one(engine, first(name)) for name in questions}
+        assert [firsts[name].accepted.lane for name in questions] == [0, 1, 2, 3]
+        assert all(firsts[name].ids == answers[name].ids for name in answers)  # so the second turns match too
+
+        def submit_d_once_a_generates(step, events):
+            lane = engine.lanes[0]
+            if not engine.stats()["lane_swaps"] and lane.run is not None and len(lane.tokens) > len(lane.run.tokens):
+                return engine.submit(second("d", firsts["d"]))
+            return []
+
+        both = run_local(engine, [second("a", firsts["a"])], on_step=submit_d_once_a_generates)
+        moved = both["d2"]
+        assert both["a2"].accepted.lane == 0 and moved.accepted.lane == 1  # beside lane 0, not in lane 3
+        assert engine.stats()["lane_swaps"] == 1
+        displaced = one(engine, second("b", firsts["b"]))
+        assert displaced.accepted.lane == 3  # b's cache went out to lane 3
+        for name, outcome in (("d", moved), ("b", displaced)):
+            assert outcome.accepted.evicted == []
+            assert outcome.accepted.cached_tokens == reference[name].accepted.cached_tokens
+            assert outcome.ids == reference[name].ids
+    finally:
+        engine.close()
+
+
+def test_each_step_reads_its_lanes_in_index_order():
+    """llama.cpp puts sequences into one pass only when their ids follow one another in batch order: a prompt
+    read on lane 0 while lanes 1 and 2 decode goes first in the batch, not after their tokens."""
+    from nodes.agent.engine.llama import LlamaEngine
+
+    engine = LlamaEngine(EngineConfig(model_path=bundled_model_path(), model_name="smollm2", lanes=4,
+                                      max_context=WINDOW))
+    orders: list[list[int]] = []
+    add = engine.batch.add
+
+    def recording_add(tokens, pos, seq, sample):
+        if engine.batch.n == 0:
+            orders.append([])
+        orders[-1].append(seq)
+        return add(tokens, pos, seq, sample)
+
+    engine.batch.add = recording_add
+    try:
+        def submit_on_lane_0_once_it_frees(step, events):
+            if engine.lanes[0].run is None and not seen:
+                seen.add("g4")
+                return engine.submit(chat("g4", "What is 2+2? Answer in one word.", max_tokens=4))
+            return []
+
+        seen: set[str] = set()
+        specs = [chat("g1", "What is 2+2?", max_tokens=2), chat("g2", "Name three colors.", max_tokens=40),
+                 chat("g3", "Who wrote Hamlet?", max_tokens=40)]
+        out = run_local(engine, specs, on_step=submit_on_lane_0_once_it_frees)
+    finally:
+        engine.close()
+    assert [out[g].accepted.lane for g in ("g1", "g2", "g3", "g4")] == [0, 1, 2, 0]
+    # g4's prompt went into a batch with lanes 1 and 2 decoding, and in every batch the lanes ascend
+    assert any(order[0] == 0 and {1, 2} <= set(order) for order in orders[2:])
+    assert all(order == sorted(order) for order in orders)
+
+
 def test_prompt_longer_than_the_window_is_refused(engine):
     out = one(engine, GenerateSpec(gen_id="huge", prompt="hello " * 2 * WINDOW, max_tokens=4))
 

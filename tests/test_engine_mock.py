@@ -185,6 +185,74 @@ def test_a_prefix_is_copied_from_a_lane_that_is_still_generating():
         engine.step()
 
 
+def test_a_generation_goes_next_to_the_busy_lanes_and_its_cache_swaps_in_without_losing_the_other():
+    """llama.cpp reads only consecutive sequence ids in one pass: a warm cache in a far lane moves beside the busy
+    ones, and the cache it displaces moves into the far lane rather than being thrown away."""
+    engine = mock(lanes=4, decode_tps=200)
+    convs = {name: chat(name) for name in ("apples", "boats", "cars", "dunes")}
+    first = {name: chat_turn(engine, f"{name}1", messages) for name, messages in convs.items()}
+    assert [first[name].accepted.lane for name in convs] == [0, 1, 2, 3]
+    for name, messages in convs.items():
+        messages.append({"role": "user", "content": f"more on {name}"})
+
+    engine.submit(GenerateSpec(gen_id="apples2", messages=convs["apples"], max_tokens=50))
+    assert engine.lanes[0].run is not None  # apples goes on in its own lane 0
+    accepted = next(e for e in engine.submit(GenerateSpec(gen_id="dunes2", messages=convs["dunes"], max_tokens=3))
+                    if isinstance(e, Accepted))
+
+    assert accepted.lane == 1  # beside lane 0, not in lane 3 where its cache was
+    assert accepted.cached_tokens >= accepted.prompt_tokens - 12 and accepted.evicted == []
+    assert engine.stats()["lane_swaps"] == 1 and engine.stats()["prefix_copies"] == 0
+    while engine.busy():
+        engine.step()
+    boats = chat_turn(engine, "boats2", convs["boats"])  # its cache now sits in lane 3
+    assert boats.accepted.lane == 3 and boats.accepted.evicted == []
+    assert boats.accepted.cached_tokens >= boats.accepted.prompt_tokens - 12
+
+
+def test_of_two_lanes_beside_the_busy_one_the_empty_one_takes_the_moved_cache():
+    engine = mock(lanes=5, decode_tps=200)
+    convs = {name: chat(name) for name in ("apples", "boats", "cars")}
+    for name, messages in convs.items():
+        chat_turn(engine, f"{name}1", messages)  # lanes 0, 1, 2; lanes 3 and 4 stay empty
+        messages.append({"role": "user", "content": "more"})
+    engine.submit(GenerateSpec(gen_id="cars2", messages=convs["cars"], max_tokens=50))  # lane 2 busy
+    accepted = next(e for e in engine.submit(GenerateSpec(gen_id="apples2", messages=convs["apples"], max_tokens=3))
+                    if isinstance(e, Accepted))
+
+    assert accepted.lane == 3 and accepted.cached_tokens >= accepted.prompt_tokens - 12  # not lane 1: boats stays
+    while engine.busy():
+        engine.step()
+    boats = chat_turn(engine, "boats2", convs["boats"])
+    assert boats.accepted.lane == 1 and boats.accepted.cached_tokens >= boats.accepted.prompt_tokens - 12
+
+
+def test_a_failed_swap_empties_both_lanes_and_tells_the_head_what_they_held():
+    engine = mock(lanes=4, decode_tps=200)
+    convs = {name: chat(name) for name in ("apples", "boats", "cars", "dunes")}
+    for name, messages in convs.items():
+        chat_turn(engine, f"{name}1", messages)
+    engine._swap_lanes = lambda a, b: False  # as the llama engine reports a KV state it could not write back
+    engine.submit(GenerateSpec(gen_id="apples2", messages=convs["apples"], max_tokens=50))
+    accepted = next(e for e in engine.submit(GenerateSpec(gen_id="dunes2", messages=convs["dunes"], max_tokens=3))
+                    if isinstance(e, Accepted))
+
+    assert sorted(accepted.evicted) == ["boats1", "dunes1"] and accepted.cached_tokens == 0
+    assert accepted.lane == 1 and engine.lanes[3].tokens == [] and engine.stats()["lane_swaps"] == 0
+    while engine.busy():
+        engine.step()
+
+
+def test_with_no_lane_busy_a_warm_cache_stays_where_it_is():
+    engine = mock(lanes=4)
+    convs = {name: chat(name) for name in ("apples", "boats", "cars", "dunes")}
+    for name, messages in convs.items():
+        chat_turn(engine, f"{name}1", messages)
+    convs["dunes"].append({"role": "user", "content": "more"})
+    again = chat_turn(engine, "dunes2", convs["dunes"])
+    assert again.accepted.lane == 3 and engine.stats()["lane_swaps"] == 0
+
+
 def test_a_short_shared_prefix_is_read_again_rather_than_copied():
     engine = mock(lanes=2)
     chat_turn(engine, "first", chat("apples", words=10))

@@ -259,6 +259,28 @@ class LlamaEngine(LaneEngine):
         L.llama_memory_seq_cp(self.mem, source.index, lane.index, -1, -1)
         self._trim_lane(lane, keep)
 
+    def _swap_lanes(self, a: Lane, b: Lane) -> bool:
+        # Through host memory: a cross-stream seq_cp is queued until the next decode, and two of them would
+        # overwrite one cache with the other. A lane's KV is its tokens' K and V rows, a memcpy each way here.
+        states = [self._seq_state(a), self._seq_state(b)]
+        ok = all(state is not None or not lane.tokens for lane, state in zip((a, b), states, strict=True))
+        for lane, state in ((a, states[1]), (b, states[0])):
+            L.llama_memory_seq_rm(self.mem, lane.index, -1, -1)
+            if ok and state is not None and not L.llama_state_seq_set_data(self.ctx, state, len(state), lane.index):
+                ok = False
+        if not ok:
+            for lane in (a, b):
+                L.llama_memory_seq_rm(self.mem, lane.index, -1, -1)
+        return ok
+
+    def _seq_state(self, lane: Lane) -> ctypes.Array | None:
+        """The lane's KV as llama.cpp serializes one sequence; None for an empty lane."""
+        if not lane.tokens:
+            return None
+        size = L.llama_state_seq_get_size(self.ctx, lane.index)
+        state = (ctypes.c_uint8 * size)()
+        return state if L.llama_state_seq_get_data(self.ctx, state, size, lane.index) == size else None
+
     def adapter_names(self) -> set[str]:
         return set(self.lora.loaded)
 
@@ -310,7 +332,8 @@ class LlamaEngine(LaneEngine):
         batch = self.batch
         batch.clear()
         outputs: list[tuple[Work, int]] = []
-        for work in works:
+        # In lane order: llama.cpp puts only sequences whose ids follow one another, in batch order, into one pass
+        for work in sorted(works, key=lambda item: item.lane.index):
             if work.pos != len(work.lane.tokens) or work.pos + len(work.tokens) > self.window:
                 raise EngineError(ErrorCode.ENGINE_FAILED, f"lane {work.lane.index} would read past its window")
             index = batch.add(work.tokens, work.pos, work.lane.index, work.sample)

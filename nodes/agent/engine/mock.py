@@ -165,6 +165,10 @@ class MockEngine(LaneEngine):
         """Free: the mock's cache is `lane.tokens` (the llama engine's copy is a KV buffer copy, far cheaper than
         reading the tokens; see docs/architecture.md)."""
 
+    def _swap_lanes(self, a: Lane, b: Lane) -> bool:
+        """Free too: the scheduler swaps the lanes' token lists."""
+        return True
+
     def _decode(self, works: list[Work]) -> dict[int, Sample]:
         prefill = [w for w in works if w.lane.run is not None and len(w.lane.tokens) < len(w.lane.run.tokens)]
         read = sum(len(w.tokens) for w in prefill)

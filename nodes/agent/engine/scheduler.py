@@ -11,6 +11,12 @@ conversation worth keeping (a shared system prompt followed by someone's history
 prefix again, or throw the other conversation away, admission copies the prefix into the lane it picks
 (llama.cpp's `seq_cp`), so a node that holds a prefix in any lane can serve it from every lane, which is
 what the head's placement index assumes.
+
+Busy lanes side by side: each lane is a KV stream of its own, and llama.cpp reads in one pass (one ubatch) only
+sequences whose ids follow one another (`split_equal`, sequential); generations on lanes 0,1,5,6 cost two passes
+of the weights a step, 1.4-1.5x the step time of lanes 0-3 (bench/server_settings.py). So admission puts a
+generation next to the busy lanes: the cache it reuses is chosen as above, and when that cache sits in a lane
+that would open a gap, the two free lanes swap caches first (`_swap_lanes`), so no cached conversation is lost.
 """
 
 from __future__ import annotations
@@ -78,6 +84,12 @@ class LanePick:
     keep: int
     common: int
     source: Lane | None = None
+    moved_from: Lane | None = None  # a free lane whose cache moves into `lane` first, to keep busy lanes together
+
+
+def gaps(busy: set[int]) -> int:
+    """How many runs of consecutive lane indices `busy` makes (one pass of the weights each, per step)."""
+    return sum(1 for i in busy if i - 1 not in busy)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -105,6 +117,9 @@ class LaneEngine(ABC):
         self.queue: deque[Run] = deque()
         self._rate: deque[tuple[float, int]] = deque()
         self.prefix_copies = 0
+        self.lane_swaps = 0
+        self._copy_sources: set[int] = set()  # lanes a copy queued since the last decode reads from
+        self._lost: list[str] = []  # holders of caches a failed swap dropped, told to the head with the next accept
         self.pace = Pace()  # its prefill rate and decode slowdown, from the steps' own timings
         self._step_adapters: AdapterKey = ()  # the adapter set of the last step, when sets take turns
 
@@ -121,6 +136,11 @@ class LaneEngine(ABC):
     @abstractmethod
     def _copy_lane(self, source: Lane, lane: Lane, keep: int) -> None:
         """Make `lane`'s KV hold `source`'s first `keep` tokens (`lane.tokens` is set by the caller)."""
+
+    @abstractmethod
+    def _swap_lanes(self, a: Lane, b: Lane) -> bool:
+        """Exchange the KV of two idle lanes (the caller swaps their fields). False: it failed and both
+        lanes' KV is gone."""
 
     @abstractmethod
     def _decode(self, works: list[Work]) -> dict[int, Sample]:
@@ -203,6 +223,7 @@ class LaneEngine(ABC):
             "kv_used": sum(len(lane.tokens) for lane in self.lanes),
             "kv_total": self.window * len(self.lanes),
             "prefix_copies": self.prefix_copies,
+            "lane_swaps": self.lane_swaps,
             "tokens_per_s": round(produced / span, 2) if span > 0 else 0.0,
             "prefill_tps": self.pace.prefill_tps(),
             "decode_slowdown_ms": self.pace.decode_slowdown_ms(),
@@ -219,6 +240,8 @@ class LaneEngine(ABC):
                 samples = self._decode(works)
             except EngineError as exc:
                 return events + self._fail_batch(works, exc)
+            finally:
+                self._copy_sources.clear()  # llama.cpp made the queued copies at the start of that decode
             ended = clock()
             self.pace.step(sum(1 for w in works if len(w.lane.tokens) >= len(w.lane.run.tokens)), prefill,
                            ended - started)
@@ -273,7 +296,50 @@ class LaneEngine(ABC):
             key = (pick.keep - discarded, -discarded, pick.source is None, -lane.last_used)
             if best is None or key > best[0]:
                 best = (key, pick)
-        return None if best is None else best[1]
+        if best is None:
+            return None
+        pick = best[1]
+        target = self._beside_busy(pick.lane)
+        if target is not None:
+            # `target` takes the chosen lane's cache (and the chosen lane target's): a source in target moves too
+            pick.moved_from, pick.lane = pick.lane, target
+            if pick.source is target:
+                pick.source = pick.moved_from
+        return pick
+
+    def _beside_busy(self, lane: Lane) -> Lane | None:
+        """The free lane to move `lane`'s cache into so the busy lanes stay in as few runs as they can, or None
+        when `lane` already does. Among such lanes the emptiest, then the least recently used, gives up its
+        place; lanes a queued copy still reads from stay where they are."""
+        busy = {other.index for other in self.lanes if other.run is not None}
+        if not busy or lane.index in self._copy_sources:
+            return None
+        free = [other for other in self.lanes if other.run is None and other.index not in self._copy_sources]
+        if not free:
+            return None
+        fewest = min(gaps(busy | {other.index}) for other in free)
+        if gaps(busy | {lane.index}) <= fewest:
+            return None
+        return min((other for other in free if gaps(busy | {other.index}) == fewest),
+                   key=lambda other: (len(other.tokens), other.last_used))
+
+    def _move_cache(self, source: Lane, lane: Lane) -> bool:
+        """Swap two idle lanes' caches and what the scheduler knows of them. False: the swap failed, both lanes
+        start empty, and their holders go to the head as evicted with the next accepted generation."""
+        ok = (not source.tokens and not lane.tokens) or self._swap_lanes(source, lane)
+        if ok:
+            for name in ("tokens", "holders", "adapters", "last_used"):
+                mine, theirs = getattr(lane, name), getattr(source, name)
+                setattr(lane, name, theirs)
+                setattr(source, name, mine)
+            self.lane_swaps += 1
+        else:
+            for emptied in (source, lane):
+                self._lost += [gen_id for gen_id, _ in emptied.holders]
+                emptied.tokens, emptied.holders, emptied.adapters = [], [], ()
+        self._lane_idle(source)
+        self._lane_idle(lane)
+        return ok
 
     def _admit(self) -> list[Event]:
         events: list[Event] = []
@@ -282,16 +348,20 @@ class LaneEngine(ABC):
             if pick is None:
                 break
             lane, keep, common = pick.lane, pick.keep, pick.common
+            if pick.moved_from is not None and not self._move_cache(pick.moved_from, lane):
+                continue  # both lanes are empty now: choose again
             run = self.queue.popleft()
             if pick.source is not None:
                 self._copy_lane(pick.source, lane, keep)
                 lane.tokens = pick.source.tokens[:keep]
+                self._copy_sources.add(pick.source.index)
                 self.prefix_copies += 1
             elif keep < len(lane.tokens):
                 self._trim_lane(lane, keep)
                 del lane.tokens[keep:]
             # A holder whose prompt lies within `common` keeps it: this generation reads those tokens back.
-            run.evicted = [gen_id for gen_id, n in lane.holders if n > common]
+            run.evicted = self._lost + [gen_id for gen_id, n in lane.holders if n > common]
+            self._lost = []
             lane.holders = [(gen_id, n) for gen_id, n in lane.holders if n <= common and gen_id != run.gen_id]
             lane.holders.append((run.gen_id, len(run.tokens)))
             run.lane, run.cached_tokens = lane.index, keep
