@@ -46,6 +46,9 @@ async def assert_refused(comm, reason):
     assert error["type"] == "error" and error["code"] == "unauthorized" and reason in error["message"]
     closed = await comm.receive_output(timeout=3)
     assert closed["type"] == "websocket.close" and closed["code"] == 4401
+    # As a client's socket would: the consumer then leaves its channel-layer receive itself. Left for the event
+    # loop's teardown to cancel, that receive on Redis once held a CI run for its 300 s teardown timeout.
+    await comm.disconnect()
 
 
 async def test_a_staff_session_streams_and_the_generation_is_recorded_without_a_key():
