@@ -11,7 +11,9 @@ bench/engine.py.
           its log says kv_unified = 'false'), given only the model, the threads, 8 slots and 8 x the per-lane
           window, driven over HTTP with streamed completions; first and last token are timed where they arrive.
 
-bench/server_settings.py measures the context differences on their own, per decode step and paired.
+The JSON records the lanes our generations took at each level (`our_lanes`): llama.cpp reads consecutive lanes in
+one pass of the weights, so a spread set costs extra passes per step. bench/server_settings.py measures that and
+the context differences on their own, per decode step and paired.
 
 llama-server is not part of the project. Build it from the llama.cpp that llama-cpp-python vendors, so both run
 the same llama.cpp (about 5 minutes on 2 cores):
@@ -142,6 +144,7 @@ def main() -> int:
         parser.error("give --server PATH (or LLAMA_SERVER) to a llama-server binary; the docstring says how to "
                      "build one")
     path = bundled_model_path()
+    load_before = os.getloadavg()
     engine = LlamaEngine(EngineConfig(model_path=path, lanes=max(LEVELS), max_context=args.window))
     proc, url = start_server(args.server, path, engine.threads, args.window)
     try:
@@ -149,7 +152,7 @@ def main() -> int:
         rendered = [engine.model.render_chat(chat) for chat in texts]
         run_batched(engine, texts[:2], 4)  # warm up both
         run_server(url, rendered[:2], 4)
-        best: dict[str, dict[str, tuple[float, int]]] = {str(level): {} for level in LEVELS}
+        best: dict[str, dict[str, tuple]] = {str(level): {} for level in LEVELS}
         for _ in range(args.repeats):
             for level in LEVELS:
                 specs_ours = [GenerateSpec(gen_id=f"g{i}", messages=m, max_tokens=args.new_tokens, temperature=0,
@@ -178,7 +181,8 @@ def main() -> int:
         ours, server = b["ours"][0], b["server"][0]
         results[str(level)] = {"ours": round(ours, 2), "server": round(server, 2),
                                "ours_over_server": round(ours / server, 3),
-                               "decode_tokens": {name: value[1] for name, value in b.items()}}
+                               "decode_tokens": {name: value[1] for name, value in b.items()},
+                               "our_lanes": b["ours"][2]}
         print(f"concurrency {level}: ours {ours:7.1f} tok/s  llama-server {server:7.1f}  "
               f"ours/server {ours / server:.2f}", flush=True)
     medians = {name: round(statistics.median(values), 1) for name, values in prompt_ms.items()}
@@ -193,7 +197,7 @@ def main() -> int:
         "settings": {"new_tokens": args.new_tokens, "window": args.window, "threads": engine.threads,
                      "repeats": args.repeats, "ours_flash_attn": engine.info()["flash_attn"]},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "llama_cpp": L.__version__,
-                    "load_average_after": os.getloadavg()},
+                    "load_average_before": load_before, "load_average_after": os.getloadavg()},
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")
@@ -202,12 +206,14 @@ def main() -> int:
     return 0
 
 
-def _rate(engine: LlamaEngine, specs: list[GenerateSpec]) -> tuple[float, int]:
-    done = [o.done for o in run_local(engine, specs).values()]
+def _rate(engine: LlamaEngine, specs: list[GenerateSpec]) -> tuple[float, int, list[int]]:
+    """Decode tokens/s, tokens, and the lanes the generations took (one weight pass a step when consecutive)."""
+    outcomes = run_local(engine, specs).values()
+    done = [o.done for o in outcomes]
     first = min(d.timings["ttft_ms"] for d in done)  # type: ignore[union-attr]
     last = max(d.timings["total_ms"] for d in done)  # type: ignore[union-attr]
     tokens = sum(d.usage["completion_tokens"] - 1 for d in done)  # type: ignore[union-attr]
-    return tokens / ((last - first) / 1000), tokens
+    return tokens / ((last - first) / 1000), tokens, sorted(o.accepted.lane for o in outcomes if o.accepted)
 
 
 if __name__ == "__main__":
