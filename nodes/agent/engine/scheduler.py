@@ -301,7 +301,7 @@ class LaneEngine(ABC):
         pick = best[1]
         target = self._beside_busy(pick.lane)
         if target is not None:
-            # `target` takes the chosen lane's cache (and the chosen lane target's): a source in target moves too
+            # the two swap caches: `target` gets the chosen one, so a copy source that was `target` is now there
             pick.moved_from, pick.lane = pick.lane, target
             if pick.source is target:
                 pick.source = pick.moved_from
@@ -326,13 +326,14 @@ class LaneEngine(ABC):
     def _move_cache(self, source: Lane, lane: Lane) -> bool:
         """Swap two idle lanes' caches and what the scheduler knows of them. False: the swap failed, both lanes
         start empty, and their holders go to the head as evicted with the next accepted generation."""
-        ok = (not source.tokens and not lane.tokens) or self._swap_lanes(source, lane)
+        moving = bool(source.tokens or lane.tokens)
+        ok = not moving or self._swap_lanes(source, lane)
         if ok:
             for name in ("tokens", "holders", "adapters", "last_used"):
                 mine, theirs = getattr(lane, name), getattr(source, name)
                 setattr(lane, name, theirs)
                 setattr(source, name, mine)
-            self.lane_swaps += 1
+            self.lane_swaps += moving
         else:
             for emptied in (source, lane):
                 self._lost += [gen_id for gen_id, _ in emptied.holders]
