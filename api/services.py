@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import threading
 import uuid
@@ -10,12 +11,14 @@ import uuid
 from cachetools import TTLCache
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.cache import cache
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.utils import timezone
 
 from api.models import ApiKey
 
 KEY_PREFIX = "fk-"
+
+log = logging.getLogger(__name__)
 
 
 def _hash(key: str) -> str:
@@ -87,7 +90,11 @@ def api_key_authenticate(*, key: str) -> ApiKey | None:
         return None
     now = timezone.now()
     if row.last_used_at is None or (now - row.last_used_at).total_seconds() > 60:
-        ApiKey.objects.filter(pk=row.pk).update(last_used_at=now)
+        try:
+            ApiKey.objects.filter(pk=row.pk).update(last_used_at=now)
+        except DatabaseError as exc:
+            # A bookkeeping stamp: a database too busy to take it (SQLite's lock wait ran out) fails no request
+            log.warning("api: could not stamp key %s as used: %s", row.prefix, exc)
     if row.owner.is_active:
         with _verified_lock:
             _verified[_hash(key)] = (row, stamp)

@@ -80,13 +80,13 @@ INSTALLED_APPS = [
 # Django's stock list; those from fleet.middleware are the stock classes with their hooks run on the event loop
 # instead of a thread hop each (they do no I/O).
 MIDDLEWARE = [
-    "django.middleware.security.SecurityMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
+    "fleet.middleware.SecurityMiddleware",
+    "fleet.middleware.WhiteNoiseMiddleware",
+    "fleet.middleware.SessionMiddleware",
     "fleet.middleware.CommonMiddleware",
     "fleet.middleware.CsrfViewMiddleware",
     "fleet.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
+    "fleet.middleware.MessageMiddleware",
     "fleet.middleware.XFrameOptionsMiddleware",
 ]
 

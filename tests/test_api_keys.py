@@ -13,6 +13,8 @@ from asgiref.sync import async_to_sync, sync_to_async
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth import get_user_model
+from django.db import OperationalError
+from django.db.models import QuerySet
 from django.test import Client
 from openai import AuthenticationError, OpenAI
 from rest_framework.test import APIClient
@@ -100,6 +102,18 @@ def test_a_verified_key_costs_no_database_query_until_a_key_changes(owner, djang
     assert async_to_sync(api_key_verified)(key=key) is None
     with django_assert_num_queries(1):  # last_used_at was written less than a minute ago
         assert api_key_authenticate(key=key) == row
+
+
+def test_a_key_is_accepted_when_its_last_used_stamp_cannot_be_written(owner, monkeypatch, caplog):
+    """Two first requests of a key at once both write the stamp; SQLite may refuse one ("database table is locked")."""
+    row, key = api_key_create(owner=owner, name="app")
+
+    def locked(self, **fields):
+        raise OperationalError("database table is locked: api_apikey")
+
+    monkeypatch.setattr(QuerySet, "update", locked)
+    assert api_key_authenticate(key=key) == row
+    assert f"could not stamp key {row.prefix} as used" in caplog.text
 
 
 def test_a_quota_edited_in_the_admin_applies_at_once(owner, staff_client):
