@@ -14,8 +14,6 @@ import time
 from contextlib import suppress
 from typing import Any
 
-from asgiref.sync import sync_to_async
-
 from api.errors import OpenAIError
 from api.quotas import Ticket, tokens_spent
 from api.specs import GenerationRequest
@@ -23,7 +21,7 @@ from fleet import metrics
 from fleet.dispatch import Finished, GenerationError, Started, Tokens, generation_stream
 from nodes.link.logs import generation_context
 from sessions.models import Generation
-from sessions.services import GenerationTrace, generation_record
+from sessions.services import GenerationTrace, generation_record_async
 
 log = logging.getLogger("api")
 
@@ -159,7 +157,7 @@ class Run:
                  status, outcome.node or "no node", outcome.prompt_tokens, outcome.cached_tokens,
                  outcome.completion_tokens, f" ({code})" if code else "")
         try:
-            await sync_to_async(generation_record)(trace)
+            await generation_record_async(trace)
         except Exception:  # the client got its answer; a lost record is logged, not turned into an error
             log.exception("api: could not record generation %s", request.gen_id)
 

@@ -272,6 +272,9 @@ FLEET_METRICS_TOKEN = os.environ.get("FLEET_METRICS_TOKEN", "").strip()
 # needs longer asks for another); uploads come in parts of at most FLEET_MAX_BODY_BYTES, one request each.
 FLEET_PULL_GRANT_S = env_int("FLEET_PULL_GRANT_S", 900)
 
+# Threads that write generation records, each keeping its database connection open (SQLite takes one writer at a time).
+FLEET_RECORD_WRITERS = env_int("FLEET_RECORD_WRITERS", 4 if DATABASE_URL else 1)
+
 # Batches (/v1/batches): a Celery worker sends each line to a head process's /v1 at this address.
 FLEET_HEAD_URL = os.environ.get("FLEET_HEAD_URL", "http://127.0.0.1:8000").strip().rstrip("/")
 FLEET_BATCH_CONCURRENCY = env_int("FLEET_BATCH_CONCURRENCY", 8)  # lines one batch run sends at once

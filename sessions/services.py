@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from nodes.models import Node
 from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message
+from sessions.writer import writers
 
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 LOGIT_BIAS_LIMIT = 100.0
@@ -101,6 +102,11 @@ class GenerationTrace:
     session_id: Any = None
     new_messages: list[dict] = field(default_factory=list)  # the request's messages, then the answer
     finished_at: float | None = None
+
+
+async def generation_record_async(trace: GenerationTrace) -> Generation:
+    """generation_record on a writer thread (sessions.writer), whose database connection stays open between writes."""
+    return await writers().run(generation_record, trace)
 
 
 def generation_record(trace: GenerationTrace) -> Generation:

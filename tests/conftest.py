@@ -51,6 +51,9 @@ def _fresh_registry():
     yield
     _clear_placement(registry())
     registry_reset()
+    from sessions.writer import writers_close
+
+    writers_close()  # their connections would outlive the test's database (PostgreSQL cannot drop it then)
 
 
 def _clear_placement(reg) -> None:

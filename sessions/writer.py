@@ -1,0 +1,101 @@
+"""Database writes that a request awaits but need not make on its own thread: a few long-lived writer threads.
+
+Under ASGI, Django gives each request a thread of its own for its `sync_to_async` work, so a request that writes its
+generation record opened a database connection for that one write and closed it when the response ended (with
+SQLite that open and close cost more than the write). Writer threads keep their connections open between writes.
+A write that fails because its connection broke (a database restarted, an idle connection dropped) is made once
+more on a new connection; any other failure reaches the caller. The caller's cancellation never drops a queued
+write: it is made all the same, and `close` (at exit, or after a test) makes every queued write first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from django.db import DatabaseError, IntegrityError, connections
+
+log = logging.getLogger(__name__)
+
+
+class Writers:
+    """`count` threads taking calls from one queue, each keeping its own database connections open."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"fleet-writer-{i}", daemon=True)
+                         for i in range(count)]
+        for thread in self._threads:
+            thread.start()
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on a writer thread; its result, or its exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, fn, args))
+        return await asyncio.shield(asyncio.wrap_future(future))
+
+    def close(self) -> None:
+        """Make what is queued, then stop the threads and close their connections."""
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
+
+    def _work(self) -> None:
+        try:
+            while (item := self._queue.get()) is not None:
+                future, fn, args = item
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    future.set_result(_call(fn, args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+        finally:
+            connections.close_all()
+
+
+def _call(fn: Callable[..., Any], args: tuple) -> Any:
+    try:
+        return fn(*args)
+    except IntegrityError:
+        raise  # the data, not the connection
+    except DatabaseError as exc:
+        log.warning("writer: %s failed (%s); again on a new database connection", fn.__name__, exc)
+        connections.close_all()
+        return fn(*args)
+
+
+_writers: Writers | None = None
+_lock = threading.Lock()
+
+
+def writers() -> Writers:
+    """This process's writers, started at first use: FLEET_RECORD_WRITERS threads (one on SQLite, whose writes take
+    turns anyway)."""
+    global _writers
+    with _lock:
+        if _writers is None:
+            from django.conf import settings
+
+            _writers = Writers(settings.FLEET_RECORD_WRITERS)
+        return _writers
+
+
+def writers_close() -> None:
+    """Make every queued write and stop the writers (the next use starts new ones)."""
+    global _writers
+    with _lock:
+        current, _writers = _writers, None
+    if current is not None:
+        current.close()
+
+
+atexit.register(writers_close)
