@@ -67,7 +67,14 @@ class CommonMiddleware(InlineHooks, common.CommonMiddleware):
 
 
 class CsrfViewMiddleware(InlineHooks, csrf.CsrfViewMiddleware):
-    pass
+    """The view check too: on the event loop for a view exempt from CSRF or a safe method (it reads nothing then),
+    in a thread for the others, whose check may read a form body spooled to disk."""
+
+    async def process_view(self, request, callback, callback_args, callback_kwargs):
+        check = super().process_view
+        if getattr(callback, "csrf_exempt", False) or request.method in ("GET", "HEAD", "OPTIONS", "TRACE"):
+            return check(request, callback, callback_args, callback_kwargs)
+        return await sync_to_async(check, thread_sensitive=True)(request, callback, callback_args, callback_kwargs)
 
 
 class AuthenticationMiddleware(InlineHooks, auth.AuthenticationMiddleware):
