@@ -77,8 +77,8 @@ INSTALLED_APPS = [
     "api",
 ]
 
-# Django's stock list; those from fleet.middleware are the stock classes with their hooks run on the event loop
-# instead of a thread hop each (they do no I/O).
+# Django's stock list and WhiteNoise, as the subclasses in fleet.middleware: their hooks run on the event loop
+# instead of a thread hop each where they do no I/O.
 MIDDLEWARE = [
     "fleet.middleware.SecurityMiddleware",
     "fleet.middleware.WhiteNoiseMiddleware",

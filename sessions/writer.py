@@ -3,9 +3,10 @@
 Under ASGI, Django gives each request a thread of its own for its `sync_to_async` work, so a request that writes its
 generation record opened a database connection for that one write and closed it when the response ended (with
 SQLite that open and close cost more than the write). Writer threads keep their connections open between writes.
-A write that fails because its connection broke (a database restarted, an idle connection dropped) is made once
-more on a new connection; any other failure reaches the caller. The caller's cancellation never drops a queued
-write: it is made all the same, and `close` (at exit, or after a test) makes every queued write first.
+A write that fails with a database error (its connection broke: a database restarted, an idle connection dropped)
+is made once more on a new connection; an integrity error, or a second failure, reaches the caller. The caller's
+cancellation never drops a queued write: it is made all the same. `close` (at exit, or after a test) makes every
+queued write first, and a write that comes after it is made in a thread of its own.
 """
 
 from __future__ import annotations
@@ -30,36 +31,54 @@ class Writers:
     def __init__(self, count: int):
         self.count = count
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"fleet-writer-{i}", daemon=True)
                          for i in range(count)]
         for thread in self._threads:
             thread.start()
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(*args) on a writer thread; its result, or its exception."""
+        """fn(*args) on a writer thread; its result, or its exception. After `close`, in a thread of its own."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((future, fn, args))
+        with self._lock:
+            late = self._closed
+            if not late:
+                self._queue.put((future, fn, args))
+        if late:  # a caller that raced the close (a request still ending as a test or the process ends)
+            threading.Thread(target=self._late, args=(future, fn, args), name="fleet-writer-late").start()
         return await asyncio.shield(asyncio.wrap_future(future))
 
     def close(self) -> None:
         """Make what is queued, then stop the threads and close their connections."""
-        for _ in self._threads:
-            self._queue.put(None)
+        with self._lock:
+            self._closed = True
+            for _ in self._threads:
+                self._queue.put(None)
         for thread in self._threads:
             thread.join()
 
     def _work(self) -> None:
         try:
             while (item := self._queue.get()) is not None:
-                future, fn, args = item
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    future.set_result(_call(fn, args))
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(exc)
+                self._make(*item)
         finally:
             connections.close_all()
+
+    def _late(self, future: concurrent.futures.Future, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            self._make(future, fn, args)
+        finally:
+            connections.close_all()
+
+    @staticmethod
+    def _make(future: concurrent.futures.Future, fn: Callable[..., Any], args: tuple) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(_call(fn, args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            future.set_exception(exc)
 
 
 def _call(fn: Callable[..., Any], args: tuple) -> Any:

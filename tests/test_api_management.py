@@ -103,6 +103,7 @@ def test_sessions_are_created_read_listed_and_deleted_by_their_owner(client, per
     assert not InferenceSession.objects.filter(pk=sid).exists() and Message.objects.count() == 0
 
 
+@pytest.mark.django_db(transaction=True)  # the record is written on a writer thread's connection: commit what it reads
 def test_posting_a_message_continues_the_session(client, person):
     link = add_fake_node(FakeLink(script=lambda spec: Script(tokens=[f"turn {len(spec['messages'])}"])))
     session = InferenceSession.objects.create(model="smollm2", owner=person, system_prompt="Be brief.")

@@ -141,3 +141,10 @@ async def test_a_requests_record_is_written_by_a_writer_thread(bearer, monkeypat
         "model": "smollm2", "messages": [{"role": "user", "content": "hi"}]})
     assert exchange.status == 200
     assert threads and threads[0].startswith("fleet-writer-")
+
+
+async def test_a_write_after_the_writers_closed_is_still_made():
+    pool = Writers(1)
+    await asyncio.to_thread(pool.close)
+    record = await pool.run(services.generation_record, trace())
+    assert await sync_to_async(Generation.objects.filter(pk=record.pk).exists)()
