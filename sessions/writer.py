@@ -29,7 +29,6 @@ class Writers:
     """`count` threads taking calls from one queue, each keeping its own database connections open."""
 
     def __init__(self, count: int):
-        self.count = count
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
