@@ -28,7 +28,7 @@ from api.errors import OpenAIError
 from api.generation import Run
 from api.quotas import Ticket, quota_admit
 from api.services import api_key_authenticate, api_key_verified
-from api.specs import request_for
+from api.specs import aparse, request_for
 from fleet.dispatch import Finished, Tokens
 
 log = logging.getLogger("api")
@@ -125,7 +125,7 @@ class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
             return
         body = {k: v for k, v in frame.items() if k not in ("type", "id")}
         try:
-            gen = await database_sync_to_async(self._validate)(body)
+            gen = await aparse(request_for, body, api_key=self.api_key, user=self.user)
         except OpenAIError as exc:
             if ticket is not None:
                 await ticket.settle()
@@ -153,9 +153,6 @@ class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
             frame = _error(client_id, 1, exc.code, exc.message)
             await self.send_json({**frame, "retry_after": int(exc.headers["Retry-After"])})
             raise _Refused from None
-
-    def _validate(self, body: dict[str, Any]):
-        return request_for(body, api_key=self.api_key, user=self.user)
 
     async def _relay(self, client_id: Any, run: Run) -> None:
         seq = 0

@@ -1,8 +1,8 @@
 """Validate an OpenAI-style request body into one GenerateSpec, or an OpenAIError that says what to fix.
 
 One function per interface shape (`chat_request`, `completion_request`); both end in a `GenerationRequest` that
-the SSE, JSON and websocket paths serve alike. Loading a session or a handle touches the database, so call
-these through sync_to_async.
+the SSE, JSON and websocket paths serve alike. Loading a session or a handle touches the database, so the event
+loop calls these through `aparse`, which runs them in a thread unless the body reads nothing stored.
 """
 
 from __future__ import annotations
@@ -11,16 +11,18 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from channels.db import database_sync_to_async
 from django.conf import settings
 
 from api.constraints import apply_constraints
 from api.errors import OpenAIError, invalid
 from api.images import IMAGE_PART_TYPES, image_part
 from api.tools import ToolPlan, tool_plan
-from fleet.selectors import model_context_window
+from fleet.selectors import acontext_windows, model_context_window
 from nodes.link.spec import GenerateSpec
 from nodes.registry import media_ref
 from sessions import selectors
@@ -66,10 +68,11 @@ class GenerationRequest:
         return params
 
 
-def chat_request(body: Any, *, api_key=None, user=None) -> GenerationRequest:
-    """A /v1/chat/completions body (or a websocket generate with `messages`) as a GenerationRequest."""
+def chat_request(body: Any, *, api_key=None, user=None, windows: dict[str, int] | None = None) -> GenerationRequest:
+    """A /v1/chat/completions body (or a websocket generate with `messages`) as a GenerationRequest. `windows`: each
+    model's context window, when the caller read them (else they are read here, from the placement)."""
     body = _object(body)
-    spec = _base_spec(body)
+    spec = _base_spec(body, windows)
     new_messages = _messages(body.get("messages"))
     plan = tool_plan(body)
     history: list[dict[str, Any]] = []
@@ -86,10 +89,12 @@ def chat_request(body: Any, *, api_key=None, user=None) -> GenerationRequest:
     return _request("chat", spec, body, api_key, plan=plan, session_id=session_id, new_messages=new_messages)
 
 
-def completion_request(body: Any, *, api_key=None, user=None) -> GenerationRequest:
-    """A /v1/completions body (or a websocket generate with `prompt`) as a GenerationRequest."""
+def completion_request(body: Any, *, api_key=None, user=None,
+                       windows: dict[str, int] | None = None) -> GenerationRequest:
+    """A /v1/completions body (or a websocket generate with `prompt`) as a GenerationRequest (`windows` as for
+    chat_request)."""
     body = _object(body)
-    spec = _base_spec(body)
+    spec = _base_spec(body, windows)
     spec.prompt = _prompt(body.get("prompt"))
     if body.get("echo"):
         raise invalid("echo is not supported.", param="echo")
@@ -130,14 +135,14 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _base_spec(body: dict[str, Any]) -> GenerateSpec:
+def _base_spec(body: dict[str, Any], windows: dict[str, int] | None) -> GenerateSpec:
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise invalid("You must provide a model: its name as /v1/models lists it.", param="model")
     if body.get("n") not in (None, 1):
         raise invalid("Only n=1 is supported; send several requests for several choices.", param="n")
     spec = GenerateSpec(gen_id=uuid.uuid4().hex, model=model.strip())
-    spec.max_tokens = _max_tokens(body, spec.model)
+    spec.max_tokens = _max_tokens(body, spec.model, windows)
     for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
                          ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
                          ("repeat_penalty", 0.0, 10.0)):
@@ -155,13 +160,13 @@ def _base_spec(body: dict[str, Any]) -> GenerateSpec:
     return spec
 
 
-def _max_tokens(body: dict[str, Any], model: str) -> int:
+def _max_tokens(body: dict[str, Any], model: str, windows: dict[str, int] | None) -> int:
     """The client's max_tokens, within the model's context window (the largest among the nodes serving it); the
     default is not checked, because the node stops at its window anyway."""
     for name in ("max_completion_tokens", "max_tokens"):
         if body.get(name) is not None:
             value = _int(body, name, 1, 1_000_000, message=f"{name} must be a whole number of at least 1.")
-            window = model_context_window(model)
+            window = windows.get(model) if windows is not None else model_context_window(model)
             if window is not None and value > window:
                 raise invalid(f"{name} is {value}, beyond the context window of {model!r} ({window} tokens, prompt "
                               "included); ask for fewer tokens.", param=name)
@@ -376,11 +381,48 @@ def _apply_logprobs_chat(spec: GenerateSpec, body: dict[str, Any]) -> None:
         spec.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
 
 
-def request_for(body: Any, *, api_key=None, user=None) -> GenerationRequest:
+def request_for(body: Any, *, api_key=None, user=None, windows: dict[str, int] | None = None) -> GenerationRequest:
     """Chat when the body has `messages`, completion when it has `prompt` (the websocket takes both)."""
     if isinstance(body, dict) and "prompt" in body and "messages" not in body:
-        return completion_request(body, api_key=api_key, user=user)
-    return chat_request(body, api_key=api_key, user=user)
+        return completion_request(body, api_key=api_key, user=user, windows=windows)
+    return chat_request(body, api_key=api_key, user=user, windows=windows)
 
 
-__all__ = ["GenerationRequest", "OpenAIError", "chat_request", "completion_request", "request_for"]
+# --- where the parse runs -------------------------------------------------------------------------------------
+
+# The fields whose parse reads the body and nothing else. A body with any other field (a session; a grammar or
+# logit-bias handle; a response format or tools, whose schemas are checked; a field this list does not know) or
+# with a message whose content is a list of parts (an image or audio part is fetched, hashed and stored) is parsed
+# in a thread, where it may read the database and files.
+IN_PLACE_FIELDS = frozenset({
+    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "min_p", "top_k",
+    "presence_penalty", "frequency_penalty", "repeat_penalty", "seed", "stop", "n", "logit_bias", "ignore_eos",
+    "batch_invariant", "lora", "logprobs", "top_logprobs", "stream", "stream_options", "deadline_ms", "user",
+    "echo", "suffix", "best_of",
+})
+
+
+def parses_in_place(body: Any) -> bool:
+    """Whether parsing `body` reads only the body (and the placement's context windows, which aparse reads first),
+    so that it costs less on the event loop than the hop to a thread and back."""
+    if not isinstance(body, dict) or not IN_PLACE_FIELDS.issuperset(body):
+        return False
+    messages = body.get("messages")
+    return not isinstance(messages, list) or not any(
+        isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
+
+
+async def aparse(parse: Callable[..., GenerationRequest], body: Any, *, api_key=None,
+                 user=None) -> GenerationRequest:
+    """`parse(body)` (chat_request, completion_request or request_for) from the event loop: in place when the body
+    reads nothing stored, else in a thread. In place it spares the request its first thread hop, and with it the
+    worker thread Django's ASGI handler starts for each request's first one (and a second that joins it at the end).
+    """
+    if not parses_in_place(body):
+        return await database_sync_to_async(parse)(body, api_key=api_key, user=user)
+    asks = "max_tokens" in body or "max_completion_tokens" in body
+    windows = await acontext_windows() if asks else {}
+    return parse(body, api_key=api_key, user=user, windows=windows)
+
+
+__all__ = ["GenerationRequest", "OpenAIError", "aparse", "chat_request", "completion_request", "request_for"]

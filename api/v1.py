@@ -28,7 +28,7 @@ from api.errors import OpenAIError, body_too_large, invalid, openai_error_respon
 from api.generation import Run
 from api.quotas import Ticket, quota_admit
 from api.responses import shape_for
-from api.specs import GenerationRequest, chat_request, completion_request
+from api.specs import GenerationRequest, aparse, chat_request, completion_request
 from api.sse import first_event, sse_response
 from api.transcriptions import serve_transcription
 from fleet.links import registry
@@ -164,7 +164,7 @@ async def completions(request: HttpRequest) -> HttpResponse:
 async def serve(request: HttpRequest, parse: Callable[..., GenerationRequest]) -> HttpResponse:
     body = json_body(request)
     key = request.api_key
-    gen = await sync_to_async(parse)(body, api_key=key, user=key.owner)
+    gen = await aparse(parse, body, api_key=key, user=key.owner)
     gen.batch = request.batch_line
     return await respond(gen, request.quota)
 

@@ -102,6 +102,18 @@ def model_context_window(model: str) -> int | None:
     From the placement state (Redis when set, so every head process sees every node), not the database: it holds
     the nodes that can take a generation now.
     """
-    windows = [slot.context_window for slot in registry().placement.nodes()
-               if model in slot.models and slot.context_window]
-    return max(windows, default=None)
+    return context_windows(registry().placement.nodes()).get(model)
+
+
+async def acontext_windows() -> dict[str, int]:
+    """context_windows of the placement's nodes, read without blocking the event loop."""
+    return context_windows(await registry().aplacement.nodes())
+
+
+def context_windows(slots) -> dict[str, int]:
+    """Each model's largest context window among these placement slots (a model none gave a window is absent)."""
+    windows: dict[str, int] = {}
+    for slot in slots:
+        for model in slot.models if slot.context_window else ():
+            windows[model] = max(windows.get(model, 0), slot.context_window)
+    return windows

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Max
 from django.utils import timezone
 
@@ -110,13 +110,25 @@ async def generation_record_async(trace: GenerationTrace) -> Generation:
 
 
 def generation_record(trace: GenerationTrace) -> Generation:
-    """Write one Generation row and, when it answered in a session, that session's new messages: once, together."""
+    """Write one Generation row and, when it answered in a session, that session's new messages: once, together.
+
+    The row names the node that ran it. A node deleted since (from the admin) fails the write's
+    foreign key when it commits; the record is then written once more, without the node."""
+    node_id = trace.outcome.node_id or None
+    try:
+        return _generation_write(trace, node_id)
+    except IntegrityError:
+        if node_id is None or Node.objects.filter(pk=node_id).exists():
+            raise
+        return _generation_write(trace, None)
+
+
+def _generation_write(trace: GenerationTrace, node_id: str | None) -> Generation:
     out = trace.outcome
     finished = trace.finished_at or datetime.now(UTC).timestamp()
     started = out.started_at
     first = out.first_token_at
     decode_s = finished - first if first else 0.0
-    node_id = out.node_id if out.node_id and Node.objects.filter(pk=out.node_id).exists() else None
     with transaction.atomic():
         generation = Generation.objects.create(
             id=uuid.UUID(trace.gen_id), kind=trace.kind, model=trace.model, status=trace.status,

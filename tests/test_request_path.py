@@ -1,12 +1,16 @@
 """A /v1 request's own work before its generation is placed runs on the event loop where it does no I/O: no thread
 hop at the request's start, none for the API key's revocation stamp or the quota in local memory, none for the CSRF
-check of a view exempt from it."""
+check of a view exempt from it, none for the parse of a body that reads nothing stored."""
 
 from __future__ import annotations
 
 import threading
+import uuid
 
 import pytest
+from asgiref.sync import sync_to_async
+from channels.routing import URLRouter
+from channels.testing import WebsocketCommunicator
 from django.apps import apps
 from django.core.cache import caches
 from django.core.cache.backends.locmem import LocMemCache
@@ -17,12 +21,19 @@ from django.db import close_old_connections, reset_queries
 from django.middleware import csrf
 from django.test import AsyncClient
 
+from api.errors import OpenAIError
 from api.quota_counts import CacheQuotaStore, quota_store
 from api.quotas import quota_admit
 from api.services import api_key_authenticate, api_key_create, api_key_verified
+from api.specs import aparse, chat_request, parses_in_place, request_for
+from fleet.routing import websocket_urlpatterns
+from fleet.selectors import context_windows
+from nodes.link.placement import NodeSlot
+from tests.api_support import add_fake_node, request
 from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
+pytest_plugins = ["tests.api_fixtures"]
 
 local_memory = pytest.mark.skipif(not isinstance(caches["default"], LocMemCache),
                                   reason="the embedded default's cache; Redis is reached through a thread")
@@ -42,8 +53,6 @@ def test_a_request_under_asgi_starts_without_receivers_while_wsgi_keeps_them():
 
 @local_memory
 async def test_a_verified_keys_stamp_is_read_on_the_event_loop(monkeypatch):
-    from asgiref.sync import sync_to_async
-
     user = await sync_to_async(UserFactory)()
     row, key = await sync_to_async(api_key_create)(owner=user, name="app")
     await sync_to_async(api_key_authenticate)(key=key)
@@ -61,8 +70,6 @@ async def test_a_verified_keys_stamp_is_read_on_the_event_loop(monkeypatch):
 
 @local_memory
 async def test_the_quota_in_local_memory_is_counted_on_the_event_loop(monkeypatch):
-    from asgiref.sync import sync_to_async
-
     assert isinstance(quota_store(), CacheQuotaStore)
     user = await sync_to_async(UserFactory)()
     row, _ = await sync_to_async(api_key_create)(owner=user, name="app")
@@ -101,3 +108,93 @@ async def test_the_csrf_view_check_runs_on_the_loop_for_an_exempt_view_and_in_a_
     assert response.status_code == 403  # no CSRF token: the check ran
     assert seen[:2] == [("/v1/chat/completions", True), ("/admin/login/", True)]
     assert len(seen) > 2 and not any(on_loop for _, on_loop in seen[2:])
+
+
+# --- the parse ------------------------------------------------------------------------------------------------
+
+PLAIN = {"model": "smollm2",
+         "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+         "max_tokens": 8, "temperature": 0.2, "stop": ["\n"], "stream": True, "stream_options": {"include_usage": True}}
+IMAGE = [{"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]
+
+
+@pytest.mark.parametrize(("body", "in_place"), [
+    (PLAIN, True),
+    ({"model": "smollm2", "prompt": "Once", "max_tokens": 4, "logprobs": 2, "seed": 7}, True),
+    ({"model": "smollm2", "messages": "not a list"}, True),  # the parse only says what is wrong with it
+    ({**PLAIN, "session": "0e9c1b0e-7f39-4c4b-8a43-2b1f2c1a0d11"}, False),
+    ({**PLAIN, "grammar": "root ::= \"a\""}, False),
+    ({**PLAIN, "logit_bias_handle": "0e9c1b0e-7f39-4c4b-8a43-2b1f2c1a0d11"}, False),
+    ({**PLAIN, "response_format": {"type": "json_object"}}, False),
+    ({**PLAIN, "tools": [{"type": "function", "function": {"name": "f"}}]}, False),
+    ({**PLAIN, "a_field_added_later": 1}, False),
+    ({**PLAIN, "messages": [{"role": "user", "content": IMAGE}]}, False),
+    (["not", "an", "object"], False),
+])
+def test_a_body_is_parsed_in_place_only_when_its_parse_reads_nothing_but_the_body(body, in_place):
+    assert parses_in_place(body) is in_place
+
+
+async def test_aparse_parses_a_plain_body_on_the_loop_and_a_session_in_a_thread(monkeypatch):
+    threads: list[bool] = []
+    loop_thread = threading.get_ident()
+
+    def spy(body, **kwargs):
+        threads.append(threading.get_ident() == loop_thread)
+        return request_for(body, **kwargs)
+
+    user = await sync_to_async(UserFactory)()
+    plain = await aparse(spy, PLAIN, user=user)
+    assert plain.spec.messages[-1]["content"] == "Hi" and plain.spec.max_tokens == 8 and plain.stream
+    with pytest.raises(OpenAIError) as refused:  # parsed in a thread, where it looked the session up
+        await aparse(spy, {**PLAIN, "session": "0e9c1b0e-7f39-4c4b-8a43-2b1f2c1a0d11"}, user=user)
+    assert refused.value.code == "session_not_found"
+    assert threads == [True, False]
+
+
+async def test_a_v1_chat_with_a_plain_body_is_parsed_on_the_loop_and_one_with_a_session_in_a_thread(
+        monkeypatch, bearer):
+    threads: list[bool] = []
+    loop_thread = threading.get_ident()
+
+    def spy(body, **kwargs):
+        threads.append(threading.get_ident() == loop_thread)
+        return chat_request(body, **kwargs)
+
+    monkeypatch.setattr("api.v1.chat_request", spy)
+    plain = await request("POST", "/v1/chat/completions", key=bearer, body=PLAIN)
+    assert plain.status == 404 and b"model_not_found" in plain.body  # parsed: no node serves it
+    session = await request("POST", "/v1/chat/completions", key=bearer,
+                            body={**PLAIN, "session": "0e9c1b0e-7f39-4c4b-8a43-2b1f2c1a0d11"})
+    assert session.status == 400 and b"session_not_found" in session.body
+    assert threads == [True, False]
+
+
+async def test_a_body_asking_for_max_tokens_reads_the_windows_without_a_blocking_placement_read(monkeypatch):
+    def blocking_read(model):
+        raise AssertionError("the placement read synchronously on the event loop (Redis would block it)")
+
+    monkeypatch.setattr("api.specs.model_context_window", blocking_read)
+    add_fake_node(context_window=1024)
+    assert (await aparse(chat_request, {**PLAIN, "max_tokens": 1024})).spec.max_tokens == 1024
+    with pytest.raises(OpenAIError) as refused:
+        await aparse(chat_request, {**PLAIN, "max_tokens": 1025})
+    assert "1024 tokens" in refused.value.message
+
+
+async def test_a_websocket_generate_naming_a_session_is_parsed_in_a_thread(bearer, fake_node):
+    comm = WebsocketCommunicator(URLRouter(websocket_urlpatterns), "/ws/v1/generate",
+                                 headers=[(b"authorization", f"Bearer {bearer}".encode())])
+    assert (await comm.connect())[0]
+    await comm.send_json_to({"type": "generate", "id": "s", **PLAIN, "session": str(uuid.uuid4())})
+    error = await comm.receive_json_from(timeout=3)
+    assert error["type"] == "error" and error["code"] == "session_not_found" and error["id"] == "s"
+    await comm.send_json_to({"type": "generate", "id": "plain", **PLAIN})
+    frames = [await comm.receive_json_from(timeout=3) for _ in range(3)]
+    assert frames[-1]["type"] == "done" and frames[-1]["id"] == "plain"
+    await comm.disconnect()
+
+
+def test_each_models_window_is_the_largest_its_nodes_gave():
+    slots = [NodeSlot("a", "a", ["m", "n"], 4, 8192), NodeSlot("b", "b", ["m"], 4, 1024), NodeSlot("c", "c", ["o"], 4)]
+    assert context_windows(slots) == {"m": 8192, "n": 8192}

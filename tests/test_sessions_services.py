@@ -47,6 +47,7 @@ def test_a_finished_generation_writes_one_row_and_the_sessions_new_messages_toge
     with CaptureQueriesContext(connection) as queries:
         generation = generation_record(trace)
     assert len(queries) < 12
+    assert not any("nodes_node" in q["sql"] for q in queries.captured_queries)  # its node is not looked up first
     assert generation.id.hex == gen_id and generation.node == node and generation.status == "done"
     assert (generation.prompt_tokens, generation.cached_tokens, generation.completion_tokens) == (20, 16, 3)
     assert 200 < generation.ttft_ms < 300 and generation.duration_ms >= 1000 and generation.decode_tps > 0
@@ -58,6 +59,7 @@ def test_a_finished_generation_writes_one_row_and_the_sessions_new_messages_toge
                     (3, "assistant", "Paris.", generation.id, 3)]
 
 
+@pytest.mark.django_db(transaction=True)  # the node's foreign key is checked when the record's transaction commits
 def test_a_failed_or_cancelled_generation_leaves_the_session_alone_and_tolerates_an_unknown_node():
     session = session_create(model="smollm2")
     for status in ("failed", "cancelled"):
