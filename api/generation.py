@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from contextlib import suppress
 from typing import Any
 
@@ -64,14 +65,23 @@ class Run:
     async def _next_event(self, timeout: float | None) -> Any:
         if self.over:
             return None
+        if self._next is None and (timeout is None or self.stream.ready()):
+            # Nothing to time out (no timeout, or the node's frame is here): step the stream in place, without a
+            # task and a timer for each event.
+            return await self._step(self._events.__anext__())
         if self._next is None:
             self._next = asyncio.ensure_future(self._events.__anext__())
         done, _ = await asyncio.wait({self._next}, timeout=timeout)
         if not done:
             return PENDING
         task, self._next = self._next, None
+        return await self._step(task)
+
+    async def _step(self, step: Awaitable[Any]) -> Any:
+        """The stream's next event from `step` (its __anext__, or the task running it), ending the run when the
+        stream ended or failed."""
         try:
-            event = task.result()
+            event = await step
         except StopAsyncIteration:
             await self._end(Generation.Status.DONE)
             return None

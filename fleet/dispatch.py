@@ -159,9 +159,19 @@ class GenerationStream:
         self._seq = 0
         self._cancelled = False
         self._current: tuple[str, Any] | None = None  # (node_id, link)
+        self._relay: Any = None  # the current attempt's frames from its node (fleet.links.Relay)
+        self._expected_seq = 1  # the token batch the current attempt's node sends next
         self._failure: dict[str, Any] | None = None  # why the last attempt's node failed, for the next's evidence
         self._preempting = False  # its lane was handed to an interactive generation; its cancel is on the way
         self._preempted_at = 0.0
+
+    def ready(self) -> bool:
+        """Whether the next step only hands on a token batch that is here already: the node's next frame is the
+        batch this attempt expects. Any other frame (an end, a duplicate, a lost batch's successor) may take the
+        step into a wait: for the placement, or for another node after a failure."""
+        relay = self._relay
+        frame = relay.head() if relay is not None else None
+        return isinstance(frame, TokenBatch) and frame.seq == self._expected_seq
 
     async def __aiter__(self):
         try:
@@ -342,10 +352,11 @@ class GenerationStream:
 
         relay = reg.relays[relay_gen] = Relay(relay_gen, node_id=link.node_id)
         self._current = (link.node_id, link)
+        self._relay = relay
         spec = GenerateSpec(**{**self.spec.__dict__, "resume_text": self.spec.resume_text + self.outcome.text,
                                "resume_ids": self.spec.resume_ids + self.outcome.ids})
         spec.max_tokens = max(self.spec.max_tokens - self.outcome.completion_tokens, 1)
-        expected_seq = 1
+        self._expected_seq = 1
         finished = False
         try:
             await link.send_generate(relay_gen, spec.to_dict())
@@ -362,16 +373,16 @@ class GenerationStream:
                     if started is not None:
                         yield started
                 elif isinstance(event, TokenBatch):
-                    if event.seq < expected_seq:
+                    if event.seq < self._expected_seq:
                         continue  # a duplicate batch
-                    if event.seq > expected_seq:  # a batch lost on its way (the channel layer can drop one)
-                        raise _NodeFailed(ErrorCode.NODE_LOST, f"token batch {expected_seq} from node "
+                    if event.seq > self._expected_seq:  # a batch lost on its way (the channel layer can drop one)
+                        raise _NodeFailed(ErrorCode.NODE_LOST, f"token batch {self._expected_seq} from node "
                                                                f"{link.identity!r} was lost in transit")
-                    expected_seq = event.seq + 1
+                    self._expected_seq = event.seq + 1
                     yield self._on_tokens(event)
                 elif isinstance(event, Done):
-                    if event.seq > expected_seq:
-                        raise _NodeFailed(ErrorCode.NODE_LOST, f"token batch {expected_seq} from node "
+                    if event.seq > self._expected_seq:
+                        raise _NodeFailed(ErrorCode.NODE_LOST, f"token batch {self._expected_seq} from node "
                                                                f"{link.identity!r} was lost in transit")
                     finished = True
                     if self._preempting and event.finish_reason == FinishReason.CANCELLED:
@@ -393,7 +404,7 @@ class GenerationStream:
         finally:
             _preemptible.get(self.spec.model, set()).discard(self)
             reg.relays.pop(relay_gen, None)
-            self._current = None
+            self._current = self._relay = None
             if not finished:
                 # The client went away or failed mid-stream: free the node's lane now. Not awaited, because a
                 # generator closed by the garbage collector may not await in its finally.

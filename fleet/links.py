@@ -11,6 +11,7 @@ import asyncio
 import bisect
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -45,26 +46,36 @@ class NodeLost:
 
 
 class Relay:
-    """The bounded queue between a node link (producer) and one generation's client stream (consumer)."""
+    """The bounded queue between a node link (producer) and one generation's client stream (consumer): a deque and
+    at most one waiter, woken by the push that ends its wait."""
 
     def __init__(self, gen_id: str, node_id: str = ""):
         self.gen_id = gen_id
         self.node_id = node_id  # the node this attempt runs on: frames from another (an earlier attempt's) are dropped
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=RELAY_CAPACITY)
+        self.frames: deque[Any] = deque()
         self.overflowed = False
+        self._waiter: asyncio.Future | None = None
 
     def push(self, event: Any) -> None:
         # Never block the node link: a client this far behind loses its generation, not the node its lanes.
-        try:
-            self.queue.put_nowait(event)
-        except asyncio.QueueFull:
+        if len(self.frames) >= RELAY_CAPACITY:
             self.overflowed = True
+            return
+        self.frames.append(event)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def head(self) -> Any:
+        """The next frame when it is here already (it stays queued), else None."""
+        return self.frames[0] if self.frames else None
 
     async def get(self, timeout: float | None) -> Any:
-        if not self.queue.empty():  # the usual case under load: no timer, no task for a frame already here
-            return self.queue.get_nowait()
-        async with asyncio.timeout(timeout):
-            return await self.queue.get()
+        """The next frame; TimeoutError after `timeout` s without one. A frame already here costs no timer."""
+        while not self.frames:
+            self._waiter = asyncio.get_running_loop().create_future()
+            async with asyncio.timeout(timeout):
+                await self._waiter
+        return self.frames.popleft()
 
 
 class LaneSignal:

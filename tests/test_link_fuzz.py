@@ -103,7 +103,7 @@ class Steady:
             TokenBatch(gen_id=self.gen_id, seq=self.seq, text=[f" t{self.seq}"], ids=[self.seq])))
         batch = await self.relay.get(timeout=5)
         assert isinstance(batch, TokenBatch) and batch.seq == self.seq, batch
-        assert self.relay.queue.empty() and not self.relay.overflowed
+        assert not self.relay.frames and not self.relay.overflowed
         assert self.node_id in registry().links
         assert (await Node.objects.aget(pk=self.node_id)).state == Node.State.ONLINE
 
@@ -118,7 +118,7 @@ class Steady:
         # A straggler that raced the end is dropped, not refused: the unknown-generation rule spares it.
         await self.comm.send_to(bytes_data=self.channel.seal(
             TokenBatch(gen_id=self.gen_id, seq=self.seq + 2, text=["late"], ids=[0])))
-        assert await self.comm.receive_nothing(timeout=0.2) and self.relay.queue.empty()
+        assert await self.comm.receive_nothing(timeout=0.2) and not self.relay.frames
 
 
 @pytest.fixture
@@ -529,7 +529,7 @@ async def test_an_oversized_frame_is_refused_before_it_is_decrypted_and_nothing_
 
     await refused(attack, CloseCode.PROTOCOL, caplog, steady, "an oversized token batch")
     assert opened and max(opened) <= cap  # the head never decrypted the big frame
-    assert isinstance(await held[0].get(timeout=5), NodeLost) and held[0].queue.empty()  # the client hears the loss
+    assert isinstance(await held[0].get(timeout=5), NodeLost) and not held[0].frames  # the client hears the loss
     await steady.finish()
 
 
@@ -565,7 +565,7 @@ async def test_floods_of_frames_for_generations_the_node_does_not_hold(steady, c
 
         await refused(attack, CloseCode.PROTOCOL, caplog, steady, f"foreign flood #{case}: {len(frames)} frames")
         # A refused link is dead: its own generation's batch, queued behind the refusal, is not relayed.
-        assert isinstance(await held[0].get(timeout=5), NodeLost) and held[0].queue.empty()
+        assert isinstance(await held[0].get(timeout=5), NodeLost) and not held[0].frames
     await steady.finish()
 
 

@@ -4,6 +4,7 @@ check of a view exempt from it, none for the parse of a body that reads nothing 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
 
@@ -22,14 +23,16 @@ from django.middleware import csrf
 from django.test import AsyncClient
 
 from api.errors import OpenAIError
+from api.generation import PENDING, Run
 from api.quota_counts import CacheQuotaStore, quota_store
 from api.quotas import quota_admit
 from api.services import api_key_authenticate, api_key_create, api_key_verified
 from api.specs import aparse, chat_request, parses_in_place, request_for
+from fleet.dispatch import GenerationStream, Tokens
 from fleet.routing import websocket_urlpatterns
 from fleet.selectors import context_windows
 from nodes.link.placement import NodeSlot
-from tests.api_support import add_fake_node, request
+from tests.api_support import FakeLink, Script, add_fake_node, request
 from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -198,3 +201,51 @@ async def test_a_websocket_generate_naming_a_session_is_parsed_in_a_thread(beare
 def test_each_models_window_is_the_largest_its_nodes_gave():
     slots = [NodeSlot("a", "a", ["m", "n"], 4, 8192), NodeSlot("b", "b", ["m"], 4, 1024), NodeSlot("c", "c", ["o"], 4)]
     assert context_windows(slots) == {"m": 8192, "n": 8192}
+
+
+# --- a run's events -------------------------------------------------------------------------------------------
+
+
+async def test_a_run_steps_its_stream_in_place_unless_it_must_wait_for_the_node_with_a_timeout(monkeypatch):
+    """No task and no timer per event where nothing needs a timeout: with none (the websocket, a JSON answer), or
+    once the node's frame is here (SSE, whose timeout only sends keep-alives). A slow node is waited for in a task,
+    so the timeout gives a keep-alive and the stream goes on."""
+    steps: list[asyncio.Task | None] = []
+    original = GenerationStream._on_tokens
+
+    def spy(self, event):
+        steps.append(asyncio.current_task())
+        return original(self, event)
+
+    monkeypatch.setattr(GenerationStream, "_on_tokens", spy)
+    here = asyncio.current_task()
+    link = add_fake_node(FakeLink(script=Script(tokens=list("abcdef"))))
+    run = Run(chat_request({**PLAIN, "stream": False}))
+    assert [e.text for e in [e async for e in run.events()] if isinstance(e, Tokens)] == ["ab", "cd", "ef"]
+    assert steps == [here] * 3
+    steps.clear()
+    run = Run(chat_request(PLAIN))
+    while await run.next_event(timeout=5) is not None:
+        pass
+    assert steps == [here] * 3 and run.finished.finish_reason == "stop"
+    steps.clear()
+    link.script = Script(tokens=list("abcd"), delay=0.05)
+    run, pending = Run(chat_request(PLAIN)), 0
+    while (event := await run.next_event(timeout=0.01)) is not None:
+        pending += event is PENDING
+    assert pending and len(steps) == 2 and here not in steps and run.finished.finish_reason == "stop"
+
+
+async def test_a_step_that_fails_over_to_another_node_is_waited_for_in_a_task_with_its_keep_alives():
+    """A batch lost in transit moves the generation to another node: that step waits for the new node, so it runs
+    in a task and the timeout still gives keep-alives, though a frame (the lost batch's successor) was here."""
+    scripts = iter([Script(tokens=list("abcdef"), drop_seq=2), Script(tokens=list("abcdef"), start_delay=0.3)])
+    plays = lambda spec: next(scripts)  # noqa: E731 - the first generation sent anywhere, then its second attempt
+    add_fake_node(FakeLink(script=plays))
+    add_fake_node(FakeLink(node_id="22222222-2222-2222-2222-222222222222", identity="other", script=plays))
+    run, seen = Run(chat_request(PLAIN)), []
+    while (event := await run.next_event(timeout=0.02)) is not None:
+        seen.append("pending" if event is PENDING else type(event).__name__)
+    first = seen.index("Tokens")
+    assert "pending" in seen[first:] and run.finished.finish_reason == "stop"
+    assert len(run.stream.outcome.nodes_used) == 2
