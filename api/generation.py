@@ -20,6 +20,7 @@ from api.quotas import Ticket, tokens_spent
 from api.specs import GenerationRequest
 from fleet import metrics
 from fleet.dispatch import Finished, GenerationError, Started, Tokens, generation_stream
+from fleet.timers import wait_done
 from nodes.link.logs import generation_context
 from sessions.models import Generation
 from sessions.services import GenerationTrace, generation_record_async
@@ -71,8 +72,7 @@ class Run:
             return await self._step(self._events.__anext__())
         if self._next is None:
             self._next = asyncio.ensure_future(self._events.__anext__())
-        done, _ = await asyncio.wait({self._next}, timeout=timeout)
-        if not done:
+        if not await wait_done(self._next, timeout):  # a timer shared with the other streams' waits
             return PENDING
         task, self._next = self._next, None
         return await self._step(task)

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from django.conf import settings
 
+from fleet.timers import wait_for_future
 from nodes.link.lifecycle import PlacementLifecycle, aio
 from nodes.link.placement import PlacementState
 
@@ -70,11 +71,11 @@ class Relay:
         return self.frames[0] if self.frames else None
 
     async def get(self, timeout: float | None) -> Any:
-        """The next frame; TimeoutError after `timeout` s without one. A frame already here costs no timer."""
+        """The next frame; TimeoutError after about `timeout` s without one (fleet.timers: a timer shared with the
+        other streams' waits). A frame already here costs no timer."""
         while not self.frames:
             self._waiter = asyncio.get_running_loop().create_future()
-            async with asyncio.timeout(timeout):
-                await self._waiter
+            await wait_for_future(self._waiter, timeout)
         return self.frames.popleft()
 
 
