@@ -125,7 +125,8 @@ class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
             return
         body = {k: v for k, v in frame.items() if k not in ("type", "id")}
         try:
-            gen = await aparse(request_for, body, api_key=self.api_key, user=self.user)
+            gen = await aparse(request_for, body, api_key=self.api_key, user=self.user,
+                               in_thread=database_sync_to_async)
         except OpenAIError as exc:
             if ticket is not None:
                 await ticket.settle()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from channels.db import database_sync_to_async
+from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from api.constraints import apply_constraints
@@ -412,14 +412,16 @@ def parses_in_place(body: Any) -> bool:
         isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
 
 
-async def aparse(parse: Callable[..., GenerationRequest], body: Any, *, api_key=None,
-                 user=None) -> GenerationRequest:
+async def aparse(parse: Callable[..., GenerationRequest], body: Any, *, api_key=None, user=None,
+                 in_thread: Callable = sync_to_async) -> GenerationRequest:
     """`parse(body)` (chat_request, completion_request or request_for) from the event loop: in place when the body
-    reads nothing stored, else in a thread. In place it spares the request its first thread hop, and with it the
-    worker thread Django's ASGI handler starts for each request's first one (and a second that joins it at the end).
+    reads nothing stored, else in a thread. In place it spares the request a thread hop before its generation is
+    placed (Django's ASGI handler still hops once, at the end, for `response.close`).
+    `in_thread`: how to reach the thread (a Channels consumer passes `database_sync_to_async`, which closes stale
+    connections around the call; an HTTP request's connections are closed when it finishes).
     """
     if not parses_in_place(body):
-        return await database_sync_to_async(parse)(body, api_key=api_key, user=user)
+        return await in_thread(parse)(body, api_key=api_key, user=user)
     asks = "max_tokens" in body or "max_completion_tokens" in body
     windows = await acontext_windows() if asks else {}
     return parse(body, api_key=api_key, user=user, windows=windows)
