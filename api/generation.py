@@ -28,7 +28,6 @@ from sessions.services import GenerationTrace, generation_record_async
 log = logging.getLogger("api")
 
 PENDING = object()  # next_event timed out; the stream goes on
-JOIN_MAX = 64  # token batches already here that one event may join
 
 
 class Run:
@@ -62,10 +61,7 @@ class Run:
         """The next Started / Tokens / Finished; PENDING after `timeout` s; None once over. Raises OpenAIError."""
         # The dispatcher's step runs in a task made here, so its log lines carry the generation's id too.
         with generation_context(self.request.gen_id):
-            event = await self._next_event(timeout)
-        if isinstance(event, Tokens):
-            self.seq += 1
-        return event
+            return await self._next_event(timeout)
 
     async def _next_event(self, timeout: float | None) -> Any:
         if self.over:
@@ -73,29 +69,13 @@ class Run:
         if self._next is None and (timeout is None or self.stream.ready()):
             # Nothing to time out (no timeout, or the node's frame is here): step the stream in place, without a
             # task and a timer for each event.
-            return await self._joined(await self._step(self._events.__anext__()))
+            return await self._step(self._events.__anext__())
         if self._next is None:
             self._next = asyncio.ensure_future(self._events.__anext__())
         if not await wait_done(self._next, timeout):  # a timer shared with the other streams' waits
             return PENDING
         task, self._next = self._next, None
-        return await self._joined(await self._step(task))
-
-    async def _joined(self, event: Any) -> Any:
-        """`event`, and when it is a token batch, the plain batches already here after it joined to it: a head
-        that fell behind its nodes catches up in fewer, larger chunks (one encode and one send for several batches)
-        instead of adding each batch's cost to the delay. A batch is never waited for."""
-        if not isinstance(event, Tokens):
-            return event
-        joined = 1
-        while joined < JOIN_MAX and self.stream.ready(plain=True):
-            more = await self._step(self._events.__anext__())
-            event.seq = more.seq
-            event.text += more.text
-            event.pieces.extend(more.pieces)
-            event.ids.extend(more.ids)
-            joined += 1
-        return event
+        return await self._step(task)
 
     async def _step(self, step: Awaitable[Any]) -> Any:
         """The stream's next event from `step` (its __anext__, or the task running it), ending the run when the
@@ -122,6 +102,7 @@ class Run:
         if isinstance(event, Started):
             self.started = event
         elif isinstance(event, Tokens):
+            self.seq += 1
             if event.logprobs:
                 pieces = event.pieces + [""] * (len(event.logprobs) - len(event.pieces))
                 self.logprobs.extend({"token": p, **(e or {})} for p, e in zip(pieces, event.logprobs, strict=False))

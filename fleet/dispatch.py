@@ -165,16 +165,13 @@ class GenerationStream:
         self._preempting = False  # its lane was handed to an interactive generation; its cancel is on the way
         self._preempted_at = 0.0
 
-    def ready(self, plain: bool = False) -> bool:
+    def ready(self) -> bool:
         """Whether the next step only hands on a token batch that is here already: the node's next frame is the
         batch this attempt expects. Any other frame (an end, a duplicate, a lost batch's successor) may take the
-        step into a wait: for the placement, or for another node after a failure. `plain`: and the batch carries
-        only text and ids (no logprobs, no segments)."""
+        step into a wait: for the placement, or for another node after a failure."""
         relay = self._relay
         frame = relay.head() if relay is not None else None
-        if not isinstance(frame, TokenBatch) or frame.seq != self._expected_seq:
-            return False
-        return not plain or (frame.logprobs is None and frame.segments is None)
+        return isinstance(frame, TokenBatch) and frame.seq == self._expected_seq
 
     async def __aiter__(self):
         try:

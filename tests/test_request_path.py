@@ -28,11 +28,9 @@ from api.quota_counts import CacheQuotaStore, quota_store
 from api.quotas import quota_admit
 from api.services import api_key_authenticate, api_key_create, api_key_verified
 from api.specs import aparse, chat_request, parses_in_place, request_for
-from fleet.dispatch import GenerationStream, Started, Tokens
-from fleet.links import registry
+from fleet.dispatch import GenerationStream, Tokens
 from fleet.routing import websocket_urlpatterns
 from fleet.selectors import context_windows
-from nodes.link.messages import TokenBatch
 from nodes.link.placement import NodeSlot
 from tests.api_support import FakeLink, Script, add_fake_node, request
 from tests.factories import UserFactory
@@ -195,8 +193,8 @@ async def test_a_websocket_generate_naming_a_session_is_parsed_in_a_thread(beare
     error = await comm.receive_json_from(timeout=3)
     assert error["type"] == "error" and error["code"] == "session_not_found" and error["id"] == "s"
     await comm.send_json_to({"type": "generate", "id": "plain", **PLAIN})
-    frames = [await comm.receive_json_from(timeout=3) for _ in range(2)]
-    assert [f["type"] for f in frames] == ["token", "done"] and frames[-1]["id"] == "plain"
+    frames = [await comm.receive_json_from(timeout=3) for _ in range(3)]
+    assert frames[-1]["type"] == "done" and frames[-1]["id"] == "plain"
     await comm.disconnect()
 
 
@@ -223,7 +221,7 @@ async def test_a_run_steps_its_stream_in_place_unless_it_must_wait_for_the_node_
     here = asyncio.current_task()
     link = add_fake_node(FakeLink(script=Script(tokens=list("abcdef"))))
     run = Run(chat_request({**PLAIN, "stream": False}))
-    assert "".join(e.text for e in [e async for e in run.events()] if isinstance(e, Tokens)) == "abcdef"
+    assert [e.text for e in [e async for e in run.events()] if isinstance(e, Tokens)] == ["ab", "cd", "ef"]
     assert steps == [here] * 3
     steps.clear()
     run = Run(chat_request(PLAIN))
@@ -251,55 +249,3 @@ async def test_a_step_that_fails_over_to_another_node_is_waited_for_in_a_task_wi
     first = seen.index("Tokens")
     assert "pending" in seen[first:] and run.finished.finish_reason == "stop"
     assert len(run.stream.outcome.nodes_used) == 2
-
-
-async def test_plain_batches_already_here_join_the_event_taken_and_none_is_waited_for(monkeypatch):
-    """A head behind its node finds several batches of one stream waiting: one event carries them all (one chunk
-    to encode and send). Batches that come apart stay apart, and batches with logprobs are never joined."""
-    link = add_fake_node(FakeLink(script=Script(tokens=list("abcdef"))))
-    run = Run(chat_request({**PLAIN, "stream": False}))
-    tokens = [e for e in [e async for e in run.events()] if isinstance(e, Tokens)]
-    assert [(e.text, e.pieces, e.ids, e.seq) for e in tokens] == [("abcdef", list("abcdef"), list(range(100, 106)), 3)]
-    assert run.seq == 1 and run.text == "abcdef" and run.usage()["completion_tokens"] == 6
-
-    link.script = Script(tokens=list("abcd"), delay=0.05)
-    run = Run(chat_request({**PLAIN, "stream": False}))
-    assert [e.text for e in [e async for e in run.events()] if isinstance(e, Tokens)] == ["ab", "cd"]
-    assert run.seq == 2
-
-    link.script = Script(tokens=list("abcdef"))
-    monkeypatch.setattr("api.generation.JOIN_MAX", 2)
-    run = Run(chat_request({**PLAIN, "stream": False}))
-    assert [e.text for e in [e async for e in run.events()] if isinstance(e, Tokens)] == ["abcd", "ef"]
-
-    link.script = Script(tokens=list("abcdef"))
-    run = Run(chat_request({**PLAIN, "stream": False, "logprobs": True}))
-    tokens = [e for e in [e async for e in run.events()] if isinstance(e, Tokens)]
-    assert [(e.text, len(e.logprobs)) for e in tokens] == [("ab", 2), ("cd", 2), ("ef", 2)]
-    assert [entry["token"] for entry in run.logprobs] == list("abcdef")
-
-
-async def test_a_websocket_client_gets_batches_already_here_as_one_token_frame(bearer, fake_node):
-    fake_node.script = Script(tokens=list("abcdef"))
-    ws = WebsocketCommunicator(URLRouter(websocket_urlpatterns), "/ws/v1/generate",
-                               headers=[(b"authorization", f"Bearer {bearer}".encode())])
-    assert (await ws.connect())[0]
-    await ws.send_json_to({"type": "generate", "id": "g", **PLAIN})
-    frames = [await ws.receive_json_from(timeout=5) for _ in range(2)]
-    await ws.disconnect()
-    assert [(f["type"], f["seq"], f.get("text")) for f in frames] == [("token", 1, "abcdef"), ("done", 2, None)]
-
-
-async def test_batches_that_come_while_a_task_waits_for_the_node_are_joined_after_it():
-    """SSE waits for a slow node in a task (for its keep-alives); the batches here when it wakes go as one event."""
-    link = add_fake_node(FakeLink(script=Script(tokens=[], hang=True)))
-    run = Run(chat_request(PLAIN))
-    assert isinstance(await run.next_event(timeout=1), Started)
-    assert await run.next_event(timeout=0.01) is PENDING  # a task waits for the node now
-    gen_id = run.request.gen_id
-    for seq, text in ((1, "ab"), (2, "cd")):
-        registry().relay_push(gen_id, TokenBatch(gen_id=gen_id, seq=seq, text=list(text), ids=[1, 2]),
-                              node_id=link.node_id)
-    event = await run.next_event(timeout=1)
-    assert (event.text, event.ids, run.seq) == ("abcd", [1, 2, 1, 2], 1)
-    await run.abandon()

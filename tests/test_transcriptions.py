@@ -5,7 +5,6 @@ test_transcriptions_e2e.)"""
 from __future__ import annotations
 
 import hashlib
-import json
 import uuid
 
 import numpy as np
@@ -142,6 +141,5 @@ async def test_a_streamed_transcription_keeps_the_connection_alive_until_its_fir
     body = b"".join(answer.chunks).decode()
     assert answer.status == 200 and answer.headers["content-type"].startswith("text/event-stream")
     assert body.index(": keep-alive") < body.index("transcript.text.delta")  # a long file's first segment takes time
-    deltas = [json.loads(line[6:])["delta"] for line in body.splitlines() if '"transcript.text.delta"' in line]
-    assert "".join(deltas) == " Hi there" and '"text":"Hi there"' in body
+    assert body.count('"type":"transcript.text.delta"') == 2 and '"text":"Hi there"' in body
     assert body.rstrip().endswith("data: [DONE]")
