@@ -12,6 +12,11 @@ next), in client processes of their own. Side by side in one run, at each stream
   nodes joined over the encrypted link, half the clients on SSE (/v1/chat/completions) and half on the client
   websocket (/ws/v1/generate); with two heads, half the nodes and half the clients on each.
 
+Where the machine has two cores or more, the box in the middle (the proxy, or the one head) runs on a core of its
+own and the nodes, the clients and this script on the others, so that its figures are its own work and not the
+scheduler's (two heads, or --shared: every process on any core). The JSON says which (`head_core_own`,
+`setup.cores`).
+
 Reported per run: relayed tokens/s as the clients counted them; head CPU seconds per 1,000 tokens (the daphne
 processes' user + system time over the window); added time to first token p50 and added chunk gap p99 (the head's,
 less the direct run's at the same stream count: what the node sent). Targets (issue 17) at 500 streams, one head:
@@ -20,7 +25,7 @@ less the direct run's at the same stream count: what the node sent). Targets (is
 is reported as not met, with the reason.
 
     .venv/bin/python bench/scale.py [--quick] [--streams 100,500,1000] [--seconds 20] [--tokens 100] [--out FILE]
-                                    [--profile DIR]
+                                    [--profile DIR] [--shared]
 
 Writes bench/results/scale.json as {"runs": [{"streams", "heads", "direct_tok_s", "proxy_tok_s", "head_tok_s",
 "head_cpu_s_per_1k_tok", "added_ttft_ms_p50", "added_gap_ms_p99", ...}], "targets_met": ..., ...}. With --profile,
@@ -64,6 +69,39 @@ def cpu_seconds(pids: list[int]) -> float:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
+
+
+class Cores:
+    """Which cores the processes run on. Pinned (the default where there are at least two), the box in the middle
+    (the proxy, or the one head) runs on a core of its own and everything else (the nodes, the clients, this script)
+    on the rest, so the middle box's figures are its own, not the scheduler's. Shared (`--shared`, and always with
+    two heads), all run on any core."""
+
+    def __init__(self, pin: bool):
+        self.all = set(os.sched_getaffinity(0))
+        self.pinned = pin and len(self.all) >= 2
+        last = max(self.all)
+        self.own, self.rest = ({last}, self.all - {last}) if self.pinned else (self.all, self.all)
+
+    def phase(self, boxes: int) -> _affinity:
+        """A context for a phase with `boxes` middle boxes: the processes started in it run on the rest."""
+        return _affinity(self.rest if boxes == 1 else self.all)
+
+    def middle(self, boxes: int) -> _affinity:
+        """A context in which the processes started run on the middle box's core."""
+        return _affinity(self.own if boxes == 1 else self.all)
+
+
+class _affinity:
+    def __init__(self, cpus: set[int]):
+        self.cpus = cpus
+
+    def __enter__(self):
+        self.before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, self.cpus)  # a child inherits it when it starts
+
+    def __exit__(self, *exc):
+        os.sched_setaffinity(0, self.before)
 
 
 def spawn(*args: str) -> subprocess.Popen:
@@ -117,10 +155,16 @@ def measure(args, tmp: Path, groups: list[tuple[str, list[str], str]], pids: lis
 
 def bare_phase(args, tmp: Path) -> dict[int, dict[str, dict]]:
     """direct and proxy at every stream count: bare mock nodes, then the same through the minimal proxy."""
+    with args.cores.phase(1):
+        return _bare_phase(args, tmp)
+
+
+def _bare_phase(args, tmp: Path) -> dict[int, dict[str, dict]]:
     ports = [free_port() for _ in range(args.nodes)]
     nodes = [spawn("node", "--port", str(p), "--lanes", str(args.lanes), "--tps", str(args.tps)) for p in ports]
     proxy_port = free_port()
-    proxy = spawn("proxy", "--port", str(proxy_port), "--upstreams", ",".join(f"127.0.0.1:{p}" for p in ports))
+    with args.cores.middle(1):
+        proxy = spawn("proxy", "--port", str(proxy_port), "--upstreams", ",".join(f"127.0.0.1:{p}" for p in ports))
     out: dict[int, dict[str, dict]] = {}
     try:
         for streams in args.streams:
@@ -148,6 +192,11 @@ def start_head(head: Head, profile: Path | None, n: int) -> None:
 
 
 def head_phase(args, tmp: Path, heads_n: int) -> dict[int, dict]:
+    with args.cores.phase(heads_n):
+        return _head_phase(args, tmp, heads_n)
+
+
+def _head_phase(args, tmp: Path, heads_n: int) -> dict[int, dict]:
     env = dict(NO_QUOTAS)
     if heads_n > 1:
         env["REDIS_URL"] = args.redis_url
@@ -157,8 +206,9 @@ def head_phase(args, tmp: Path, heads_n: int) -> dict[int, dict]:
     nodes = []
     out: dict[int, dict] = {}
     try:
-        for n, head in enumerate(heads):
-            start_head(head, args.profile, heads_n * 10 + n)
+        with args.cores.middle(heads_n):
+            for n, head in enumerate(heads):
+                start_head(head, args.profile, heads_n * 10 + n)
         for i in range(args.nodes):
             nodes.append(start_mock_node(heads[i % heads_n], f"scale-{i}", lanes=args.lanes, decode_tps=args.tps))
         for head in heads:
@@ -170,6 +220,7 @@ def head_phase(args, tmp: Path, heads_n: int) -> dict[int, dict]:
             groups = [("sse", targets, heads[0].api_key), ("ws", targets, heads[0].api_key)]
             out[streams] = measure(args, tmp, groups, pids)
             out[streams]["head_cores"] = len(os.sched_getaffinity(pids[0]))
+            out[streams]["pinned"] = args.cores.pinned and heads_n == 1
             print(f"{streams} streams, {heads_n} head(s): {out[streams]['tok_s']} tok/s, "
                   f"{out[streams]['cpu_s']} CPU s, errors {out[streams]['errors']}", flush=True)
     finally:
@@ -190,7 +241,7 @@ def row(streams: int, heads: int, bare: dict[str, dict], head: dict) -> dict:
             "head_tok_s": head["tok_s"],
             "head_cpu_s_per_1k_tok": round(head["cpu_s"] / head["tokens"] * 1000, 4) if head["tokens"] else None,
             "added_ttft_ms_p50": added("ttft_ms_p50"), "added_gap_ms_p99": added("gap_ms_p99"),
-            "head_cores": head["head_cores"], "load_avg_1m": head["load_avg_1m"],
+            "head_cores": head["head_cores"], "head_core_own": head["pinned"], "load_avg_1m": head["load_avg_1m"],
             "detail": {"direct": direct, "proxy": proxy, "head": head}}
 
 
@@ -215,9 +266,10 @@ def targets_met(runs: list[dict], cores: int) -> dict:
             f"the mock nodes alone delivered {run['direct_tok_s']} tok/s here: this machine ({cores} cores, shared by "
             "the nodes, the clients and the head, and by other work) cannot offer 20,000")
     busy = [k for k, v in out.items() if not v["met"] and "reason" not in v]
+    where = (f"the head on a core of its own, the {run['streams']} clients and the nodes on the other {cores - 1}"
+             if run["head_core_own"] else f"the head sharing {cores} cores with {run['streams']} clients and the nodes")
     for name in busy:
-        out[name]["reason"] = (f"measured with the head sharing {cores} cores with {run['streams']} clients and the "
-                               f"nodes (load average {run['load_avg_1m'][1]})")
+        out[name]["reason"] = f"measured with {where} (load average {run['load_avg_1m'][1]})"
     out["all"] = all(v["met"] for v in out.values() if isinstance(v, dict))
     return out
 
@@ -236,7 +288,10 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=100, help="tokens each generation asks for")
     parser.add_argument("--profile", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"where the JSON goes (default {RESULTS.name})")
+    parser.add_argument("--shared", action="store_true",
+                        help="run the proxy and the head on any core, not on one of their own")
     args = parser.parse_args()
+    args.cores = Cores(pin=not args.shared)
     if args.quick:
         args.streams, args.seconds, args.warmup = "100,500", 8.0, 6.0
     args.streams = [int(s) for s in args.streams.split(",")]
@@ -253,6 +308,8 @@ def main() -> int:
     result = {"runs": runs, "targets_met": targets_met(runs, cores),
               "setup": {"nodes": args.nodes, "lanes": args.lanes, "decode_tps": args.tps, "tokens": args.tokens,
                         "seconds": args.seconds, "quick": args.quick, "machine_cores": cores,
+                        "cores": {"middle_box": sorted(args.cores.own), "rest": sorted(args.cores.rest),
+                                  "pinned": args.cores.pinned},
                         "clients": "closed-loop; with the head, half SSE and half websocket"},
               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"{'streams':>8}{'heads':>6}{'direct':>9}{'proxy':>9}{'head':>9}{'cpu/1k':>8}{'+ttft50':>9}{'+gap99':>8}")

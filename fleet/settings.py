@@ -274,6 +274,8 @@ FLEET_PULL_GRANT_S = env_int("FLEET_PULL_GRANT_S", 900)
 
 # Threads that write generation records, each keeping its database connection open (SQLite takes one writer at a time).
 FLEET_RECORD_WRITERS = env_int("FLEET_RECORD_WRITERS", 4 if DATABASE_URL else 1)
+# Freeze what the head loaded before serving out of the garbage collector's full collections (fleet/heap.py).
+FLEET_GC_FREEZE = env_bool("FLEET_GC_FREEZE", True)
 
 # Batches (/v1/batches): a Celery worker sends each line to a head process's /v1 at this address.
 FLEET_HEAD_URL = os.environ.get("FLEET_HEAD_URL", "http://127.0.0.1:8000").strip().rstrip("/")
