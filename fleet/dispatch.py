@@ -21,7 +21,7 @@ from fleet.live import fleet_changed
 from nodes.agent.vocab import BUILTINS, BYTES
 from nodes.link.codes import ErrorCode, FinishReason
 from nodes.link.lifecycle import aplacement_keys
-from nodes.link.messages import Accepted, Done, Error, TokenBatch
+from nodes.link.messages import Accepted, Done, Error, LinkError, TokenBatch
 from nodes.link.prefix import PrefixKey
 from nodes.link.spec import GenerateSpec
 from nodes.tokenizers import fingerprint_served, tokenizer_get, tokenizer_known
@@ -359,7 +359,10 @@ class GenerationStream:
         self._expected_seq = 1
         finished = False
         try:
-            await link.send_generate(relay_gen, spec.to_dict())
+            try:
+                await link.send_generate(relay_gen, spec.to_dict())
+            except LinkError as exc:  # e.g. the channel of the head process holding its link is full
+                raise _NodeFailed(ErrorCode.NODE_LOST, f"node {link.identity!r} could not be reached: {exc}") from None
             if self.batch:
                 _preemptible.setdefault(self.spec.model, set()).add(self)
             while True:

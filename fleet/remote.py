@@ -14,6 +14,7 @@ import logging
 import uuid
 from typing import Any
 
+from channels.exceptions import ChannelFull
 from channels.layers import get_channel_layer
 
 from fleet.links import NodeLost, registry
@@ -84,9 +85,15 @@ class RemoteLink:
         self.node_id, self.identity, self.channel = node_id, identity, channel
 
     async def send_generate(self, gen_id: str, spec: dict[str, Any]) -> None:
+        """Raises LinkError when the process holding the link is not keeping up with its channel (it is full): the
+        dispatcher then places the generation on another node."""
         reply_to = await _process_channel.ensure()
-        await get_channel_layer().send(self.channel, {"type": "link.generate", "gen_id": gen_id, "spec": spec,
-                                                      "reply_to": reply_to})
+        try:
+            await get_channel_layer().send(self.channel, {"type": "link.generate", "gen_id": gen_id, "spec": spec,
+                                                          "reply_to": reply_to})
+        except ChannelFull:
+            raise LinkError(f"the head process holding node {self.identity!r} is not keeping up (its channel is "
+                            "full)") from None
 
     async def send_cancel(self, gen_id: str, reason: str) -> None:
         await get_channel_layer().send(self.channel, {"type": "link.cancel", "gen_id": gen_id, "reason": reason})

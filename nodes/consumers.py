@@ -19,6 +19,7 @@ from typing import Any
 
 from cachetools import TTLCache
 from channels.db import database_sync_to_async
+from channels.exceptions import ChannelFull
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.core.cache import cache
@@ -347,8 +348,23 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
         if reply_to is None:
             registry().relay_push(msg.gen_id, msg, node_id=self.node_id)
             return
-        await self.channel_layer.send(reply_to, {"type": "relay.frame", "gen_id": msg.gen_id, "frame": body,
-                                                 "node_id": self.node_id})
+        try:
+            await self.channel_layer.send(reply_to, {"type": "relay.frame", "gen_id": msg.gen_id, "frame": body,
+                                                     "node_id": self.node_id})
+        except ChannelFull:
+            await self._remote_fell_behind(msg.gen_id, reply_to)
+
+    async def _remote_fell_behind(self, gen_id: str, reply_to: str) -> None:
+        """The head process a generation's frames go to is not reading them (its channel is full): that generation
+        stops here (the node's lane is freed, that process is told its node was lost, so it places it again), and
+        the link, with every other generation on it, goes on."""
+        log.warning("node link %s: the head process of generation %s is not keeping up (its channel is full); the "
+                    "generation stops here", self.identity, gen_id)
+        self.remote.pop(gen_id, None)
+        await self.send_cancel(gen_id, "the head process relaying it fell behind")
+        with contextlib.suppress(ChannelFull):
+            await self.channel_layer.send(reply_to, {"type": "relay.lost", "gen_id": gen_id, "node_id": self.node_id,
+                                                     "reason": "the head process fell behind its node's frames"})
 
     async def _generation_ended(self, gen_id: str) -> None:
         if gen_id in self.running:

@@ -622,3 +622,65 @@ async def test_a_tokenizer_file_that_is_not_the_one_named_closes_the_link(settin
 
     assert await closed_with(comm) == CloseCode.PROTOCOL
     assert not registry().placement.nodes()[0].schedulable
+
+
+async def test_a_generation_whose_head_process_falls_behind_stops_and_the_link_goes_on(caplog, monkeypatch):
+    """Frames for a generation placed by another head process go to that process's channel. When it is full (that
+    process is not reading), the generation stops: the node cancels it, the process is told its node was lost
+    where there is room, and the node's link, with its other generations, goes on."""
+    import logging
+
+    from channels.exceptions import ChannelFull
+    from channels.layers import get_channel_layer
+
+    from nodes.link.messages import Cancel, TokenBatch
+
+    comm, channel = await joined()
+    monkeypatch.setattr(logging.getLogger("fleet"), "propagate", True)  # again: the first join may load LOGGING
+    node_id = str((await Node.objects.aget(identity="gpu-7")).id)
+    holder = registry().links[node_id]
+    layer = get_channel_layer()
+    reply_to = await layer.new_channel()
+    gen_id = uuid.uuid4().hex
+    spec = GenerateSpec(gen_id=gen_id, model="smollm2", prompt="Hello").to_dict()
+    await holder.link_generate({"gen_id": gen_id, "spec": spec, "reply_to": reply_to})
+    assert isinstance(channel.open(await comm.receive_from(timeout=5)), Generate)
+    with contextlib.suppress(ChannelFull):
+        for n in range(1000):  # that process stopped reading
+            await layer.send(reply_to, {"type": "filler", "n": n})
+    await comm.send_to(bytes_data=channel.seal(TokenBatch(gen_id=gen_id, seq=1, text=["Hi"], ids=[1])))
+    cancel = channel.open(await comm.receive_from(timeout=5))
+    assert isinstance(cancel, Cancel) and cancel.gen_id == gen_id
+    assert gen_id not in holder.remote and registry().links[node_id] is holder
+    assert "not keeping up" in caplog.text
+    await comm.send_to(bytes_data=channel.seal(TokenBatch(gen_id=gen_id, seq=2, text=["!"], ids=[2])))  # dropped
+    other = uuid.uuid4().hex  # the link still takes work
+    await holder.link_generate({"gen_id": other, "spec": {**spec, "gen_id": other}, "reply_to": reply_to})
+    sent = channel.open(await comm.receive_from(timeout=5))
+    assert isinstance(sent, Generate) and sent.gen_id == other
+
+
+async def test_the_head_process_that_fell_behind_is_told_its_node_was_lost_where_there_is_room(monkeypatch):
+    from channels.exceptions import ChannelFull
+    from channels.layers import get_channel_layer
+
+    comm, channel = await joined()
+    holder = registry().links[str((await Node.objects.aget(identity="gpu-7")).id)]
+    layer = get_channel_layer()
+    reply_to, gen_id = await layer.new_channel(), uuid.uuid4().hex
+    spec = GenerateSpec(gen_id=gen_id, model="smollm2", prompt="Hello").to_dict()
+    await holder.link_generate({"gen_id": gen_id, "spec": spec, "reply_to": reply_to})
+    channel.open(await comm.receive_from(timeout=5))
+    send = layer.send
+
+    async def frames_refused(to, message):
+        if message["type"] == "relay.frame":
+            raise ChannelFull
+        await send(to, message)
+
+    monkeypatch.setattr(layer, "send", frames_refused)
+    from nodes.link.messages import TokenBatch
+
+    await comm.send_to(bytes_data=channel.seal(TokenBatch(gen_id=gen_id, seq=1, text=["Hi"], ids=[1])))
+    told = await asyncio.wait_for(layer.receive(reply_to), 5)
+    assert told["type"] == "relay.lost" and told["gen_id"] == gen_id and "fell behind" in told["reason"]

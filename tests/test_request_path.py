@@ -5,6 +5,7 @@ check of a view exempt from it, none for the parse of a body that reads nothing 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import uuid
 
@@ -31,6 +32,7 @@ from api.specs import aparse, chat_request, parses_in_place, request_for
 from fleet.dispatch import GenerationStream, Tokens
 from fleet.routing import websocket_urlpatterns
 from fleet.selectors import context_windows
+from nodes.link.messages import LinkError
 from nodes.link.placement import NodeSlot
 from tests.api_support import FakeLink, Script, add_fake_node, request
 from tests.factories import UserFactory
@@ -249,3 +251,35 @@ async def test_a_step_that_fails_over_to_another_node_is_waited_for_in_a_task_wi
     first = seen.index("Tokens")
     assert "pending" in seen[first:] and run.finished.finish_reason == "stop"
     assert len(run.stream.outcome.nodes_used) == 2
+
+
+async def test_a_node_that_cannot_be_reached_is_passed_over_for_another():
+    """A node whose link another head process holds, when that process's channel is full: the generation goes to
+    another node, not to the client as an internal error."""
+    other = FakeLink(node_id="22222222-2222-2222-2222-222222222222", identity="other")
+
+    class Unreachable(FakeLink):
+        async def send_generate(self, gen_id, spec):
+            add_fake_node(other)  # a second node, there for the second attempt only
+            raise LinkError("the head process holding node 'fake-node' is not keeping up (its channel is full)")
+
+    add_fake_node(Unreachable())
+    run = Run(chat_request({**PLAIN, "stream": False}))
+    text = "".join([e.text async for e in run.events() if isinstance(e, Tokens)])
+    assert text == "Hello, world!" and run.finished.node == "other"
+    assert run.stream.outcome.nodes_used == ["fake-node", "other"]
+
+
+async def test_a_remote_link_whose_channel_is_full_is_a_link_error():
+    from channels.exceptions import ChannelFull
+    from channels.layers import get_channel_layer
+
+    from fleet.remote import RemoteLink
+
+    layer = get_channel_layer()
+    full = await layer.new_channel()
+    with contextlib.suppress(ChannelFull):
+        for n in range(1000):
+            await layer.send(full, {"type": "filler", "n": n})
+    with pytest.raises(LinkError, match="not keeping up"):
+        await RemoteLink("11111111-1111-1111-1111-111111111111", "gpu-7", full).send_generate("g", {})
