@@ -139,7 +139,11 @@ if REDIS_URL:
             # the message rate low, and a larger capacity absorbs bursts.
             # redis-py 8 reads with a 5 s socket timeout, the same as channels-redis's blocking pop: without a
             # longer one, an idle consumer's receive fails with "Timeout reading" and takes its websocket down.
-            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 60}], "capacity": 2000, "expiry": 30,
+            # redis-py 8 caps an asyncio pool at 100 connections; every send in flight holds one, and two heads
+            # at 1,000 streams had more (MaxConnectionsError in the channel layer).
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 60,
+                                  "max_connections": env_int("FLEET_REDIS_LAYER_CONNECTIONS", 1000)}],
+                       "capacity": 2000, "expiry": 30,
                        "prefix": FLEET_REDIS_PREFIX + "asgi"},
         }
     }
