@@ -81,7 +81,12 @@ class Run:
         """The stream's next event from `step` (its __anext__, or the task running it), ending the run when the
         stream ended or failed."""
         try:
-            event = await step
+            try:
+                event = await step
+            finally:
+                # A task keeps the exception it raised, and the exception's traceback this frame: with the task
+                # still here, every stream that ended in a task left a cycle for a full collection to find.
+                del step
         except StopAsyncIteration:
             await self._end(Generation.Status.DONE)
             return None

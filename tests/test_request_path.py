@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 import uuid
+import weakref
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -283,3 +285,21 @@ async def test_a_remote_link_whose_channel_is_full_is_a_link_error():
             await layer.send(full, {"type": "filler", "n": n})
     with pytest.raises(LinkError, match="not keeping up"):
         await RemoteLink("11111111-1111-1111-1111-111111111111", "gpu-7", full).send_generate("g", {})
+
+
+async def test_a_run_that_ends_in_a_task_leaves_no_cycle_for_the_garbage_collector():
+    """SSE waits for a slow node in a task; the stream's end (StopAsyncIteration) comes out of that task. Caught
+    with the task still in a local, it made a cycle (exception, traceback, frame, task, exception) that only a full
+    collection freed: one per stream, scanned by every full collection until then."""
+    add_fake_node(FakeLink(script=Script(tokens=list("ab"), delay=0.02)))
+    gc.collect()
+    gc.disable()
+    try:
+        run = Run(chat_request(PLAIN))
+        while (event := await run.next_event(timeout=0.005)) is not None:
+            del event
+        gone = weakref.ref(run)
+        del run
+        assert gone() is None
+    finally:
+        gc.enable()
