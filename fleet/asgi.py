@@ -13,13 +13,13 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from api.limits import body_limit  # noqa: E402
 from api.sse import sse_guard  # noqa: E402
 from fleet.discovery import announce_served_head  # noqa: E402
-from fleet.heap import freeze_startup_heap, held_disconnect  # noqa: E402
+from fleet.heap import freeze_startup_heap  # noqa: E402
 from fleet.routing import websocket_urlpatterns  # noqa: E402
 
 announce_served_head()  # with FLEET_ANNOUNCE set, nodes started with no head address find this one
 
 application = ProtocolTypeRouter({
-    "http": body_limit(held_disconnect(sse_guard(django_app))),
+    "http": body_limit(sse_guard(django_app)),
     "websocket": URLRouter(websocket_urlpatterns),
 })
 

@@ -10,13 +10,10 @@ collections in the same run scanned about 140,000 objects in 60-90 ms.
 Frozen objects are still freed when their last reference goes; only a reference cycle among them would never be
 collected, and the collection just before the freeze clears the cycles startup left behind. `FLEET_GC_FREEZE=0`
 turns it off.
-
-`held_disconnect` keeps each HTTP request's objects out of the collector's hands altogether (below).
 """
 
 from __future__ import annotations
 
-import asyncio
 import gc
 
 
@@ -28,35 +25,3 @@ def freeze_startup_heap() -> int:
         gc.collect()
         gc.freeze()
     return gc.get_freeze_count()
-
-
-def held_disconnect(app):
-    """ASGI wrapper for Django's HTTP app: once the response's last body has gone, the `http.disconnect` that daphne
-    sends at once is held back from Django, not handed to it.
-
-    Django's handler listens for the disconnect in a task of its own while it finishes the request (its
-    `response.close` hop comes after the last body). Handed the disconnect then, that task failed with
-    RequestAborted, and the handler, catching it, kept the exception in its own frame through the task: a cycle
-    that made the whole request (its request, session, messages, response and headers, about 250 objects) garbage
-    that only a full collection frees. Held back, the task is cancelled as the handler ends, and the request is
-    freed as soon as it is done. A disconnect before the last body still reaches Django and stops a stream.
-    """
-
-    async def held(scope, receive, send):
-        sent = False
-
-        async def send_noting_the_end(message):
-            nonlocal sent
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                sent = True
-
-        async def receive_until_sent():
-            message = await receive()
-            if sent and message["type"] == "http.disconnect":
-                await asyncio.Future()  # until the handler, done, cancels its listener
-            return message
-
-        await app(scope, receive_until_sent, send_noting_the_end)
-
-    return held
