@@ -640,13 +640,13 @@ async def test_a_generation_whose_head_process_falls_behind_stops_and_the_link_g
     node_id = str((await Node.objects.aget(identity="gpu-7")).id)
     holder = registry().links[node_id]
     layer = get_channel_layer()
-    reply_to = await layer.new_channel()
+    reply_to = f"specific.{uuid.uuid4().hex}!relay"  # another process's channel: none here reads it (on Redis too)
     gen_id = uuid.uuid4().hex
     spec = GenerateSpec(gen_id=gen_id, model="smollm2", prompt="Hello").to_dict()
     await holder.link_generate({"gen_id": gen_id, "spec": spec, "reply_to": reply_to})
     assert isinstance(channel.open(await comm.receive_from(timeout=5)), Generate)
     with contextlib.suppress(ChannelFull):
-        for n in range(1000):  # that process stopped reading
+        for n in range(layer.capacity + 1):  # that process stopped reading: its channel fills up
             await layer.send(reply_to, {"type": "filler", "n": n})
     await comm.send_to(bytes_data=channel.seal(TokenBatch(gen_id=gen_id, seq=1, text=["Hi"], ids=[1])))
     cancel = channel.open(await comm.receive_from(timeout=5))

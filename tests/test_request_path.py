@@ -272,6 +272,7 @@ async def test_a_node_that_cannot_be_reached_is_passed_over_for_another():
     assert run.stream.outcome.nodes_used == ["fake-node", "other"]
 
 
+@local_memory  # the in-memory layer only: on Redis the process channel this starts kept pytest from exiting here
 async def test_a_remote_link_whose_channel_is_full_is_a_link_error():
     from channels.exceptions import ChannelFull
     from channels.layers import get_channel_layer
@@ -279,9 +280,9 @@ async def test_a_remote_link_whose_channel_is_full_is_a_link_error():
     from fleet.remote import RemoteLink
 
     layer = get_channel_layer()
-    full = await layer.new_channel()
+    full = f"specific.{uuid.uuid4().hex}!link"  # another process's channel: none here reads it (on Redis too)
     with contextlib.suppress(ChannelFull):
-        for n in range(1000):
+        for n in range(layer.capacity + 1):  # that process stopped reading: its channel fills up
             await layer.send(full, {"type": "filler", "n": n})
     with pytest.raises(LinkError, match="not keeping up"):
         await RemoteLink("11111111-1111-1111-1111-111111111111", "gpu-7", full).send_generate("g", {})
