@@ -3,10 +3,14 @@
 
 import os
 
-from django.core.asgi import get_asgi_application
+import django
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fleet.settings")
-django_app = get_asgi_application()
+django.setup(set_prefix=False)  # as django.core.asgi.get_asgi_application
+
+from fleet.threads import PooledThreadsHandler  # noqa: E402
+
+django_app = PooledThreadsHandler()  # Django's handler, each request's sync parts on a pooled thread
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
