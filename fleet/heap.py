@@ -16,11 +16,32 @@ from __future__ import annotations
 
 import gc
 
+DEFAULT_GC_THRESHOLDS = "5000,3,10"
+
+
+def gc_thresholds(value: str) -> tuple[int, int, int] | None:
+    """FLEET_GC_THRESHOLDS as gc.set_threshold takes it: three whole numbers "a,b,c", or None (empty) for Python's
+    own. ValueError, with what to write instead, for anything else."""
+    value = value.strip()
+    if not value:
+        return None
+    try:
+        numbers = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        numbers = ()
+    if len(numbers) != 3 or min(numbers) < 1:
+        raise ValueError(f"FLEET_GC_THRESHOLDS must be three whole numbers of at least 1, such as "
+                         f"{DEFAULT_GC_THRESHOLDS} (or empty for Python's own 700,10,10), not {value!r}")
+    return numbers  # type: ignore[return-value]
+
 
 def freeze_startup_heap() -> int:
-    """Collect once, then freeze what is left (when FLEET_GC_FREEZE is on); how many objects are frozen now."""
+    """Set the collector's thresholds (FLEET_GC_THRESHOLDS), collect once, then freeze what is left (when
+    FLEET_GC_FREEZE is on); how many objects are frozen now."""
     from django.conf import settings
 
+    if settings.FLEET_GC_THRESHOLDS:
+        gc.set_threshold(*settings.FLEET_GC_THRESHOLDS)
     if settings.FLEET_GC_FREEZE:
         gc.collect()
         gc.freeze()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import dj_database_url
 
+from fleet.heap import DEFAULT_GC_THRESHOLDS, gc_thresholds
 from nodes.link.logs import PLAIN as PLAIN_LOG_FORMAT
 from nodes.link.logs import log_format
 
@@ -280,6 +281,13 @@ FLEET_PULL_GRANT_S = env_int("FLEET_PULL_GRANT_S", 900)
 FLEET_RECORD_WRITERS = env_int("FLEET_RECORD_WRITERS", 4 if DATABASE_URL else 1)
 # Freeze what the head loaded before serving out of the garbage collector's full collections (fleet/heap.py).
 FLEET_GC_FREEZE = env_bool("FLEET_GC_FREEZE", True)
+# The head's garbage collector thresholds (gc.set_threshold: generations 0, 1 and 2) as "a,b,c"; empty for Python's
+# own 700,10,10 (fleet/heap.py; measured at 500 streams in docs/benchmarks.md, *Scale*).
+try:
+    FLEET_GC_THRESHOLDS = gc_thresholds(os.environ.get("FLEET_GC_THRESHOLDS", DEFAULT_GC_THRESHOLDS))
+except ValueError as exc:
+    sys.stderr.write(f"fleet: {exc}\n")
+    sys.exit(2)
 
 # Batches (/v1/batches): a Celery worker sends each line to a head process's /v1 at this address.
 FLEET_HEAD_URL = os.environ.get("FLEET_HEAD_URL", "http://127.0.0.1:8000").strip().rstrip("/")

@@ -8,30 +8,50 @@ import subprocess
 import sys
 import weakref
 
+import pytest
 from django.test import override_settings
 
-from fleet.heap import freeze_startup_heap
+from fleet.heap import DEFAULT_GC_THRESHOLDS, freeze_startup_heap, gc_thresholds
 
 
 class Box:
     pass
 
 
-PROBE = "import gc, fleet.asgi; print(gc.get_freeze_count())"
+PROBE = "import gc, fleet.asgi; print(gc.get_freeze_count(), *gc.get_threshold())"
 
 
-def _frozen_in_a_new_head_process(tmp_path, **env: str) -> int:
-    """How many objects a fresh process has frozen once it has loaded the head's ASGI application."""
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "FLEET_HOME": str(tmp_path), "FLEET_MDNS": "0",
-                               "DJANGO_SETTINGS_MODULE": "fleet.settings", **env})
+def _new_head_process(tmp_path, **env: str) -> subprocess.CompletedProcess:
+    """A fresh process that loads the head's ASGI application and prints its frozen count and gc thresholds."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("FLEET_GC_")}, "FLEET_HOME": str(tmp_path),
+           "FLEET_MDNS": "0", "DJANGO_SETTINGS_MODULE": "fleet.settings", **env}
+    return subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, env=env)
+
+
+def _frozen_and_thresholds(tmp_path, **env: str) -> tuple[int, tuple[int, ...]]:
+    done = _new_head_process(tmp_path, **env)
     assert done.returncode == 0, done.stderr
-    return int(done.stdout.split()[-1])
+    frozen, *thresholds = map(int, done.stdout.split()[-4:])
+    return frozen, tuple(thresholds)
 
 
 def test_the_head_application_freezes_what_it_loaded_and_the_setting_turns_it_off(tmp_path):
-    assert _frozen_in_a_new_head_process(tmp_path) > 50_000  # Django, the apps and the modules
-    assert _frozen_in_a_new_head_process(tmp_path, FLEET_GC_FREEZE="0") == 0
+    assert _frozen_and_thresholds(tmp_path)[0] > 50_000  # Django, the apps and the modules
+    assert _frozen_and_thresholds(tmp_path, FLEET_GC_FREEZE="0")[0] == 0
+
+
+def test_the_head_sets_the_collectors_thresholds_and_the_setting_changes_them(tmp_path):
+    assert _frozen_and_thresholds(tmp_path)[1] == gc_thresholds(DEFAULT_GC_THRESHOLDS) == (5000, 3, 10)
+    assert _frozen_and_thresholds(tmp_path, FLEET_GC_THRESHOLDS="20000,5,10")[1] == (20000, 5, 10)
+    assert _frozen_and_thresholds(tmp_path, FLEET_GC_THRESHOLDS="")[1] == (700, 10, 10)  # Python's own
+
+
+@pytest.mark.parametrize("value", ["5000,3", "a,b,c", "5000,0,10", "5000;3;10"])
+def test_a_bad_threshold_setting_stops_the_head_with_one_clear_line(tmp_path, value):
+    done = _new_head_process(tmp_path, FLEET_GC_THRESHOLDS=value)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"fleet: FLEET_GC_THRESHOLDS must be three whole numbers of at least 1, such as "
+                                   f"5000,3,10 (or empty for Python's own 700,10,10), not {value!r}")
 
 
 def test_frozen_objects_are_left_out_of_collections_and_still_freed_by_their_last_reference():
