@@ -606,6 +606,13 @@ def test_a_node_that_measured_nothing_costs_no_load_and_a_setting_overrides_what
 # --- prefix keys -------------------------------------------------------------------------------------------
 
 
+def test_token_ids_hash_as_four_little_endian_signed_bytes_each():
+    from nodes.link.prefix import _ids
+
+    # the bytes every prefix key is hashed from: a change here would split head and node keys across versions
+    assert _ids([1, -2, 70_000]) == b"\x01\x00\x00\x00" + b"\xfe\xff\xff\xff" + b"\x70\x11\x01\x00"
+
+
 def test_prefix_keys_are_stable_for_the_same_messages():
     messages = chat("be brief", "hello")
     assert prefix_keys(model=MODEL, messages=messages) == prefix_keys(model=MODEL, messages=[dict(m) for m in messages])

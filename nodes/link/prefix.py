@@ -13,6 +13,7 @@ with two tokenizers never match.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ def _chain(previous: str, part: bytes) -> str:
 
 
 def _ids(ids: list[int]) -> bytes:
-    return b"".join(i.to_bytes(4, "little", signed=True) for i in ids)
+    return struct.pack(f"<{len(ids)}i", *ids)  # 4 bytes each, little-endian, signed
 
 
 def _blocks(ids: list[int], start_key: str, start_tokens: int) -> list[PrefixKey]:
