@@ -150,6 +150,8 @@ def measure(args, tmp: Path, groups: list[tuple[str, list[str], str]], pids: lis
             "cpu_s": round(cpu1 - cpu0, 2), "load_avg_1m": [round(load0, 2), round(load1, 2)],
             "ttft_ms_p50": percentile([t for s in seen for t in s["ttfts"]], 0.5),
             "gap_ms_p99": percentile([g for s in seen for g in s["gaps"]], 0.99),
+            "gap_ms_p999": percentile([g for s in seen for g in s["gaps"]], 0.999),
+            "gap_ms_max": max((g for s in seen for g in s["gaps"]), default=None),
             "gap_ms_p50": percentile([g for s in seen for g in s["gaps"]], 0.5), "errors": errors}
 
 
@@ -241,6 +243,7 @@ def row(streams: int, heads: int, bare: dict[str, dict], head: dict) -> dict:
             "head_tok_s": head["tok_s"],
             "head_cpu_s_per_1k_tok": round(head["cpu_s"] / head["tokens"] * 1000, 4) if head["tokens"] else None,
             "added_ttft_ms_p50": added("ttft_ms_p50"), "added_gap_ms_p99": added("gap_ms_p99"),
+            "added_gap_ms_p999": added("gap_ms_p999"),
             "head_cores": head["head_cores"], "head_core_own": head["pinned"], "load_avg_1m": head["load_avg_1m"],
             "detail": {"direct": direct, "proxy": proxy, "head": head}}
 
