@@ -35,6 +35,7 @@ async def _get(app, path: str = "/healthz") -> dict:
 
 
 @pytest.mark.asyncio
+@pytest.mark.django_db(transaction=True)
 async def test_sequential_requests_reuse_one_pooled_thread(finished_on):
     app = PooledThreadsHandler(ExecutorPool(size=4))
     for _ in range(5):
@@ -46,6 +47,7 @@ async def test_sequential_requests_reuse_one_pooled_thread(finished_on):
 
 
 @pytest.mark.asyncio
+@pytest.mark.django_db(transaction=True)
 async def test_overlapping_requests_each_get_a_thread_of_their_own(finished_on):
     app = PooledThreadsHandler(ExecutorPool(size=1))
     responses = await asyncio.gather(*(_get(app) for _ in range(3)))
@@ -79,6 +81,7 @@ async def test_a_request_that_failed_does_not_give_its_thread_back(monkeypatch):
 
 
 @pytest.mark.asyncio
+@pytest.mark.django_db(transaction=True)
 async def test_the_heads_application_serves_http_on_pooled_threads(finished_on):
     from fleet.asgi import application
 
