@@ -12,6 +12,10 @@ same guarantee (one thread for the request's synchronous work, and no other requ
 no thread started once the pool holds enough for the requests that overlap. A request that ended by an exception
 or a cancellation may have left work on its thread; its executor is shut down (without waiting) rather than lent
 again. At most POOL_SIZE idle executors are kept.
+
+A request holds its executor from its start to its end, as Django's own context holds its thread's place, but here
+the thread exists already: a head with 250 SSE streams open holds up to 250 + POOL_SIZE threads, each idle but for
+its request's synchronous steps (Django's way held one only while a request's synchronous step ran).
 """
 
 from __future__ import annotations
