@@ -15,7 +15,8 @@ again. At most POOL_SIZE idle executors are kept.
 
 A request holds its executor from its start to its end, as Django's own context holds its thread's place, but here
 the thread exists already: a head with 250 SSE streams open holds up to 250 + POOL_SIZE threads, each idle but for
-its request's synchronous steps (Django's way held one only while a request's synchronous step ran).
+its request's synchronous steps (Django's own started a request's thread at its first synchronous step: for an SSE
+stream, at its end).
 """
 
 from __future__ import annotations
