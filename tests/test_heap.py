@@ -40,10 +40,11 @@ def test_the_head_application_freezes_what_it_loaded_and_the_setting_turns_it_of
     assert _frozen_and_thresholds(tmp_path, FLEET_GC_FREEZE="0")[0] == 0
 
 
-def test_the_head_sets_the_collectors_thresholds_and_the_setting_changes_them(tmp_path):
-    assert _frozen_and_thresholds(tmp_path)[1] == gc_thresholds(DEFAULT_GC_THRESHOLDS) == (5000, 3, 10)
-    assert _frozen_and_thresholds(tmp_path, FLEET_GC_THRESHOLDS="20000,5,10")[1] == (20000, 5, 10)
-    assert _frozen_and_thresholds(tmp_path, FLEET_GC_THRESHOLDS="")[1] == (700, 10, 10)  # Python's own
+def test_the_head_keeps_pythons_thresholds_unless_the_setting_changes_them(tmp_path):
+    assert gc_thresholds(DEFAULT_GC_THRESHOLDS) is None
+    assert _frozen_and_thresholds(tmp_path)[1] == (700, 10, 10)  # Python's own
+    assert _frozen_and_thresholds(tmp_path, FLEET_GC_THRESHOLDS="5000,3,10")[1] == (5000, 3, 10)
+    assert _frozen_and_thresholds(tmp_path, FLEET_GC_THRESHOLDS=" 20000,5,10 ")[1] == (20000, 5, 10)
 
 
 @pytest.mark.parametrize("value", ["5000,3", "a,b,c", "5000,0,10", "5000;3;10"])
