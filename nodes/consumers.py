@@ -533,8 +533,12 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             if reply_to is None:
                 reg.relay_push(gen_id, NodeLost(self.node_id, reason), node_id=self.node_id)
             else:
-                await self.channel_layer.send(reply_to, {"type": "relay.lost", "gen_id": gen_id,
-                                                         "node_id": self.node_id, "reason": reason})
+                try:
+                    await self.channel_layer.send(reply_to, {"type": "relay.lost", "gen_id": gen_id,
+                                                             "node_id": self.node_id, "reason": reason})
+                except ChannelFull:  # the rest of the teardown still runs; that process's link check finds out
+                    log.warning("node link %s: the head process of generation %s was not told its node was lost "
+                                "(its channel is full); its own link check will find out", self.identity, gen_id)
         self.running.clear()
         for fut in self.pending_ops.values():
             if not fut.done():

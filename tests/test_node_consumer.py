@@ -684,3 +684,36 @@ async def test_the_head_process_that_fell_behind_is_told_its_node_was_lost_where
     await comm.send_to(bytes_data=channel.seal(TokenBatch(gen_id=gen_id, seq=1, text=["Hi"], ids=[1])))
     told = await asyncio.wait_for(layer.receive(reply_to), 5)
     assert told["type"] == "relay.lost" and told["gen_id"] == gen_id and "fell behind" in told["reason"]
+
+
+async def test_a_dropped_link_tells_every_other_head_process_it_can_even_when_one_channel_is_full(caplog, monkeypatch):
+    """The node's link closes with two generations placed by other head processes; the first one's channel is full.
+    The second is still told its node was lost, and the link's teardown finishes."""
+    import logging
+
+    from channels.exceptions import ChannelFull
+    from channels.layers import get_channel_layer
+
+    comm, channel = await joined()
+    monkeypatch.setattr(logging.getLogger("fleet"), "propagate", True)
+    holder = registry().links[str((await Node.objects.aget(identity="gpu-7")).id)]
+    layer = get_channel_layer()
+    full = f"specific.{uuid.uuid4().hex}!relay"  # another process's channel that nothing reads (on Redis too)
+    with contextlib.suppress(ChannelFull):
+        for n in range(layer.capacity + 1):
+            await layer.send(full, {"type": "filler", "n": n})
+    reading = await layer.new_channel()
+    placed = {}
+    for reply_to in (full, reading):
+        gen_id = uuid.uuid4().hex
+        spec = GenerateSpec(gen_id=gen_id, model="smollm2", prompt="Hello").to_dict()
+        await holder.link_generate({"gen_id": gen_id, "spec": spec, "reply_to": reply_to})
+        channel.open(await comm.receive_from(timeout=5))
+        placed[reply_to] = gen_id
+
+    await comm.disconnect()
+
+    told = await asyncio.wait_for(layer.receive(reading), 5)
+    assert told["type"] == "relay.lost" and told["gen_id"] == placed[reading]
+    assert not holder.running and not holder.remote
+    assert "was not told its node was lost" in caplog.text
