@@ -9,6 +9,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import mixins, permissions, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -279,8 +280,11 @@ class GenerationViewSet(viewsets.ReadOnlyModelViewSet):
 
     def get_queryset(self):
         q = self.request.query_params
-        return selectors.generation_list(user=self.request.user, model=q.get("model"), node=q.get("node"),
-                                         status=q.get("status"), session=q.get("session"), kind=q.get("kind"))
+        filters = {name: q.get(name) for name in ("model", "node", "status", "session", "kind")}
+        bad = {name: "must not contain NUL characters" for name, value in filters.items() if value and "\x00" in value}
+        if bad:  # PostgreSQL refuses NUL in a string; a 400, not a 500
+            raise ValidationError(bad)
+        return selectors.generation_list(user=self.request.user, **filters)
 
 
 class FleetStatusView(APIView):

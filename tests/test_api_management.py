@@ -167,6 +167,12 @@ def test_generations_are_listed_with_filters(client, person, staff):
     assert len(staff.get("/api/generations/").json()["results"]) == 3
 
 
+def test_a_generations_filter_with_a_nul_character_is_a_400_naming_it(client):
+    response = client.get("/api/generations/?model=s%00x&node=gpu")
+    assert response.status_code == 400  # PostgreSQL refuses NUL in a string: it was a 500 there (the API fuzzer)
+    assert response.json() == {"model": "must not contain NUL characters"}
+
+
 def test_fleet_status_counts_lanes_and_models(client):
     node = NodeFactory(identity="gpu-live", lanes=4)
     add_fake_node(FakeLink(node_id=str(node.id), identity="gpu-live"), lanes=4)
