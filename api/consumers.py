@@ -29,6 +29,7 @@ from api.generation import Run
 from api.quotas import Ticket, quota_admit
 from api.services import api_key_authenticate, api_key_verified
 from api.specs import aparse, request_for
+from fleet.dbsweep import FramesSkipSweep
 from fleet.dispatch import Finished, Tokens
 
 log = logging.getLogger("api")
@@ -41,7 +42,7 @@ class _Refused(Exception):
     """A generate frame was refused and the client told why."""
 
 
-class ClientStreamConsumer(AsyncJsonWebsocketConsumer):
+class ClientStreamConsumer(FramesSkipSweep, AsyncJsonWebsocketConsumer):
     """One client's socket. Each generation runs as its own task and streams independently."""
 
     async def connect(self) -> None:

@@ -26,6 +26,7 @@ from django.core.cache import cache
 from django.db import IntegrityError
 
 from fleet import metrics
+from fleet.dbsweep import FramesSkipSweep
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
 from nodes import link_deploy, services, tokenizers
@@ -151,7 +152,7 @@ class FrameBudget:
         return True
 
 
-class NodeLinkConsumer(AsyncWebsocketConsumer):
+class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
     """One connected node. Implements fleet.links.LinkHandle for the dispatcher."""
 
     async def __call__(self, scope, receive, send) -> None:
@@ -165,15 +166,6 @@ class NodeLinkConsumer(AsyncWebsocketConsumer):
             # cut the other links' cleanup short.
             if getattr(self, "node_id", "") and (registry().links.get(self.node_id) is self or self.running):
                 await self.disconnect(1001)
-
-    async def dispatch(self, message: dict) -> None:
-        # Channels sweeps stale database connections before every message, a thread hop each: the head's largest
-        # cost under load (bench/scale.py's profile), one per token batch. This consumer reaches the database only
-        # through database_sync_to_async, which sweeps around each use, so a node's frames skip it.
-        if message["type"] == "websocket.receive":
-            await self.websocket_receive(message)
-        else:
-            await super().dispatch(message)
 
     async def connect(self) -> None:
         global _handshakes_in_progress

@@ -1,0 +1,22 @@
+"""Websocket consumers that reach the database only through `database_sync_to_async`, and so skip Channels' sweep.
+
+Channels (4.2 and later) runs `close_old_connections` before every message it dispatches to a consumer, through
+`sync_to_async`: a hop to a worker thread and back for each websocket frame. Under load that hop was the head's
+largest single cost (bench/scale.py's profile at 500 streams: a node link's every token batch, a client socket's
+every generate frame). `database_sync_to_async` already closes stale connections before and after each use, so a
+consumer whose database work all goes through it loses nothing when its frames skip the sweep. Its other messages
+(connect, disconnect, channel-layer events) are swept as before. The consumers that take it: the node link
+(nodes.consumers) and the client stream socket (api.consumers).
+"""
+
+from __future__ import annotations
+
+
+class FramesSkipSweep:
+    """Mix in before a Channels websocket consumer whose database work goes only through database_sync_to_async."""
+
+    async def dispatch(self, message: dict) -> None:
+        if message["type"] == "websocket.receive":
+            await self.websocket_receive(message)
+        else:
+            await super().dispatch(message)
