@@ -20,12 +20,13 @@ router.register("models", model_registry.ModelViewSet, basename="model")
 router.register("deployments", deployments.DeploymentViewSet, basename="deployment")
 
 v1_patterns = [
+    # The generation routes first: a request keeps the patterns it tried for as long as it streams.
+    path("chat/completions", v1.chat_completions, name="v1-chat-completions"),
+    path("completions", v1.completions, name="v1-completions"),
     path("openapi.json", openapi_v1.openapi_v1, name="v1-openapi"),
 
     path("models", v1.models, name="v1-models"),
     path("models/<path:model>", v1.model_detail, name="v1-model"),
-    path("chat/completions", v1.chat_completions, name="v1-chat-completions"),
-    path("completions", v1.completions, name="v1-completions"),
     path("embeddings", v1.embeddings, name="v1-embeddings"),
     path("audio/transcriptions", v1.audio_transcriptions, name="v1-audio-transcriptions"),
     path("files", v1_batches.files, name="v1-files"),

@@ -14,12 +14,15 @@ admin.site.index_title = "Nodes, keys, conversations and generations"
 handler404 = "api.errors.not_found"
 handler500 = "api.errors.server_error"
 
+# The API's routes first: Django tries patterns in order, and each request keeps the list of those it tried (its
+# ResolverMatch.tried) for as long as it runs. Tried first, a streaming /v1 request tries no other; the admin's
+# routes cannot clash with /v1/ and /api/.
 urlpatterns = [
+    path("", include("api.urls")),
     path("admin/fleet/", admin.site.admin_view(views.fleet_overview), name="fleet-overview"),
     path("admin/playground/", admin.site.admin_view(views.playground), name="fleet-playground"),
     path("admin/", admin.site.urls),
     path("healthz", views.healthz, name="healthz"),
     path("metrics", metrics.metrics_view, name="metrics"),
     path("models/blobs/<str:sha256>", node_views.model_blob, name="model-blob"),
-    path("", include("api.urls")),
 ]

@@ -304,3 +304,14 @@ async def test_a_run_that_ends_in_a_task_leaves_no_cycle_for_the_garbage_collect
         assert gone() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_generation_route_is_the_first_pattern_tried(path):
+    """Each request keeps the URL patterns it tried for as long as it streams: a generation tries only its own."""
+    from django.urls import resolve
+
+    match = resolve(path)
+    assert match.view_name in ("v1-chat-completions", "v1-completions")
+    assert [str(tried[1].pattern) for tried in match.tried] == ["v1/"] * len(match.tried)  # no other routes first
+    assert len(match.tried) <= 2  # chat first, then completions
