@@ -249,7 +249,7 @@ async def _embedding_node(model: str) -> tuple[str, Any]:
                           code="model_not_found", param="model")
     for slot in sorted(slots, key=lambda s: (s.node_id not in reg.links, not s.schedulable, s.running - s.lanes,
                                              s.identity)):
-        link = reg.links.get(slot.node_id) or await aremote_link(slot.node_id)
+        link = reg.links.get(slot.node_id) or await aremote_link(slot.node_id, slot.identity)
         if link is not None:
             return slot.identity, link
     raise OpenAIError(503, f"No node serving {model!r} can be reached now; retry shortly.", code="node_unavailable")

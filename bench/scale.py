@@ -112,6 +112,13 @@ def spawn(*args: str) -> subprocess.Popen:
     return proc
 
 
+def distinct_ports(n: int) -> list[int]:
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    return sorted(ports)
+
+
 def stop(procs: list) -> None:
     for proc in procs:
         proc.terminate()
@@ -162,9 +169,9 @@ def bare_phase(args, tmp: Path) -> dict[int, dict[str, dict]]:
 
 
 def _bare_phase(args, tmp: Path) -> dict[int, dict[str, dict]]:
-    ports = [free_port() for _ in range(args.nodes)]
+    ports = distinct_ports(args.nodes + 1)  # free_port alone gave two nodes one port (the second did not start)
+    proxy_port = ports.pop()
     nodes = [spawn("node", "--port", str(p), "--lanes", str(args.lanes), "--tps", str(args.tps)) for p in ports]
-    proxy_port = free_port()
     with args.cores.middle(1):
         proxy = spawn("proxy", "--port", str(proxy_port), "--upstreams", ",".join(f"127.0.0.1:{p}" for p in ports))
     out: dict[int, dict[str, dict]] = {}

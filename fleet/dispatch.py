@@ -189,7 +189,7 @@ class GenerationStream:
         while attempt < MAX_ATTEMPTS:
             attempt += 1
             choice = await self._place(excluded)
-            link = reg.links.get(choice.node_id) or await _remote_link(choice.node_id)
+            link = reg.links.get(choice.node_id) or await _remote_link(choice.node_id, choice.identity)
             if link is None:  # the node left between choosing and sending
                 await reg.lifecycle.aended(choice.node_id, self.spec.gen_id)
                 continue
@@ -501,10 +501,10 @@ async def _link_gone(link) -> bool:
     return reg.links.get(link.node_id) is not link
 
 
-async def _remote_link(node_id: str):
+async def _remote_link(node_id: str, identity: str):
     from fleet.remote import aremote_link
 
-    return await aremote_link(node_id)
+    return await aremote_link(node_id, identity)
 
 
 async def _cancel_quietly(link, gen_id: str, reason: str = "client went away") -> None:

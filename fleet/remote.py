@@ -3,8 +3,9 @@ layer (Redis), in batches.
 
 Each head process listens on one channel of its own. A generation placed on a node held by another process
 goes there as `link.generate` with this process's channel as `reply_to`; that process's link consumer sends the
-node's frames back as `relay.frame` messages (msgpack bytes, one per token batch), which land in the same
-in-process Relay a local generation uses. So the dispatcher does not know which path it is on.
+node's frames back as `relay.frames` messages (each frame the msgpack bytes the node sent; one message for what
+one of the node's bundles holds for this process), which land in the same in-process Relay a local generation
+uses. So the dispatcher does not know which path it is on.
 """
 
 from __future__ import annotations
@@ -64,15 +65,18 @@ def deliver(message: dict[str, Any]) -> None:
         if future is not None and not future.done():
             future.set_result(message)
         return
-    gen_id = message.get("gen_id", "")
+    node_id = str(message.get("node_id", ""))
     if message.get("type") == "relay.lost":
-        registry().relay_push(gen_id, NodeLost(message.get("node_id", ""), message.get("reason", "link closed")),
-                              node_id=str(message.get("node_id", "")))
+        registry().relay_push(str(message.get("gen_id", "")), NodeLost(node_id, message.get("reason", "link closed")),
+                              node_id=node_id)
         return
-    try:
-        registry().relay_push(gen_id, decode(message["frame"]), node_id=str(message.get("node_id", "")))
-    except (LinkError, KeyError):
-        log.warning("fleet head: dropped a malformed relay message for %s", gen_id)
+    reg = registry()
+    for part in message.get("frames", ()):  # relay.frames
+        try:
+            gen_id, frame = part
+            reg.relay_push(str(gen_id), decode(frame), node_id=node_id)
+        except (LinkError, TypeError, ValueError):
+            log.warning("fleet head: dropped a malformed relay frame from node %s", node_id)
 
 
 _process_channel = ProcessChannel()
@@ -114,11 +118,7 @@ class RemoteLink:
         return reply.get("result") or {}
 
 
-async def aremote_link(node_id: str) -> RemoteLink | None:
-    """A handle on a node whose link another head process holds (None: no process holds it)."""
-    reg = registry()
-    channel = await reg.aplacement.channel_of(node_id)
-    if not channel:
-        return None
-    slot = next((s for s in await reg.aplacement.nodes() if s.node_id == node_id), None)
-    return RemoteLink(node_id, slot.identity if slot else node_id, channel)
+async def aremote_link(node_id: str, identity: str) -> RemoteLink | None:
+    """A handle on node `identity` whose link another head process holds (None: no process holds it)."""
+    channel = await registry().aplacement.channel_of(node_id)
+    return RemoteLink(node_id, identity, channel) if channel else None

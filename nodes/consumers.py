@@ -181,6 +181,8 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         self.ended: TTLCache = TTLCache(maxsize=4096, ttl=60)  # generations that ended: stragglers are dropped
         self.budget = FrameBudget(settings.FLEET_LINK_MAX_FRAMES_PER_S)
         self.remote: dict[str, str] = {}  # gen_id -> the head process channel its client waits on
+        # While a bundle is handled: its frames for other head processes, by process, sent as one message each after
+        self.outgoing: dict[str, list[tuple[str, bytes]]] | None = None
         self.pending_ops: dict[str, asyncio.Future] = {}
         self.send_lock = asyncio.Lock()
         self.last_frame = time.monotonic()
@@ -281,8 +283,13 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
                 await self._refuse(CloseCode.FLOOD, f"more than {settings.FLEET_LINK_MAX_FRAMES_PER_S} frames a second "
                                                     "(a bundle's messages count one each)")
                 return
-            for part, part_body in unbundle(msg):
-                await self._on_message(part, part_body)
+            self.outgoing = outgoing = {}
+            try:
+                for part, part_body in unbundle(msg):
+                    await self._on_message(part, part_body)
+            finally:
+                self.outgoing = None
+                await self._send_remote(outgoing)
         elif isinstance(msg, TokenBatch | Accepted | Done | Error):
             if msg.gen_id not in self.running:
                 if msg.gen_id in self.ended:
@@ -334,17 +341,26 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         await self.close(code=int(CloseCode.NORMAL))
 
     async def _relay(self, msg: Any, body: bytes, *, last: bool = False) -> None:
-        """To the generation's client: in this process directly, else over the channel layer (one per batch, the
-        frame's own msgpack body: decoded once here to route it, never encoded again)."""
+        """To the generation's client: in this process directly, else over the channel layer (the frame's own
+        msgpack body: decoded once here to route it, never encoded again). A bundle's frames for one head process
+        go to it as one message."""
         reply_to = self.remote.pop(msg.gen_id, None) if last else self.remote.get(msg.gen_id)
         if reply_to is None:
             registry().relay_push(msg.gen_id, msg, node_id=self.node_id)
-            return
-        try:
-            await self.channel_layer.send(reply_to, {"type": "relay.frame", "gen_id": msg.gen_id, "frame": body,
-                                                     "node_id": self.node_id})
-        except ChannelFull:
-            await self._remote_fell_behind(msg.gen_id, reply_to)
+        elif self.outgoing is not None:
+            self.outgoing.setdefault(reply_to, []).append((msg.gen_id, body))
+        else:
+            await self._send_remote({reply_to: [(msg.gen_id, body)]})
+
+    async def _send_remote(self, outgoing: dict[str, list[tuple[str, bytes]]]) -> None:
+        """`relay.frames`: one channel-layer message per head process, its frames in the order the node sent them."""
+        for reply_to, frames in outgoing.items():
+            try:
+                await self.channel_layer.send(reply_to, {"type": "relay.frames", "node_id": self.node_id,
+                                                         "frames": frames})
+            except ChannelFull:
+                for gen_id in dict.fromkeys(gen_id for gen_id, _ in frames):
+                    await self._remote_fell_behind(gen_id, reply_to)
 
     async def _remote_fell_behind(self, gen_id: str, reply_to: str) -> None:
         """The head process a generation's frames go to is not reading them (its channel is full): that generation

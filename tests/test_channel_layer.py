@@ -22,3 +22,17 @@ async def test_hundreds_of_sends_at_once_each_get_a_connection():
         assert sorted(m["n"] for m in received) == list(range(400))
     finally:
         await layer.close_pools()
+
+
+
+async def test_the_head_parses_redis_replies_in_c():
+    """Without hiredis, redis-py parses every reply in Python: at 500 streams on two heads that held a fifth of each
+    head's time (docs/benchmarks.md, Scale). The project's install brings it, and the head's clients use it."""
+    from redis._parsers import _AsyncHiredisParser
+
+    from fleet.links import registry
+
+    pool = registry().placement._async_client()[0].connection_pool
+    connection = pool.connection_class(**pool.connection_kwargs)
+    assert isinstance(connection._parser, _AsyncHiredisParser)
+    assert await registry().aplacement.nodes() is not None  # that client, answering through it

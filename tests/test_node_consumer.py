@@ -28,8 +28,11 @@ NODE_KEY = generate_static()
 
 @pytest.fixture(autouse=True)
 def _fleet_log_reaches_caplog(monkeypatch):
-    """The `fleet` logger does not propagate (settings.LOGGING); caplog listens at the root."""
+    """The `fleet` logger does not propagate (settings.LOGGING); caplog listens at the root. The ASGI application is
+    loaded first: its `django.setup()` applies settings.LOGGING again, which would undo this in a run's first test."""
     import logging
+
+    import fleet.asgi  # noqa: F401
 
     monkeypatch.setattr(logging.getLogger("fleet"), "propagate", True)
 
@@ -674,7 +677,7 @@ async def test_the_head_process_that_fell_behind_is_told_its_node_was_lost_where
     send = layer.send
 
     async def frames_refused(to, message):
-        if message["type"] == "relay.frame":
+        if message["type"] == "relay.frames":
             raise ChannelFull
         await send(to, message)
 
@@ -684,6 +687,71 @@ async def test_the_head_process_that_fell_behind_is_told_its_node_was_lost_where
     await comm.send_to(bytes_data=channel.seal(TokenBatch(gen_id=gen_id, seq=1, text=["Hi"], ids=[1])))
     told = await asyncio.wait_for(layer.receive(reply_to), 5)
     assert told["type"] == "relay.lost" and told["gen_id"] == gen_id and "fell behind" in told["reason"]
+
+
+async def test_a_bundles_frames_for_another_head_process_go_to_it_as_one_message_in_order():
+    """Two generations placed by one other head process, and one of this process's: the node's bundle of their
+    batches crosses the channel layer as one `relay.frames`, which that process delivers to each relay in order."""
+    from channels.layers import get_channel_layer
+
+    from fleet.links import Relay
+    from fleet.remote import deliver
+    from nodes.link.messages import Done, TokenBatch
+
+    comm, channel = await joined()
+    node_id = str((await Node.objects.aget(identity="gpu-7")).id)
+    holder = registry().links[node_id]
+    layer = get_channel_layer()
+    reply_to = await layer.new_channel()
+    first, second, local = uuid.uuid4().hex, uuid.uuid4().hex, uuid.uuid4().hex
+    for gen_id in (first, second):
+        spec = GenerateSpec(gen_id=gen_id, model="smollm2", prompt="Hello").to_dict()
+        await holder.link_generate({"gen_id": gen_id, "spec": spec, "reply_to": reply_to})
+        channel.open(await comm.receive_from(timeout=5))
+    await holder.send_generate(local, GenerateSpec(gen_id=local, model="smollm2", prompt="Hi").to_dict())
+    channel.open(await comm.receive_from(timeout=5))
+    registry().relays[local] = here = Relay(local, node_id)
+    parts = [TokenBatch(gen_id=first, seq=1, text=["A"], ids=[1]),
+             TokenBatch(gen_id=local, seq=1, text=["L"], ids=[9]),
+             TokenBatch(gen_id=second, seq=1, text=["B"], ids=[2]),
+             TokenBatch(gen_id=first, seq=2, text=["C"], ids=[3]),
+             Done(gen_id=second, seq=2, finish_reason="stop", usage={}, timings={})]
+    await comm.send_to(bytes_data=channel.seal(Bundle(parts=[encode(part) for part in parts])))
+
+    message = await asyncio.wait_for(layer.receive(reply_to), 5)
+    assert message["type"] == "relay.frames" and message["node_id"] == node_id
+    assert [gen_id for gen_id, _ in message["frames"]] == [first, second, first, second]
+    assert await asyncio.wait_for(here.get(timeout=1), 2) == parts[1]  # this process's own, not over the layer
+    assert second not in holder.remote and first in holder.remote  # a done generation's route is forgotten
+
+    theirs = {first: Relay(first, node_id), second: Relay(second, node_id)}
+    registry().relays.update(theirs)
+    try:
+        deliver(message)
+        assert list(theirs[first].frames) == [parts[0], parts[3]]
+        assert list(theirs[second].frames) == [parts[2], parts[4]]
+    finally:
+        for gen_id in (first, second, local):
+            registry().relays.pop(gen_id, None)
+
+
+async def test_a_malformed_relay_frame_is_dropped_alone(caplog, monkeypatch):
+    import logging
+
+    from fleet.links import Relay
+    from fleet.remote import deliver
+    from nodes.link.messages import TokenBatch
+
+    monkeypatch.setattr(logging.getLogger("fleet"), "propagate", True)
+    batch = TokenBatch(gen_id="g1", seq=1, text=["A"], ids=[1])
+    registry().relays["g1"] = relay = Relay("g1", "n1")
+    try:
+        deliver({"type": "relay.frames", "node_id": "n1",
+                 "frames": [["g1", b"\xc1"], "g1", ["g1", encode(batch)], ["g1", encode(batch), "x"]]})
+    finally:
+        registry().relays.pop("g1", None)
+    assert list(relay.frames) == [batch]
+    assert caplog.text.count("dropped a malformed relay frame from node n1") == 3
 
 
 async def test_a_dropped_link_tells_every_other_head_process_it_can_even_when_one_channel_is_full(caplog, monkeypatch):
