@@ -5,7 +5,7 @@ KEY_TTL_S = 24 * 3600
 
 # KEYS: none (names are built from the prefix). ARGV: prefix, model, load_tokens ('' for each node's learned load),
 # gen_id, n_keys, key..., the prompt tokens covered up to each key..., then excluded node ids. Returns a JSON object
-# with the choice and the runner-up, or nil.
+# with the choice and the runner-up, or nil. A choice also marks the keys most recently used (the LRU's clock).
 CHOOSE = """
 local p, model, fixed_load, gen = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local n = tonumber(ARGV[5])
@@ -49,6 +49,10 @@ table.sort(scored, function(a, b)
   return false
 end)
 local best = scored[1]
+if n > 0 then  -- the prompt's keys were just used: most recent in the index's LRU order (those it still holds)
+  local last = redis.call('INCRBY', p .. 'lru:clock', n)
+  for i = 1, n do redis.call('ZADD', p .. 'lru', 'XX', last - n + i, keys[i]) end
+end
 if gen == '' or redis.call('SADD', p .. 'run:' .. best[5], gen) == 1 then
   redis.call('HINCRBY', p .. 'node:' .. best[5], 'running', 1)
 end
@@ -78,6 +82,44 @@ end
 return 1
 """
 
+# A generation done on a node: the node's mean answer length learns its answer (as nodes.link.placement.
+# learn_answer_tokens), and the node holds these keys (a count per key and node, the generation's list for its
+# eviction, the node's set, the LRU order), once per generation; then the index is trimmed to its size.
+# ARGV: prefix, node id, gen_id, completion tokens, the index's most keys, the keys' TTL in s, key... Returns 0 when
+# the node is not in placement.
+RECORD = """
+local p, node, gen = ARGV[1], ARGV[2], ARGV[3]
+local completion, max_keys, ttl = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local node_key = p .. 'node:' .. node
+if redis.call('EXISTS', node_key) == 0 then return 0 end
+if completion > 0 then
+  local old = tonumber(redis.call('HGET', node_key, 'ans') or '0') or 0
+  local ans = completion
+  if old > 0 then ans = 0.8 * old + 0.2 * completion end
+  redis.call('HSET', node_key, 'ans', string.format('%.17g', ans))
+end
+local n = #ARGV - 6
+if n == 0 then return 1 end
+local gen_key = p .. 'gen:' .. node .. ':' .. gen
+if redis.call('EXISTS', gen_key) == 1 then return 1 end  -- recorded already: twice would outlive its eviction
+local last = redis.call('INCRBY', p .. 'lru:clock', n)
+for i = 1, n do
+  local key = ARGV[6 + i]
+  redis.call('HINCRBY', p .. 'k:' .. key, node, 1)
+  redis.call('EXPIRE', p .. 'k:' .. key, ttl)
+  redis.call('ZADD', p .. 'lru', last - n + i, key)
+  redis.call('SADD', p .. 'nk:' .. node, key)
+  redis.call('RPUSH', gen_key, key)
+end
+redis.call('EXPIRE', gen_key, ttl)
+local excess = redis.call('ZCARD', p .. 'lru') - max_keys
+if excess > 0 then
+  local popped = redis.call('ZPOPMIN', p .. 'lru', excess)
+  for i = 1, #popped, 2 do redis.call('DEL', p .. 'k:' .. popped[i]) end
+end
+return 1
+"""
+
 # ARGV: the node's key, its set of placed generations, the generation ('' for none), the lanes channel: a lane is
 # freed once, and every head process's waiters hear of it.
 RELEASE = """
@@ -90,4 +132,4 @@ redis.call('PUBLISH', ARGV[4], 'freed')
 return 1
 """
 
-SCRIPTS = {"choose": CHOOSE, "release": RELEASE, "evict": EVICT}
+SCRIPTS = {"choose": CHOOSE, "release": RELEASE, "evict": EVICT, "record": RECORD}

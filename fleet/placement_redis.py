@@ -20,7 +20,7 @@ import redis
 import redis.asyncio
 
 from fleet.placement_lua import KEY_TTL_S, SCRIPTS
-from nodes.link.placement import Choice, NodeSlot, learn_answer_tokens, ranking_row
+from nodes.link.placement import Choice, NodeSlot, ranking_row
 from nodes.link.prefix import PrefixKey
 
 ASYNC_CONNECTIONS = 64  # per head process and event loop; callers beyond it wait for one
@@ -228,12 +228,7 @@ class RedisPlacementState:
         fixed = "" if self.load_tokens is None else self.load_tokens
         args = [self.p, model, fixed, gen_id, len(keys), *[k.key for k in keys], *[k.tokens for k in keys], *exclude]
         raw = yield _script("choose", args)
-        if raw is None:
-            return None
-        if keys:
-            ticks = yield from self._op_ticks(keys)
-            yield _call("zadd", f"{self.p}lru", ticks, xx=True)
-        return _choice(raw)
+        return None if raw is None else _choice(raw)
 
     def release(self, node_id: str, gen_id: str = "") -> None:
         """Free the lane `gen_id` held; once only, so the link and the dispatcher may both report its end."""
@@ -247,41 +242,8 @@ class RedisPlacementState:
         self._run(self._op_record(node_id, gen_id, keys, completion_tokens=completion_tokens))
 
     def _op_record(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, completion_tokens: int = 0) -> Op:
-        node_key = f"{self.p}node:{node_id}"
-        exists, ans = yield _pipe(lambda pipe: (pipe.exists(node_key), pipe.hget(node_key, "ans")))
-        if not exists:
-            return
-        if completion_tokens > 0:
-            yield _call("hset", node_key, "ans", learn_answer_tokens(float(ans or 0), completion_tokens))
-        if not keys:
-            return
-        gen_key = f"{self.p}gen:{node_id}:{gen_id}"
-        if (yield _call("exists", gen_key)):
-            return  # recorded already: counting it twice would outlive its eviction
-        ticks = yield from self._op_ticks(keys)
-        yield _pipe(lambda pipe: self._record_keys(pipe, node_id, gen_key, keys, ticks))
-        yield from self._op_trim()
-
-    def _record_keys(self, pipe, node_id: str, gen_key: str, keys: list[PrefixKey], ticks: dict[str, int]) -> None:
-        for k in keys:
-            pipe.hincrby(f"{self.p}k:{k.key}", node_id, 1)
-            pipe.expire(f"{self.p}k:{k.key}", KEY_TTL_S)
-        pipe.zadd(f"{self.p}lru", ticks)
-        pipe.sadd(f"{self.p}nk:{node_id}", *[k.key for k in keys])
-        pipe.rpush(gen_key, *[k.key for k in keys])
-        pipe.expire(gen_key, KEY_TTL_S)
-
-    def _op_ticks(self, keys: list[PrefixKey]) -> Op:
-        """Recency scores from a shared counter: clock time would tie within a call and break the LRU order."""
-        last = yield _call("incrby", f"{self.p}lru:clock", len(keys))
-        return {k.key: last - len(keys) + i + 1 for i, k in enumerate(keys)}
-
-    def _op_trim(self) -> Op:
-        excess = (yield _call("zcard", f"{self.p}lru")) - self.max_keys
-        if excess > 0:
-            popped = yield _call("zpopmin", f"{self.p}lru", excess)
-            if popped:
-                yield _call("delete", *[f"{self.p}k:{key}" for key, _ in popped])
+        yield _script("record", [self.p, node_id, gen_id, max(int(completion_tokens), 0), self.max_keys, KEY_TTL_S,
+                                 *[k.key for k in keys]])
 
     def evict(self, node_id: str, gen_ids: list[str]) -> None:
         self._run(self._op_evict(node_id, gen_ids))

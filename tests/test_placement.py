@@ -297,6 +297,19 @@ def test_eviction_drops_only_the_keys_that_generation_put_there():
     assert all(state.holders(k.key) == {"a"} for k in other)
 
 
+def test_a_generation_recorded_twice_is_gone_after_one_eviction():
+    """A done may be recorded twice (a retried report): the node's one eviction report for that generation still
+    drops what it put there."""
+    state = fleet("a")
+    turn = prefix_keys(model=MODEL, messages=chat("s" * 600, "q1", "a1"))
+    state.record("a", "g1", turn)
+    state.record("a", "g1", turn)
+
+    state.evict("a", ["g1"])
+
+    assert all(state.holders(k.key) == set() for k in turn)
+
+
 def test_eviction_keeps_keys_a_later_generation_recorded_again():
     system = "s" * 600
     state = fleet("a")
