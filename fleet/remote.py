@@ -70,8 +70,12 @@ def deliver(message: dict[str, Any]) -> None:
         registry().relay_push(str(message.get("gen_id", "")), NodeLost(node_id, message.get("reason", "link closed")),
                               node_id=node_id)
         return
+    if message.get("type") != "relay.frames":
+        log.warning("fleet head: dropped a %r message on its channel (is another head process of another version?)",
+                    message.get("type"))
+        return
     reg = registry()
-    for part in message.get("frames", ()):  # relay.frames
+    for part in message.get("frames", ()):
         try:
             gen_id, frame = part
             reg.relay_push(str(gen_id), decode(frame), node_id=node_id)

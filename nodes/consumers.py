@@ -181,7 +181,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         self.ended: TTLCache = TTLCache(maxsize=4096, ttl=60)  # generations that ended: stragglers are dropped
         self.budget = FrameBudget(settings.FLEET_LINK_MAX_FRAMES_PER_S)
         self.remote: dict[str, str] = {}  # gen_id -> the head process channel its client waits on
-        # While a bundle is handled: its frames for other head processes, by process, sent as one message each after
+        # While a bundle is handled: its frames for other head processes, by process (one message each, at its end)
         self.outgoing: dict[str, list[tuple[str, bytes]]] | None = None
         self.pending_ops: dict[str, asyncio.Future] = {}
         self.send_lock = asyncio.Lock()

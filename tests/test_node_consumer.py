@@ -752,6 +752,8 @@ async def test_a_malformed_relay_frame_is_dropped_alone(caplog, monkeypatch):
         registry().relays.pop("g1", None)
     assert list(relay.frames) == [batch]
     assert caplog.text.count("dropped a malformed relay frame from node n1") == 3
+    deliver({"type": "relay.frame", "gen_id": "g1", "node_id": "n1", "frame": encode(batch)})  # an older head's
+    assert "dropped a 'relay.frame' message on its channel" in caplog.text
 
 
 async def test_a_dropped_link_tells_every_other_head_process_it_can_even_when_one_channel_is_full(caplog, monkeypatch):
