@@ -42,10 +42,15 @@ def _fresh_registry():
     if not settings.configured:  # plain (Django-free) runs of the link and engine tests
         yield
         return
+    from channels.layers import channel_layers
+
     from fleet.links import registry, registry_reset
 
     # In-process tests never share placement keys with a live head or a real fleet on the same Redis.
     settings.FLEET_REDIS_PREFIX = "fleet-pytest:"
+    # Nor a channel layer: each test runs on an event loop of its own, and channels-redis keeps asyncio locks per
+    # layer; one left held by a receive an earlier test's loop never finished is "bound to a different event loop".
+    channel_layers.backends.clear()
     registry_reset()
     _clear_placement(registry())
     yield
