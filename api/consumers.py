@@ -26,6 +26,7 @@ from django.conf import settings
 from api.auth import bearer_from_scope
 from api.errors import OpenAIError
 from api.generation import Run
+from api.json_out import json_text
 from api.quotas import Ticket, quota_admit
 from api.services import api_key_authenticate, api_key_verified
 from api.specs import aparse, request_for
@@ -44,6 +45,10 @@ class _Refused(Exception):
 
 class ClientStreamConsumer(FramesSkipSweep, AsyncJsonWebsocketConsumer):
     """One client's socket. Each generation runs as its own task and streams independently."""
+
+    @classmethod
+    async def encode_json(cls, content: Any) -> str:
+        return json_text(content)  # orjson, where Channels' own uses the standard library (api/json_out.py)
 
     async def connect(self) -> None:
         self.api_key = self.bearer = None

@@ -8,7 +8,6 @@ streams; a client that goes away cancels the node's lane (Django cancels the bod
 from __future__ import annotations
 
 import asyncio
-import json
 from contextvars import ContextVar
 from typing import Any
 
@@ -16,6 +15,7 @@ from django.http import StreamingHttpResponse
 
 from api.errors import OpenAIError
 from api.generation import PENDING, Run
+from api.json_out import json_bytes
 from api.responses import shape_for
 from fleet.dispatch import Finished, Tokens
 
@@ -26,7 +26,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 def sse_event(body: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + json_bytes(body) + b"\n\n"
 
 
 async def first_event(run: Run) -> Any:
