@@ -31,7 +31,7 @@ class generation_context:  # lower case: used as the function it was, `with gene
     """Lines logged inside (and in tasks and threads started inside) carry this generation's id.
 
     A class rather than a `contextlib.contextmanager`: the head enters one for every event of every stream, and a
-    generator-based one cost about five times as much (a generator, its frame and two resumptions each time)."""
+    generator-based one cost about three times as much (a generator, its frame and two resumptions each time)."""
 
     __slots__ = ("gen_id", "token")
 
