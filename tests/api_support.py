@@ -235,3 +235,26 @@ async def request(method: str, path: str, *, timeout: float = 10.0, **kwargs) ->
     await ex.close()
     return ex
 
+
+
+async def written_rows(query, *, attempts: int = 50, interval: float = 0.05) -> list:
+    """What the sync `query` returns once it returns rows: a generation is recorded a moment after its stream ends.
+
+    The tests' SQLite database lives in memory with a shared cache, where a read that meets another connection's
+    uncommitted write to its table fails at once ("database table is locked") instead of waiting as a read of the
+    head's file database (WAL) does. Such a read counts as "not written yet", as does an empty one.
+    """
+    from asgiref.sync import sync_to_async
+    from django.db import OperationalError
+
+    rows: list = []
+    for _ in range(attempts):
+        try:
+            rows = await sync_to_async(query)()
+        except OperationalError as exc:
+            if "is locked" not in str(exc):
+                raise
+        if rows:
+            return rows
+        await asyncio.sleep(interval)
+    return rows

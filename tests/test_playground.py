@@ -1,7 +1,5 @@
 """The admin playground: the page, and the client websocket opened with a staff session instead of an API key."""
 
-import asyncio
-
 import pytest
 from asgiref.sync import sync_to_async
 from channels.routing import URLRouter
@@ -10,7 +8,7 @@ from django.conf import settings
 from django.test import Client
 
 from sessions.models import Generation
-from tests.api_support import FakeLink, Script, add_fake_node
+from tests.api_support import FakeLink, Script, add_fake_node, written_rows
 from tests.factories import NodeFactory, UserFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -66,11 +64,7 @@ async def test_a_staff_session_streams_and_the_generation_is_recorded_without_a_
     assert frames[-1]["type"] == "done" and frames[-1]["node"] == "fake-node", frames[-1]
     assert "".join(f["text"] for f in frames if f["type"] == "token") == "Hello, world!"
     await comm.disconnect()
-    for _ in range(50):
-        rows = await sync_to_async(lambda: list(Generation.objects.values_list("status", "api_key_id")))()
-        if rows:
-            break
-        await asyncio.sleep(0.05)
+    rows = await written_rows(lambda: list(Generation.objects.values_list("status", "api_key_id")))
     assert rows == [("done", None)]
 
 
