@@ -159,7 +159,16 @@ def measure(args, tmp: Path, groups: list[tuple[str, list[str], str]], pids: lis
             "gap_ms_p99": percentile([g for s in seen for g in s["gaps"]], 0.99),
             "gap_ms_p999": percentile([g for s in seen for g in s["gaps"]], 0.999),
             "gap_ms_max": max((g for s in seen for g in s["gaps"]), default=None),
-            "gap_ms_p50": percentile([g for s in seen for g in s["gaps"]], 0.5), "errors": errors}
+            "gap_ms_p50": percentile([g for s in seen for g in s["gaps"]], 0.5), "errors": errors,
+            **handshake_figures([h for s in seen for h in s.get("handshakes", [])])}
+
+
+def handshake_figures(handshakes: list[float]) -> dict:
+    """The websocket clients' opening handshakes (most at the warmup's start, when every client dials at once)."""
+    if not handshakes:
+        return {}
+    return {"ws_handshakes": len(handshakes), "ws_handshake_ms_p50": percentile(handshakes, 0.5),
+            "ws_handshake_ms_p99": percentile(handshakes, 0.99), "ws_handshake_ms_max": round(max(handshakes), 1)}
 
 
 def bare_phase(args, tmp: Path) -> dict[int, dict[str, dict]]:

@@ -113,6 +113,7 @@ class Window:
         self.ttfts: list[float] = []
         self.gaps: list[float] = []
         self.errors: dict[str, int] = {}
+        self.handshakes: list[float] = []  # each websocket's opening handshake (ms), in the window or before it
 
     def chunk(self, text: str, last: float | None) -> float:
         now = time.time()
@@ -172,8 +173,11 @@ async def one_http_stream(target: tuple[str, int], mode: str, key: str, i: int, 
 async def ws_streams(target: tuple[str, int], key: str, i: int, tokens: int, win: Window) -> None:
     import websockets
 
+    dialed = time.time()
     async with websockets.connect(f"ws://{target[0]}:{target[1]}/ws/v1/generate?api_key={key}",
                                   max_queue=None) as ws:
+        if dialed < win.end:
+            win.handshakes.append((time.time() - dialed) * 1000)
         for n in itertools.count():
             await ws.send(json.dumps({"type": "generate", "id": f"g{n}", "model": "smollm2", "max_tokens": tokens,
                                       "ignore_eos": True, "messages": [{"role": "user",
@@ -216,7 +220,8 @@ async def clients_main(args) -> None:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     Path(args.out).write_text(json.dumps({"tokens": win.tokens, "ttfts": win.ttfts, "gaps": win.gaps,
-                                          "errors": win.errors}))
+                                          "errors": win.errors,
+                                          "handshakes": win.handshakes}))
 
 
 def main() -> None:
