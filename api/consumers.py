@@ -19,6 +19,7 @@ from contextlib import suppress
 from typing import Any
 from urllib.parse import urlsplit
 
+from channels import auth as channels_auth
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
@@ -67,7 +68,9 @@ class ClientStreamConsumer(FramesSkipSweep, AsyncJsonWebsocketConsumer):
 
     async def _connect_session(self) -> None:
         """No key: a logged-in, active staff user's session (the admin playground), only from this site's pages."""
-        user = self.scope.get("user")  # AuthMiddlewareStack resolved it before connect()
+        # Resolved here, not by Channels' AuthMiddleware before connect(): that costs every socket a hop to the
+        # process's one thread for consumers' database work before its handshake ends, keyed sockets included.
+        user = await channels_auth.get_user(self.scope)
         if user is None or not user.is_authenticated:
             await self._refuse("missing API key: send Authorization: Bearer <key> or ?api_key=<key>")
         elif not (user.is_active and user.is_staff):

@@ -4,9 +4,14 @@ Channels (4.2 and later) runs `close_old_connections` before every message it di
 `sync_to_async`: a hop to a worker thread and back for each websocket frame. Under load that hop was the head's
 largest single cost (bench/scale.py's profile at 500 streams: a node link's every token batch, a client socket's
 every generate frame). `database_sync_to_async` already closes stale connections before and after each use, so a
-consumer whose database work all goes through it loses nothing when its frames skip the sweep. Its other messages
-(connect, disconnect, channel-layer events) are swept as before. The consumers that take it: the node link
-(nodes.consumers) and the client stream socket (api.consumers).
+consumer whose database work all goes through it loses nothing when its frames skip the sweep.
+
+The connect message skips it too. Channels' consumers make their thread-sensitive calls on one thread per process
+(no request context gives them one of their own, as Django's HTTP handler does), so a socket's sweep before its
+connect waited behind every other socket's database work: at 1,000 streams on two heads the websocket handshakes
+took 0.85 s p50 and 2.4 s p99 on this machine (bench/scale.py), and on a slower run of it some passed daphne's 5 s
+and were dropped. Other messages (disconnect, channel-layer events) are swept as before. The consumers that take
+it: the node link (nodes.consumers) and the client stream socket (api.consumers).
 """
 
 from __future__ import annotations
@@ -18,5 +23,7 @@ class FramesSkipSweep:
     async def dispatch(self, message: dict) -> None:
         if message["type"] == "websocket.receive":
             await self.websocket_receive(message)
+        elif message["type"] == "websocket.connect":
+            await self.websocket_connect(message)
         else:
             await super().dispatch(message)

@@ -1,9 +1,10 @@
 """The client websocket /ws/v1/generate with a fake node link: auth, several streams at once, cancel, errors."""
 
 import asyncio
+import threading
 
 import pytest
-from asgiref.sync import sync_to_async
+from asgiref.sync import SyncToAsync, sync_to_async
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 
@@ -53,6 +54,26 @@ async def test_the_key_may_come_in_the_query_string(bearer):
     add_fake_node()
     comm = await connect(query=f"?api_key={bearer}")
     await comm.send_json_to({"type": "ping", "id": 1})
+    assert await comm.receive_json_from(timeout=3) == {"type": "pong", "id": 1}
+    await comm.disconnect()
+
+
+async def test_a_keyed_socket_is_accepted_while_the_consumers_database_thread_is_busy(bearer):
+    """Its handshake waits for no database work. Channels' consumers make theirs on one thread per process (no
+    request context gives them a thread of their own), and hundreds of sockets dialing at once once queued there
+    for their session's user before their handshake could end: past daphne's 5 s, a handshake is dropped."""
+    add_fake_node()
+    busy, release = threading.Event(), threading.Event()
+    SyncToAsync.single_thread_executor.submit(lambda: (busy.set(), release.wait(10)))
+    assert busy.wait(5)
+    try:
+        comm = WebsocketCommunicator(app(), "/ws/v1/generate",
+                                     headers=[(b"authorization", f"Bearer {bearer}".encode())])
+        connected, _ = await comm.connect(timeout=2)
+        assert connected
+    finally:
+        release.set()
+    await comm.send_json_to({"type": "ping", "id": 1})  # answered once the key is checked, on that thread
     assert await comm.receive_json_from(timeout=3) == {"type": "pong", "id": 1}
     await comm.disconnect()
 

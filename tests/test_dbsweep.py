@@ -1,5 +1,5 @@
-"""Websocket frames to the node link and the client stream socket skip Channels' per-message database sweep (a
-thread hop each); their other messages are still swept."""
+"""Websocket frames to the node link and the client stream socket, and their connect, skip Channels' per-message
+database sweep (a thread hop each); their other messages are still swept."""
 
 from __future__ import annotations
 
@@ -37,6 +37,16 @@ async def test_a_websocket_frame_is_handled_without_the_sweep(cls, sweeps):
     frame = {"type": "websocket.receive", "bytes": b"\x00frame"}
     await consumer.dispatch(frame)
     assert got == [frame]
+    assert sweeps == []
+
+
+@pytest.mark.parametrize("cls", [NodeLinkConsumer, ClientStreamConsumer])
+async def test_the_connect_is_handled_without_the_sweep(cls, sweeps):
+    consumer = cls()
+    got = handled(consumer, "websocket_connect")
+    message = {"type": "websocket.connect"}
+    await consumer.dispatch(message)
+    assert got == [message]
     assert sweeps == []
 
 
