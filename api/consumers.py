@@ -60,7 +60,9 @@ class ClientStreamConsumer(FramesSkipSweep, AsyncJsonWebsocketConsumer):
         if key is None:
             await self._connect_session()
             return
-        row = await database_sync_to_async(api_key_authenticate)(key=key)
+        # A key this process verified lately is not looked up again (as for HTTP requests and generate frames): on
+        # the process's one consumer database thread, hundreds of sockets dialing at once would wait in turn.
+        row = await api_key_verified(key=key) or await database_sync_to_async(api_key_authenticate)(key=key)
         if row is None or not row.owner.is_active:
             await self._refuse("the API key is wrong or revoked")
             return

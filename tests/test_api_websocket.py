@@ -78,6 +78,25 @@ async def test_a_keyed_socket_is_accepted_while_the_consumers_database_thread_is
     await comm.disconnect()
 
 
+async def test_a_key_this_process_verified_is_not_looked_up_again_at_connect(bearer):
+    """A second socket with the same key is served while that thread is busy: its key is not read again."""
+    add_fake_node()
+    first = await connect(bearer)
+    await first.send_json_to({"type": "ping", "id": 1})
+    assert await first.receive_json_from(timeout=3) == {"type": "pong", "id": 1}
+    busy, release = threading.Event(), threading.Event()
+    SyncToAsync.single_thread_executor.submit(lambda: (busy.set(), release.wait(10)))
+    assert busy.wait(5)
+    try:
+        second = await connect(bearer)
+        await second.send_json_to({"type": "ping", "id": 2})
+        assert await second.receive_json_from(timeout=2) == {"type": "pong", "id": 2}
+    finally:
+        release.set()
+    await first.disconnect()
+    await second.disconnect()
+
+
 async def test_several_generations_stream_at_once_each_with_its_own_seq(bearer):
     link = add_fake_node(FakeLink(script=Script(delay=0.02, per_batch=1)), lanes=4)
     comm = await connect(bearer)
