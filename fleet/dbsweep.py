@@ -9,9 +9,10 @@ consumer whose database work all goes through it loses nothing when its frames s
 The connect message skips it too. Channels' consumers make their thread-sensitive calls on one thread per process
 (no request context gives them one of their own, as Django's HTTP handler does), so a socket's sweep before its
 connect waited behind every other socket's database work: at 1,000 streams on two heads the websocket handshakes
-took 0.85 s p50 and 2.4 s p99 on this machine (bench/scale.py), and on a slower run of it some passed daphne's 5 s
-and were dropped. Other messages (disconnect, channel-layer events) are swept as before. The consumers that take
-it: the node link (nodes.consumers) and the client stream socket (api.consumers).
+took 0.85-2.9 s p50 and up to 5.6 s p99 on this machine (bench/scale.py), near daphne's 5 s limit for an
+application to accept a websocket (slower runs lost some handshakes, most likely to that limit). Other messages
+(disconnect, channel-layer events) are swept as before. The consumers that take it: the node link
+(nodes.consumers) and the client stream socket (api.consumers).
 """
 
 from __future__ import annotations
