@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+from contextlib import contextmanager
 
 import pytest
 from asgiref.sync import SyncToAsync, sync_to_async
@@ -29,6 +30,18 @@ async def connect(key=None, query=""):
     connected, _ = await comm.connect()
     assert connected
     return comm
+
+
+@contextmanager
+def consumer_thread_busy():
+    """asgiref's one thread for Channels consumers' database calls, held busy until the block ends."""
+    busy, release = threading.Event(), threading.Event()
+    SyncToAsync.single_thread_executor.submit(lambda: (busy.set(), release.wait(10)))
+    assert busy.wait(5)
+    try:
+        yield
+    finally:
+        release.set()
 
 
 async def frames_until_end(comm, ids, timeout=5.0):
@@ -64,16 +77,11 @@ async def test_a_keyed_socket_is_accepted_while_the_consumers_database_thread_is
     request context gives them a thread of their own), and hundreds of sockets dialing at once once queued there
     for their session's user before their handshake could end: past daphne's 5 s, a handshake is dropped."""
     add_fake_node()
-    busy, release = threading.Event(), threading.Event()
-    SyncToAsync.single_thread_executor.submit(lambda: (busy.set(), release.wait(10)))
-    assert busy.wait(5)
-    try:
+    with consumer_thread_busy():
         comm = WebsocketCommunicator(app(), "/ws/v1/generate",
                                      headers=[(b"authorization", f"Bearer {bearer}".encode())])
         connected, _ = await comm.connect(timeout=2)
         assert connected
-    finally:
-        release.set()
     await comm.send_json_to({"type": "ping", "id": 1})  # answered once the key is checked, on that thread
     assert await comm.receive_json_from(timeout=3) == {"type": "pong", "id": 1}
     await comm.disconnect()
@@ -86,15 +94,10 @@ async def test_a_key_this_process_verified_is_not_looked_up_again_at_connect(bea
     first = await connect(bearer)
     await first.send_json_to({"type": "ping", "id": 1})
     assert await first.receive_json_from(timeout=3) == {"type": "pong", "id": 1}
-    busy, release = threading.Event(), threading.Event()
-    SyncToAsync.single_thread_executor.submit(lambda: (busy.set(), release.wait(10)))
-    assert busy.wait(5)
-    try:
+    with consumer_thread_busy():
         second = await connect(bearer)
         await second.send_json_to({"type": "ping", "id": 2})
         assert await second.receive_json_from(timeout=2) == {"type": "pong", "id": 2}
-    finally:
-        release.set()
     await first.disconnect()
     await second.disconnect()
 
