@@ -151,7 +151,11 @@ def _generation_write(trace: GenerationTrace, node_id: str | None) -> Generation
 def _jsonable(value: Any) -> Any:
     """`value` as stored JSON. A NUL character becomes U+FFFD: PostgreSQL's jsonb cannot hold one, and a record
     is never lost over a parameter's odd character."""
-    return _without_nul(json.loads(json.dumps(value, default=str)))
+    text = json.dumps(value, default=str)
+    stored = json.loads(text)
+    # json.dumps writes every NUL as the escape \u0000: with none in the text, no string or key holds one (the walk
+    # cost a generation's record about 20 us of its 450, with a placement ranking eight nodes)
+    return _without_nul(stored) if "\\u0000" in text else stored
 
 
 def _without_nul(value: Any) -> Any:

@@ -258,3 +258,26 @@ async def written_rows(query, *, attempts: int = 50, interval: float = 0.05) -> 
             return rows
         await asyncio.sleep(interval)
     return rows
+
+
+def on_a_fresh_loop_thread(make: Any, *, timeout: float = 30.0) -> tuple[Any, Any]:
+    """`make()`'s coroutine run to its end on an event loop in a new thread, as on the head's loop thread: one that
+    holds no database connection (the test's own thread holds the test database's, and Django's request_finished
+    must not close a loop thread's connection). Its result and that thread; what it raised is raised here."""
+    import threading
+
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = asyncio.run(make())
+        except BaseException as exc:  # noqa: BLE001 - raised again in the test's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="test-loop")
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"the loop thread ran past {timeout} s"
+    if "error" in out:
+        raise out["error"]
+    return out["result"], thread

@@ -8,11 +8,12 @@ import struct
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.conf import settings
 
 from api.grammars import JSON_GBNF
 from sessions.models import Generation, Message
 from sessions.services import grammar_handle_create, logit_bias_handle_create, session_create
-from tests.api_support import FakeLink, Script, add_fake_node, request, start
+from tests.api_support import FakeLink, Script, add_fake_node, on_a_fresh_loop_thread, request, start
 
 pytest_plugins = ["tests.api_fixtures"]
 
@@ -84,6 +85,36 @@ async def test_chat_stream_is_openai_chunks_ending_with_usage_and_done(bearer):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
     assert all(c["usage"] is None for c in chunks[:-1])
     assert [r["status"] for r in await generations()] == ["done"]
+
+
+@pytest.mark.skipif(bool(settings.REDIS_URL), reason="on Redis the key's revocation stamp is read on the request's "
+                                                     "thread (Django's cache.aget)")
+def test_a_stream_with_a_key_this_process_verified_ends_without_a_thread_hop(bearer):
+    """fleet/threads.py: Django's last step, response.close(), runs in place for a request that ran nothing on its
+    thread. A /v1 stream whose key was verified lately runs nothing there (its record goes to a writer thread)."""
+    import threading
+
+    from django.core.signals import request_finished
+
+    from fleet.apps import wire_request_started
+
+    finished_on: list[threading.Thread] = []
+
+    def note(**_):
+        finished_on.append(threading.current_thread())
+
+    async def two_streams():
+        add_fake_node()
+        for _ in range(2):  # the first verifies the key on the request's thread
+            assert (await request("POST", CHAT, key=bearer, body=chat(stream=True))).data()[-1] == "[DONE]"
+
+    wire_request_started()  # as the head wires it (Django's test client, used by other tests, connects it again)
+    request_finished.connect(note)
+    try:
+        _, loop_thread = on_a_fresh_loop_thread(two_streams)
+    finally:
+        request_finished.disconnect(note)
+    assert len(finished_on) == 2 and finished_on[1] is loop_thread
 
 
 async def test_completion_with_logprobs_streamed_and_not(bearer):
