@@ -22,10 +22,11 @@ Django's last synchronous step, `response.close()`, runs in place on the event l
 on its thread (an async view that reached the database only through other threads, as every /v1 stream does) and
 whose response holds nothing to close (no file, no iterator with a `close`, no uploaded file parsed from the request;
 the request's body stream is only marked closed). There it marks the response closed and sends `request_finished`,
-whose receivers close the thread's database connections (the request's thread
-opened none; the event loop's thread holds none, else the close goes to the thread as before), close the caches
-(no-ops for Django's local-memory and Redis caches) and reset the URLconf. A hop to a thread and back cost about
-300 us of CPU here (asgiref's `sync_to_async` of a no-op, on this project's 2-core machine), once per request.
+whose receivers close the database connections they see where they run (on the event loop, Django keeps them per
+context: the request's context there holds none, else the close goes to the thread as before), close the caches
+(no-ops for Django's local-memory and Redis caches) and reset the URLconf. Through the whole middleware and handler,
+a request to a minimal async view cost 200-350 us less CPU without the hop (docs/benchmarks.md, *Scale*, tenth
+round), once per request.
 """
 
 from __future__ import annotations
