@@ -14,6 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_model_uploaded_in_the_admin_goes_up_in_parts_and_is_listed(browser, fresh_head):  # noqa: F811
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -24,8 +25,10 @@ def test_a_model_uploaded_in_the_admin_goes_up_in_parts_and_is_listed(browser, f
     browser.find_element(By.ID, "model-name").send_keys("tiny-chat")
     browser.find_element(By.ID, "model-file").send_keys(bundled_model_path())
     browser.find_element(By.ID, "model-upload-go").click()
-    WebDriverWait(browser, 180).until(lambda b: "/admin/nodes/model/?q=tiny-chat" in b.current_url
-                                      or "Refused" in b.find_element(By.ID, "model-upload-status").text)
+    # The page leaves for the list once the upload is done: a status element found just before it left is stale.
+    WebDriverWait(browser, 180, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)).until(
+        lambda b: "/admin/nodes/model/?q=tiny-chat" in b.current_url
+        or "Refused" in b.find_element(By.ID, "model-upload-status").text)
     assert "?q=tiny-chat" in browser.current_url, browser.page_source[-2000:]
     row = browser.find_element(By.XPATH, "//tr[.//a[text()='tiny-chat']]").text
     assert "llama" in row and "Q4_1" in row and "8192" in row.replace(",", "")
