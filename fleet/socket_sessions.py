@@ -14,11 +14,10 @@ from channels.sessions import CookieMiddleware, InstanceSessionWrapper, SessionM
 
 
 class SocketSessionMiddleware(SessionMiddleware):
-    """The scope's `session`, lazily loaded from the session cookie; the inner application sends directly."""
+    """The scope's `session`, lazily loaded from the session cookie; the inner application sends directly. For
+    websocket routes only (an HTTP response's session would never be saved)."""
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "websocket":
-            return await super().__call__(scope, receive, send)
         wrapper = InstanceSessionWrapper(scope, send)
         await wrapper.resolve_session()
         return await self.inner(wrapper.scope, receive, send)
