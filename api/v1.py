@@ -32,7 +32,6 @@ from api.specs import GenerationRequest, aparse, chat_request, completion_reques
 from api.sse import first_event, sse_response
 from api.transcriptions import serve_transcription
 from fleet.links import registry
-from fleet.remote import aremote_link
 from nodes import selectors as node_selectors
 from nodes.link.messages import LinkError
 
@@ -238,8 +237,8 @@ def _embedding_input(body: dict[str, Any]) -> tuple[str, list[str], str]:
 
 
 async def _embedding_node(model: str) -> tuple[str, Any]:
-    """A node serving the model, the least busy first (an embedding takes no generation lane); one linked to
-    this head process before one linked to another (which the request then reaches through the channel layer)."""
+    """A node serving the model and linked to this head process (every node links every head process it can
+    reach), the least busy first (an embedding takes no generation lane)."""
     reg = registry()
     nodes = await reg.aplacement.nodes()
     slots = [s for s in nodes if model in s.models and "embeddings" in s.capabilities]
@@ -247,9 +246,8 @@ async def _embedding_node(model: str) -> tuple[str, Any]:
         served = ", ".join(sorted({m for s in nodes for m in s.models})) or "none"
         raise OpenAIError(404, f"The model {model!r} is not served by any node that embeds (served: {served}).",
                           code="model_not_found", param="model")
-    for slot in sorted(slots, key=lambda s: (s.node_id not in reg.links, not s.schedulable, s.running - s.lanes,
-                                             s.identity)):
-        link = reg.links.get(slot.node_id) or await aremote_link(slot.node_id, slot.identity)
+    for slot in sorted(slots, key=lambda s: (not s.schedulable, s.running - s.lanes, s.identity)):
+        link = reg.links.get(slot.node_id)
         if link is not None:
             return slot.identity, link
     raise OpenAIError(503, f"No node serving {model!r} can be reached now; retry shortly.", code="node_unavailable")

@@ -20,6 +20,7 @@ from fleet.autobahn_logs import plain_frame_logs  # noqa: E402
 from fleet.discovery import announce_served_head  # noqa: E402
 from fleet.eager_writes import eager_tcp_writes  # noqa: E402
 from fleet.form_parsing import skip_form_parsing  # noqa: E402
+from fleet.heads import heads_start  # noqa: E402
 from fleet.heap import freeze_startup_heap  # noqa: E402
 from fleet.routing import websocket_urlpatterns  # noqa: E402
 
@@ -27,6 +28,7 @@ plain_frame_logs()  # no click colouring built for each websocket frame's droppe
 eager_tcp_writes()  # a chunk goes to the client's socket at once, not on the loop's next turn
 skip_form_parsing()  # Django parses request bodies; Twisted no longer parses forms first, on the event loop
 announce_served_head()  # with FLEET_ANNOUNCE set, nodes started with no head address find this one
+heads_start()  # with Redis: this process joins the live head processes, so every node links to it too
 
 application = ProtocolTypeRouter({
     "http": body_limit(sse_guard(django_app)),

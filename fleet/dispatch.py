@@ -15,7 +15,7 @@ from typing import Any
 
 from django.conf import settings
 
-from fleet import metrics
+from fleet import heads, metrics
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
 from nodes.agent.vocab import BUILTINS, BYTES
@@ -164,6 +164,7 @@ class GenerationStream:
         self._failure: dict[str, Any] | None = None  # why the last attempt's node failed, for the next's evidence
         self._preempting = False  # its lane was handed to an interactive generation; its cancel is on the way
         self._preempted_at = 0.0
+        self._evicted: list[str] = []  # what the node's lane choice evicted (its accepted), forgotten at the end
 
     def ready(self) -> bool:
         """Whether the next step only hands on a token batch that is here already: the node's next frame is the
@@ -189,7 +190,7 @@ class GenerationStream:
         while attempt < MAX_ATTEMPTS:
             attempt += 1
             choice = await self._place(excluded)
-            link = reg.links.get(choice.node_id) or await _remote_link(choice.node_id, choice.identity)
+            link = reg.links.get(choice.node_id)  # this process's own link: no token crosses between processes
             if link is None:  # the node left between choosing and sending
                 await reg.lifecycle.aended(choice.node_id, self.spec.gen_id)
                 continue
@@ -260,7 +261,9 @@ class GenerationStream:
     async def _try_place(self, reg, excluded: set[str]):
         """A lane now if this generation's turn has come and one is free (None: wait for the next wake)."""
         model = self.spec.model
-        nodes = await reg.aplacement.nodes()
+        nodes = await reg.aplacement.nodes()  # a snapshot (over Redis: refreshed by each choice, no round trip)
+        if not any(model in s.models for s in nodes):
+            nodes = await reg.aplacement.nodes(fresh=True)  # a node that just joined: not refused for a stale view
         if not any(model in s.models for s in nodes):
             served = ", ".join(sorted({m for s in nodes for m in s.models})) or "none"
             raise GenerationError("model_not_found", f"The model {model!r} is not served by any node "
@@ -269,18 +272,22 @@ class GenerationStream:
             await self._key(nodes)
         unable = self._unable(nodes)
         ahead = _waiters.ahead_of(self.spec.gen_id, model, self.deadline, self.batch)
-        free = sum(s.free for s in nodes if model in s.models and s.schedulable)
+        # placed only on nodes this process holds a link to (a node behind NAT may reach only some head processes)
+        linked = set(reg.links)
+        free = sum(s.free for s in nodes if model in s.models and s.schedulable and s.node_id in linked)
         if not self.batch and ahead >= free:
             await self._preempt_a_batch_line(exclude=excluded | unable)
-            free = await reg.aplacement.free_lanes(model)
+            free = sum(s.free for s in await reg.aplacement.nodes()
+                       if model in s.models and s.schedulable and s.node_id in linked)
         if ahead >= free or not self._within_share(nodes):
             return None
         counting = not self._counted
         if counting:  # counted before choosing, which may await Redis: two batch lines must not both pass the share
             self._count(1)
-        choice = await reg.lifecycle.achoose(self.spec, self.keys, exclude=excluded | unable)
+        place = {"only": linked, "head": heads.PROCESS_ID}
+        choice = await reg.lifecycle.achoose(self.spec, self.keys, exclude=excluded | unable, **place)
         if choice is None and excluded:
-            choice = await reg.lifecycle.achoose(self.spec, self.keys, exclude=unable)
+            choice = await reg.lifecycle.achoose(self.spec, self.keys, exclude=unable, **place)
         if choice is None and counting:
             self._count(-1)
         return choice
@@ -357,11 +364,12 @@ class GenerationStream:
                                "resume_ids": self.spec.resume_ids + self.outcome.ids})
         spec.max_tokens = max(self.spec.max_tokens - self.outcome.completion_tokens, 1)
         self._expected_seq = 1
+        self._evicted = []
         finished = False
         try:
             try:
                 await link.send_generate(relay_gen, spec.to_dict())
-            except LinkError as exc:  # e.g. the channel of the head process holding its link is full
+            except LinkError as exc:  # the link broke as it was sent
                 raise _NodeFailed(ErrorCode.NODE_LOST, f"node {link.identity!r} could not be reached: {exc}") from None
             if self.batch:
                 _preemptible.setdefault(self.spec.model, set()).add(self)
@@ -378,7 +386,7 @@ class GenerationStream:
                 elif isinstance(event, TokenBatch):
                     if event.seq < self._expected_seq:
                         continue  # a duplicate batch
-                    if event.seq > self._expected_seq:  # a batch lost on its way (the channel layer can drop one)
+                    if event.seq > self._expected_seq:  # a batch lost on its way (a gap: never skipped over)
                         raise _NodeFailed(ErrorCode.NODE_LOST, f"token batch {self._expected_seq} from node "
                                                                f"{link.identity!r} was lost in transit")
                     self._expected_seq = event.seq + 1
@@ -407,6 +415,9 @@ class GenerationStream:
         finally:
             _preemptible.get(self.spec.model, set()).discard(self)
             reg.relays.pop(relay_gen, None)
+            if self._evicted:  # accepted, and ended without a done that forgot them
+                asyncio.ensure_future(reg.lifecycle.aaccepted(link.node_id, self._evicted))
+                self._evicted = []
             self._current = self._relay = None
             if not finished:
                 # The client went away or failed mid-stream: free the node's lane now. Not awaited, because a
@@ -441,7 +452,9 @@ class GenerationStream:
         return STUCK_AFTER_S
 
     async def _on_accepted(self, event: Accepted, link) -> Started | None:
-        await registry().lifecycle.aaccepted(link.node_id, event.evicted)
+        # What its lane choice evicted is forgotten with the generation's end (one round trip for both), or at once
+        # when it ends without a done (_run_on's finally).
+        self._evicted = list(event.evicted or ())
         resumed = bool(self.outcome.completion_tokens)
         if not resumed:
             self.outcome.prompt_tokens, self.outcome.cached_tokens = event.prompt_tokens, event.cached_tokens
@@ -459,8 +472,9 @@ class GenerationStream:
         return Tokens(self._seq, text, list(event.text), list(event.ids), event.logprobs, event.segments)
 
     async def _on_done(self, event: Done, link) -> Finished:
+        evicted, self._evicted = [*self._evicted, *(event.evicted or ())], []
         await registry().lifecycle.adone(link.node_id, self.spec, self.keys, answer=self.outcome.text,
-                                         usage=event.usage, tokenizer=self.tokenizer, evicted=event.evicted)
+                                         usage=event.usage, tokenizer=self.tokenizer, evicted=evicted)
         self.outcome.finish_reason = event.finish_reason
         self.outcome.timings = dict(event.timings)
         usage = {
@@ -491,20 +505,8 @@ class GenerationStream:
 
 
 async def _link_gone(link) -> bool:
-    """Whether the link a generation was sent over is no longer its node's: in this process, another link object
-    holds the node; for a node held by another process, its channel changed or it left placement."""
-    from fleet.remote import RemoteLink
-
-    reg = registry()
-    if isinstance(link, RemoteLink):
-        return await reg.aplacement.channel_of(link.node_id) != link.channel
-    return reg.links.get(link.node_id) is not link
-
-
-async def _remote_link(node_id: str, identity: str):
-    from fleet.remote import aremote_link
-
-    return await aremote_link(node_id, identity)
+    """Whether the link a generation was sent over is no longer its node's (another link object holds the node)."""
+    return registry().links.get(link.node_id) is not link
 
 
 async def _cancel_quietly(link, gen_id: str, reason: str = "client went away") -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -24,6 +25,7 @@ from nodes.link.placement import Choice, NodeSlot, ranking_row
 from nodes.link.prefix import PrefixKey
 
 ASYNC_CONNECTIONS = 64  # per head process and event loop; callers beyond it wait for one
+SNAPSHOT_S = 1.0  # how long a head process's snapshot of the nodes' slots serves without news
 
 Step = Callable[[Any, dict[str, Any]], Any]  # (client, its scripts) -> a result, or an awaitable of one
 Op = Generator[Step, Any, Any]
@@ -54,8 +56,17 @@ def _slot(node_id: str, h: dict[str, str]) -> NodeSlot:
                     float(h.get("ans", 0)), json.loads(h.get("tok", "{}")))
 
 
-def _choice(raw: str) -> Choice:
-    got = json.loads(raw)
+def _slots(rows: list) -> list[NodeSlot]:
+    """Slots from the scripts' [node id, flat hash] rows."""
+    slots = []
+    for node_id, flat in sorted(rows, key=lambda row: row[0]) if rows else ():  # cjson makes an empty list {}
+        h = dict(zip(flat[::2], flat[1::2], strict=True))
+        if "identity" in h:
+            slots.append(_slot(node_id, h))
+    return slots
+
+
+def _choice(got: dict) -> Choice:
     total = int(got["total"])
     ranking = [ranking_row(identity, node_id, total=total, matched=int(matched), running=int(running),
                            load_tokens=int(load)) for identity, node_id, matched, running, load in got["ranking"]]
@@ -107,26 +118,36 @@ class RedisPlacementState:
         return self._async[1], self._async[2]
 
     # --- nodes ---
-    def node_up(self, slot: NodeSlot, *, cache_cleared: bool = True, channel: str = "",
+    def node_up(self, slot: NodeSlot, *, cache_cleared: bool = True, head: str = "",
                 warm: list[str] | tuple[str, ...] = ()) -> None:
-        self._run(self._op_node_up(slot, cache_cleared=cache_cleared, channel=channel, warm=warm))
+        self._run(self._op_node_up(slot, cache_cleared=cache_cleared, head=head, warm=warm))
 
-    def _op_node_up(self, slot: NodeSlot, *, cache_cleared: bool = True, channel: str = "", warm=()) -> Op:
-        key = f"{self.p}node:{slot.node_id}"
-        routed = yield _call("hget", key, "routed")
+    def _op_node_up(self, slot: NodeSlot, *, cache_cleared: bool = True, head: str = "", warm=()) -> Op:
+        """A link from head process `head` registered the node. Its lanes are counted once, whatever its links: they
+        start again from none only when the node's engine started afresh or no other link holds it."""
+        key, links = f"{self.p}node:{slot.node_id}", f"{self.p}links:{slot.node_id}"
+        routed, linked = yield _pipe(lambda pipe: (pipe.hget(key, "routed"), pipe.hlen(links)))
         if routed is not None and not cache_cleared:
             slot.routed = int(routed)
+        fresh = cache_cleared or not linked
 
         def build(pipe) -> None:
-            pipe.hset(key, mapping={
+            mapping = {
                 "identity": slot.identity, "models": json.dumps(slot.models), "lanes": slot.lanes,
-                "running": slot.running, "routed": slot.routed, "schedulable": int(slot.schedulable),
-                "ctx": slot.context_window, "channel": channel, "tok": json.dumps(slot.tokenizers),
+                "routed": slot.routed, "schedulable": int(slot.schedulable),
+                "ctx": slot.context_window, "tok": json.dumps(slot.tokenizers),
                 "caps": json.dumps(slot.capabilities), "ptps": slot.prefill_tps, "dslow": slot.decode_slowdown_ms,
                 "ans": slot.answer_tokens,
-            })
-            pipe.delete(f"{self.p}run:{slot.node_id}")
+            }
+            if fresh:
+                mapping["running"] = slot.running
+                pipe.delete(f"{self.p}run:{slot.node_id}")
+            else:
+                pipe.hsetnx(key, "running", 0)
+            pipe.hset(key, mapping=mapping)
+            pipe.hset(links, head, f"{time.time():.3f}")
             pipe.expire(key, self.node_ttl_s)
+            pipe.expire(links, self.node_ttl_s)
             pipe.sadd(f"{self.p}nodes", slot.node_id)
             pipe.publish(self.lanes_channel, "joined")
 
@@ -162,32 +183,43 @@ class RedisPlacementState:
         self._run(self._op_node_alive(node_id))
 
     def _op_node_alive(self, node_id: str) -> Op:
-        yield _call("expire", f"{self.p}node:{node_id}", self.node_ttl_s)
+        yield _pipe(lambda pipe: (pipe.expire(f"{self.p}node:{node_id}", self.node_ttl_s),
+                                  pipe.expire(f"{self.p}links:{node_id}", self.node_ttl_s)))
 
-    def node_down(self, node_id: str) -> None:
-        """As in process: the slot goes, what the node held stays until it registers with its cache cleared."""
-        self._run(self._op_node_down(node_id))
+    def node_down(self, node_id: str, head: str = "") -> int:
+        """Head process `head`'s link to the node is gone; the links left. At none, as in process: the slot goes,
+        what the node held stays until it registers with its cache cleared."""
+        return self._run(self._op_node_down(node_id, head))
 
-    def _op_node_down(self, node_id: str) -> Op:
-        yield _pipe(lambda pipe: (pipe.srem(f"{self.p}nodes", node_id), pipe.delete(f"{self.p}node:{node_id}")))
+    def _op_node_down(self, node_id: str, head: str = "") -> Op:
+        return int((yield _script("node_down", [self.p, node_id, head])))
+
+    def links_of(self, node_id: str) -> dict[str, float]:
+        """The head processes holding a link to the node: their link URLs, and since when (epoch seconds)."""
+        links = self.r.hgetall(f"{self.p}links:{node_id}")
+        urls = self.r.hmget(f"{self.p}head_urls", list(links)) if links else []
+        return {url or head: float(since) for (head, since), url in zip(links.items(), urls, strict=True)}
+
+    def head_beat(self, head: str, url: str, ttl_s: float) -> list[str]:
+        """Head process `head` (reached at `url`) is alive for `ttl_s` more; reaps the dead ones (the lanes they
+        held, their links). Returns the live head processes' link URLs."""
+        return sorted(set(self._scripts["head_beat"](args=[self.p, head, url, f"{time.time():.3f}", ttl_s])))
 
     def set_schedulable(self, node_id: str, schedulable: bool) -> None:
         self._run(self._op_set_schedulable(node_id, schedulable))
 
     def _op_set_schedulable(self, node_id: str, schedulable: bool) -> Op:
         key = f"{self.p}node:{node_id}"
-        if (yield _call("exists", key)):
-            yield _call("hset", key, "schedulable", int(schedulable))
-            if schedulable:
-                yield _call("publish", self.lanes_channel, "schedulable")
+        now = yield _call("hget", key, "schedulable")
+        if now is not None and now != str(int(schedulable)):  # each link's heartbeat sets it: told only on a change
+            yield _pipe(lambda pipe: (pipe.hset(key, "schedulable", int(schedulable)),
+                                      pipe.publish(self.lanes_channel, "schedulable")))
 
     def nodes(self) -> list[NodeSlot]:
         return self._run(self._op_nodes())
 
     def _op_nodes(self) -> Op:
-        ids = sorted((yield _call("smembers", f"{self.p}nodes")))
-        rows = yield _pipe(lambda pipe: [pipe.hgetall(f"{self.p}node:{node_id}") for node_id in ids])
-        return [_slot(node_id, h) for node_id, h in zip(ids, rows, strict=True) if h]
+        return _slots(json.loads((yield _script("nodes", [self.p]))))
 
     def measured(self, node_id: str, *, prefill_tps: float, decode_slowdown_ms: float) -> None:
         self._run(self._op_measured(node_id, prefill_tps=prefill_tps, decode_slowdown_ms=decode_slowdown_ms))
@@ -199,12 +231,6 @@ class RedisPlacementState:
 
     def load_of(self, slot: NodeSlot) -> int:
         return slot.learned_load_tokens if self.load_tokens is None else self.load_tokens
-
-    def channel_of(self, node_id: str) -> str:
-        return self._run(self._op_channel_of(node_id))
-
-    def _op_channel_of(self, node_id: str) -> Op:
-        return (yield _call("hget", f"{self.p}node:{node_id}", "channel")) or ""
 
     def models(self) -> list[str]:
         return self._run(self._op_models())
@@ -219,23 +245,38 @@ class RedisPlacementState:
         return sum(s.free for s in (yield from self._op_nodes()) if model in s.models and s.schedulable)
 
     # --- placing ---
-    def choose(self, model: str, keys: list[PrefixKey], *, exclude: set[str] = frozenset(),
-               gen_id: str = "") -> Choice | None:
-        return self._run(self._op_choose(model, keys, exclude=exclude, gen_id=gen_id))
+    def choose(self, model: str, keys: list[PrefixKey], *, exclude: set[str] = frozenset(), gen_id: str = "",
+               only: set[str] | None = None, head: str = "") -> Choice | None:
+        """`only`: the nodes head process `head` holds links to (None: every node)."""
+        return self._run(self._op_choose(model, keys, exclude=exclude, gen_id=gen_id, only=only, head=head))[0]
 
-    def _op_choose(self, model: str, keys: list[PrefixKey], *, exclude: set[str] = frozenset(), gen_id: str = ""
-                   ) -> Op:
+    def _op_choose(self, model: str, keys: list[PrefixKey], *, exclude: set[str] = frozenset(), gen_id: str = "",
+                   only: set[str] | None = None, head: str = "") -> Op:
+        """(the choice or None, every node's slot as the choice left it): one round trip."""
         fixed = "" if self.load_tokens is None else self.load_tokens
-        args = [self.p, model, fixed, gen_id, len(keys), *[k.key for k in keys], *[k.tokens for k in keys], *exclude]
-        raw = yield _script("choose", args)
-        return None if raw is None else _choice(raw)
+        if only is None:
+            only = set((yield _call("smembers", f"{self.p}nodes")))
+        args = [self.p, model, fixed, gen_id, head, len(keys), *[k.key for k in keys], *[k.tokens for k in keys],
+                len(only), *only, *exclude]
+        got = json.loads((yield _script("choose", args)))
+        return (_choice(got["choice"]) if got.get("choice") else None), _slots(got["nodes"])
 
     def release(self, node_id: str, gen_id: str = "") -> None:
         """Free the lane `gen_id` held; once only, so the link and the dispatcher may both report its end."""
         self._run(self._op_release(node_id, gen_id))
 
     def _op_release(self, node_id: str, gen_id: str = "") -> Op:
-        yield _script("release", [f"{self.p}node:{node_id}", f"{self.p}run:{node_id}", gen_id, self.lanes_channel])
+        yield _script("release", [self.p, node_id, gen_id])
+
+    def finish(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, completion_tokens: int = 0,
+               evicted: list[str] | tuple[str, ...] = ()) -> None:
+        """A generation done: record, evict and release in one round trip."""
+        self._run(self._op_finish(node_id, gen_id, keys, completion_tokens=completion_tokens, evicted=evicted))
+
+    def _op_finish(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, completion_tokens: int = 0,
+                   evicted: list[str] | tuple[str, ...] = ()) -> Op:
+        yield _script("finish", [self.p, node_id, gen_id, max(int(completion_tokens), 0), self.max_keys, KEY_TTL_S,
+                                 len(keys), *[k.key for k in keys], *evicted])
 
     # --- the prefix index ---
     def record(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, completion_tokens: int = 0) -> None:
@@ -301,11 +342,49 @@ class RedisPlacementState:
 class AsyncRedisPlacement:
     """The state's operations as coroutines on redis.asyncio (for the event loop), and the lanes channel."""
 
-    OPS = ("node_up", "node_models", "node_tokenizers", "node_alive", "node_down", "set_schedulable", "nodes",
-           "measured", "channel_of", "models", "free_lanes", "choose", "release", "record", "evict", "forget_node")
+    OPS = ("node_up", "node_models", "node_tokenizers", "node_alive", "node_down", "set_schedulable",
+           "measured", "release", "record", "evict", "finish", "forget_node")
 
     def __init__(self, state: RedisPlacementState) -> None:
         self.state = state
+        # This process's snapshot of every node's slot: refreshed by each choice (the same round trip), patched by
+        # each lane freed anywhere (the lanes channel says how many run there now), read again past SNAPSHOT_S or
+        # when a node joined, left or changed. What waiting, the model list and the context windows read, so a
+        # generation costs no Redis round trip beyond its choice and its end.
+        self._snapshot: list[NodeSlot] | None = None
+        self._snapshot_at = 0.0
+
+    async def nodes(self, fresh: bool = False) -> list[NodeSlot]:
+        """Every node's slot (read-only: shared by this process's callers)."""
+        if fresh or self._snapshot is None or time.monotonic() - self._snapshot_at > SNAPSHOT_S:
+            self._keep(await self.state._arun(self.state._op_nodes()))
+        return self._snapshot
+
+    def _keep(self, slots: list[NodeSlot]) -> None:
+        self._snapshot, self._snapshot_at = slots, time.monotonic()
+
+    async def models(self) -> list[str]:
+        return sorted({m for s in await self.nodes() for m in s.models})
+
+    async def free_lanes(self, model: str) -> int:
+        return sum(s.free for s in await self.nodes() if model in s.models and s.schedulable)
+
+    async def choose(self, model: str, keys: list[PrefixKey], **kwargs: Any) -> Choice | None:
+        choice, slots = await self.state._arun(self.state._op_choose(model, keys, **kwargs))
+        self._keep(slots)
+        return choice
+
+    def _heard(self, data: str) -> None:
+        """A lanes-channel message: a lane freed patches the snapshot; anything else (a node joined, left, changed)
+        has it read again at its next use."""
+        kind, _, rest = str(data).partition(" ")
+        node_id, _, running = rest.partition(" ")
+        if kind == "freed" and running.lstrip("-").isdigit() and self._snapshot is not None:
+            for slot in self._snapshot:
+                if slot.node_id == node_id:
+                    slot.running = int(running)
+            return
+        self._snapshot = None
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name not in self.OPS:
@@ -325,9 +404,11 @@ class AsyncRedisPlacement:
         r, _ = self.state._async_client()
         pubsub = r.pubsub()
         await pubsub.subscribe(self.state.lanes_channel)
+        self._snapshot = None  # what it missed before listening
         try:
             async for message in pubsub.listen():
                 if message.get("type") == "message":
+                    self._heard(message.get("data", ""))
                     wake()
         finally:
             await pubsub.aclose()

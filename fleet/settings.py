@@ -239,6 +239,9 @@ FLEET_ANNOUNCE = os.environ.get("FLEET_ANNOUNCE", "").strip()
 if FLEET_ANNOUNCE and not FLEET_ANNOUNCE.rpartition(":")[2].isdigit():
     sys.stderr.write(f"fleet: FLEET_ANNOUNCE must be host:port or :port, not {FLEET_ANNOUNCE!r}\n")
     sys.exit(2)
+# Where nodes reach this head process's node link (ws://host:port/ws/node/): with several head processes every node
+# keeps a link to each, at the URL each announces. Default: the address daphne serves (its -b/-p), else FLEET_ANNOUNCE.
+FLEET_LINK_URL = os.environ.get("FLEET_LINK_URL", "").strip()
 # Per-API-key quotas (0: unlimited), counted in Redis when REDIS_URL is set so every head process counts together;
 # a key's own figures in the admin replace these. Tokens are uncached prompt tokens plus completion tokens.
 FLEET_QUOTA_REQUESTS_PER_MINUTE = env_int("FLEET_QUOTA_REQUESTS_PER_MINUTE", 600)

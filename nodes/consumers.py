@@ -19,13 +19,12 @@ from typing import Any
 
 from cachetools import TTLCache
 from channels.db import database_sync_to_async
-from channels.exceptions import ChannelFull
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.core.cache import cache
 from django.db import IntegrityError
 
-from fleet import metrics
+from fleet import heads, metrics
 from fleet.dbsweep import FramesSkipSweep
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
@@ -44,6 +43,7 @@ from nodes.link.messages import (
     Error,
     Feature,
     Generate,
+    Heads,
     Heartbeat,
     LinkError,
     Models,
@@ -160,8 +160,8 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
             await super().__call__(scope, receive, send)
         except asyncio.CancelledError:
             # A head process shutting down (daphne on SIGTERM) cancels every connection with no disconnect event.
-            # Run it now: other head processes then get relay.lost for the generations they run on this node and
-            # stop placing there; else their clients waited for frames that never came (STUCK_AFTER_S, 300 s).
+            # Run it now: this process's generations on the node end (placed again by the dispatcher) and the
+            # node's link leaves placement; else the node stayed placeable from here until its TTL.
             # Not re-raised: daphne gathers the cancelled connections and exits when the first one raises, which
             # cut the other links' cleanup short.
             if getattr(self, "node_id", "") and (registry().links.get(self.node_id) is self or self.running):
@@ -170,6 +170,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
     async def connect(self) -> None:
         global _handshakes_in_progress
         self.peer = (self.scope.get("client") or [None])[0]
+        heads.served_at(self.scope)
         self.node_id = ""
         self.identity = ""
         self.fleet_names: dict[str, str] = {}  # the node's own model names -> the names the head registered them as
@@ -180,9 +181,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         self.running: set[str] = set()
         self.ended: TTLCache = TTLCache(maxsize=4096, ttl=60)  # generations that ended: stragglers are dropped
         self.budget = FrameBudget(settings.FLEET_LINK_MAX_FRAMES_PER_S)
-        self.remote: dict[str, str] = {}  # gen_id -> the head process channel its client waits on
-        # While a bundle is handled: its frames for other head processes, by process (one message each, at its end)
-        self.outgoing: dict[str, list[tuple[str, bytes]]] | None = None
+        self.heads_sent: list[str] | None = None  # the live heads last told to a node that takes `heads`
         self.pending_ops: dict[str, asyncio.Future] = {}
         self.send_lock = asyncio.Lock()
         self.last_frame = time.monotonic()
@@ -283,13 +282,8 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
                 await self._refuse(CloseCode.FLOOD, f"more than {settings.FLEET_LINK_MAX_FRAMES_PER_S} frames a second "
                                                     "(a bundle's messages count one each)")
                 return
-            self.outgoing = outgoing = {}
-            try:
-                for part, part_body in unbundle(msg):
-                    await self._on_message(part, part_body)
-            finally:
-                self.outgoing = None
-                await self._send_remote(outgoing)
+            for part, part_body in unbundle(msg):
+                await self._on_message(part, part_body)
         elif isinstance(msg, TokenBatch | Accepted | Done | Error):
             if msg.gen_id not in self.running:
                 if msg.gen_id in self.ended:
@@ -297,9 +291,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
                 raise LinkError(f"{type(msg).__name__} for generation {msg.gen_id[:40]!r}, which this node lacks")
             if isinstance(msg, Done | Error):
                 await self._generation_ended(msg.gen_id)
-                await self._relay(msg, body, last=True)
-            else:
-                await self._relay(msg, body)
+            registry().relay_push(msg.gen_id, msg, node_id=self.node_id)
         elif isinstance(msg, Heartbeat):
             await self._on_heartbeat(msg)
         elif isinstance(msg, Models) and self.node_id:
@@ -340,46 +332,13 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         await self._send(grant)
         await self.close(code=int(CloseCode.NORMAL))
 
-    async def _relay(self, msg: Any, body: bytes, *, last: bool = False) -> None:
-        """To the generation's client: in this process directly, else over the channel layer (the frame's own
-        msgpack body: decoded once here to route it, never encoded again). A bundle's frames for one head process
-        go to it as one message."""
-        reply_to = self.remote.pop(msg.gen_id, None) if last else self.remote.get(msg.gen_id)
-        if reply_to is None:
-            registry().relay_push(msg.gen_id, msg, node_id=self.node_id)
-        elif self.outgoing is not None:
-            self.outgoing.setdefault(reply_to, []).append((msg.gen_id, body))
-        else:
-            await self._send_remote({reply_to: [(msg.gen_id, body)]})
-
-    async def _send_remote(self, outgoing: dict[str, list[tuple[str, bytes]]]) -> None:
-        """`relay.frames`: one channel-layer message per head process, its frames in the order the node sent them."""
-        for reply_to, frames in outgoing.items():
-            try:
-                await self.channel_layer.send(reply_to, {"type": "relay.frames", "node_id": self.node_id,
-                                                         "frames": frames})
-            except ChannelFull:
-                for gen_id in dict.fromkeys(gen_id for gen_id, _ in frames):
-                    await self._remote_fell_behind(gen_id, reply_to)
-
-    async def _remote_fell_behind(self, gen_id: str, reply_to: str) -> None:
-        """The head process a generation's frames go to is not reading them (its channel is full): that generation
-        stops here (the node's lane is freed, that process is told its node was lost, so it places it again), and
-        the link, with every other generation on it, goes on."""
-        log.warning("node link %s: the head process of generation %s is not keeping up (its channel is full); the "
-                    "generation stops here", self.identity, gen_id)
-        self.remote.pop(gen_id, None)
-        await self.send_cancel(gen_id, "the head process relaying it fell behind")
-        with contextlib.suppress(ChannelFull):
-            await self.channel_layer.send(reply_to, {"type": "relay.lost", "gen_id": gen_id, "node_id": self.node_id,
-                                                     "reason": "the head process fell behind its node's frames"})
-
     async def _generation_ended(self, gen_id: str) -> None:
         if gen_id in self.running:
             self.running.discard(gen_id)
             self.ended[gen_id] = True
             reg = registry()
-            await reg.lifecycle.aended(self.node_id, gen_id)  # a no-op when its dispatcher already reported the end
+            if gen_id not in reg.relays:  # its dispatcher is gone (else it frees the lane itself, with its record)
+                await reg.lifecycle.aended(self.node_id, gen_id)
             reg.lanes.notify()
             fleet_changed()
 
@@ -444,11 +403,14 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
                      schedulable=False,
                      capabilities=sorted(k for k, v in (msg.capabilities or {}).items() if v is True),
                      tokenizers=dict(reg.tokenizers)),
-            cache_cleared=msg.cache_cleared, channel=self.channel_name, warm=msg.warm,
+            cache_cleared=msg.cache_cleared, head=heads.PROCESS_ID, warm=msg.warm,
         )
+        if Feature.HEADS in msg.features:
+            self.heads_sent = await asyncio.to_thread(heads.heads_live)
         await self._send(Registered(node_id=self.node_id, model_names=reg.model_names,
                                     heartbeat_s=float(settings.FLEET_HEARTBEAT_S), warnings=reg.warnings,
-                                    tokenizers_wanted=wanted, features=[Feature.BUNDLE.value]))
+                                    tokenizers_wanted=wanted, features=[Feature.BUNDLE.value],
+                                    head=heads.link_url(), heads=self.heads_sent or []))
         registry_.links[self.node_id] = self
         self.held, self.engine_ready = not node.schedulable, True
         await registry_.aplacement.set_schedulable(self.node_id, self._placeable())
@@ -487,6 +449,9 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
                  "history": list(self.tokens_history)}
         await database_sync_to_async(cache.set)(liveness_key(self.node_id), stats, settings.FLEET_NODE_TIMEOUT_S)
         fleet_changed()
+        if self.heads_sent is not None and (live := heads.heads_live()) != self.heads_sent:
+            self.heads_sent = live
+            await self._send(Heads(heads=live))  # a head process started or died: the node dials the new ones
         now = time.monotonic()
         if now - self.last_touch > TOUCH_EVERY_S:
             self.last_touch = now
@@ -526,8 +491,8 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         reg = registry()
         if reg.links.get(self.node_id) is self:
             del reg.links[self.node_id]
-            await reg.aplacement.node_down(self.node_id)
-            await database_sync_to_async(services.node_mark_offline)(node_id=self.node_id)
+            if not await reg.aplacement.node_down(self.node_id, heads.PROCESS_ID):  # its last link, fleet-wide
+                await database_sync_to_async(services.node_mark_offline)(node_id=self.node_id)
             await database_sync_to_async(services.link_event_record)(
                 kind=LinkEvent.Kind.DROPPED, node_id=self.node_id, identity=self.identity, peer=self.peer or "",
                 code=code, detail=f"{len(self.running)} generation(s) running there")
@@ -536,17 +501,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
                         code, len(self.running))
             fleet_changed()
         for gen_id in list(self.running):
-            reason = f"link closed (code {code})"
-            reply_to = self.remote.pop(gen_id, None)
-            if reply_to is None:
-                reg.relay_push(gen_id, NodeLost(self.node_id, reason), node_id=self.node_id)
-            else:
-                try:
-                    await self.channel_layer.send(reply_to, {"type": "relay.lost", "gen_id": gen_id,
-                                                             "node_id": self.node_id, "reason": reason})
-                except ChannelFull:  # the rest of the teardown still runs; that process's link check finds out
-                    log.warning("node link %s: the head process of generation %s was not told its node was lost "
-                                "(its channel is full); its own link check will find out", self.identity, gen_id)
+            reg.relay_push(gen_id, NodeLost(self.node_id, f"link closed (code {code})"), node_id=self.node_id)
         self.running.clear()
         for fut in self.pending_ops.values():
             if not fut.done():
@@ -585,35 +540,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
             raise LinkError(result.error or f"{op} failed on node {self.identity!r}")
         return result.result
 
-    # --- channel-layer events ---
-    async def link_generate(self, event: dict) -> None:
-        """A generation placed on this node by another head process."""
-        self.remote[event["gen_id"]] = event["reply_to"]
-        try:
-            await self.send_generate(event["gen_id"], event["spec"])
-        except Exception as exc:
-            self.remote.pop(event["gen_id"], None)
-            await self.channel_layer.send(event["reply_to"], {"type": "relay.lost", "gen_id": event["gen_id"],
-                                                              "node_id": self.node_id, "reason": str(exc)})
-
-    async def link_state_op(self, event: dict) -> None:
-        """A state operation (an embedding, ...) from another head process; the answer goes back to it."""
-        asyncio.ensure_future(self._remote_state_op(event))
-
-    async def _remote_state_op(self, event: dict) -> None:
-        reply: dict[str, Any] = {"type": "state.result", "op_id": event["op_id"]}
-        try:
-            result = await self.state_op(event["op"], event["args"], float(event.get("timeout", 30)))
-            reply.update(ok=True, result=result)
-        except TimeoutError:
-            reply.update(ok=False, error=f"node {self.identity!r} did not answer")
-        except LinkError as exc:
-            reply.update(ok=False, error=str(exc))
-        await self.channel_layer.send(event["reply_to"], reply)
-
-    async def link_cancel(self, event: dict) -> None:
-        await self.send_cancel(event["gen_id"], event.get("reason", "cancelled"))
-
+    # --- channel-layer events (control only: no generation crosses between head processes) ---
     async def link_close(self, event: dict) -> None:
         """The operator revoked this link's token or node key (in any head process): close it now."""
         await self._refuse(event["code"], event["reason"])

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from websockets.exceptions import ConnectionClosedError
 
-from nodes.agent.dialer import AgentConfig, NodeAgent
+from nodes.agent.dialer import AgentConfig, HeadLink, NodeAgent
 from nodes.link.handshake import LOCAL_TOKEN_ID, format_token, make_secret
 from nodes.link.messages import Bundle, Heartbeat, TokenBatch, unbundle
 from tests.test_link_channel import _connect
@@ -32,10 +32,10 @@ async def delays_between(node: NodeAgent, sessions, monkeypatch) -> list[float]:
     pauses: list[float] = []
     script = iter(sessions)
 
-    async def session(head):
+    async def session(link):
         kind = next(script)
         if kind == "drop":
-            node.joined = True
+            link.joined = True
         raise ConnectionClosedError(None, None)
 
     async def sleep(seconds):
@@ -58,18 +58,18 @@ async def test_the_backoff_doubles_while_dialing_fails_and_starts_over_after_a_s
 
 async def test_the_head_hears_at_once_when_the_engine_goes_down_and_comes_back(tmp_path):
     engine = FakeEngine()
-    node = agent(tmp_path, engine)
-    node.heartbeat_s = 60.0  # far longer than the test: only a change of the engine's state sends one
-    node.outbox = asyncio.Queue()
-    task = asyncio.ensure_future(node._heartbeat())
+    node, link = agent(tmp_path, engine), HeadLink("127.0.0.1:1")
+    link.heartbeat_s = 60.0  # far longer than the test: only a change of the engine's state sends one
+    link.outbox = asyncio.Queue()
+    task = asyncio.ensure_future(node._heartbeat(link))
     try:
-        first = await asyncio.wait_for(node.outbox.get(), 1)
+        first = await asyncio.wait_for(link.outbox.get(), 1)
         assert isinstance(first, Heartbeat) and first.engine_ready is True
         engine.alive = False
-        down = await asyncio.wait_for(node.outbox.get(), 1)
+        down = await asyncio.wait_for(link.outbox.get(), 1)
         assert down.engine_ready is False
         engine.alive = True
-        assert (await asyncio.wait_for(node.outbox.get(), 1)).engine_ready is True
+        assert (await asyncio.wait_for(link.outbox.get(), 1)).engine_ready is True
     finally:
         task.cancel()
 
@@ -84,17 +84,17 @@ class FrameSink:
 
 @pytest.mark.parametrize("bundle", [True, False])
 async def test_what_the_outbox_holds_at_once_goes_as_one_bundle_to_a_head_that_takes_them(tmp_path, bundle):
-    node = agent(tmp_path)
-    node.outbox = asyncio.Queue()
+    node, link = agent(tmp_path), HeadLink("127.0.0.1:1")
+    link.outbox = asyncio.Queue()
     sent = [TokenBatch(gen_id=f"g{i}", seq=1, text=["x"], ids=[1]) for i in range(5)]
     for msg in sent:  # an engine step's events, put in by one callback
-        node.outbox.put_nowait(msg)
+        link.outbox.put_nowait(msg)
     ws, (node_channel, head_channel) = FrameSink(), _connect()
-    task = asyncio.ensure_future(node._send(ws, node_channel, bundle))
+    task = asyncio.ensure_future(node._send(ws, node_channel, link, bundle))
     try:
         for _ in range(50):
             await asyncio.sleep(0.01)
-            if node.outbox.empty():
+            if link.outbox.empty():
                 break
         await asyncio.sleep(0.05)
     finally:

@@ -1,6 +1,7 @@
-"""The node's end of the link: dial the head, hand generations to the engine, stream its frames back.
+"""The node's end of the link: dial every head process, hand generations to the engine, stream its frames back.
 
-Redials with backoff from 2 s to 30 s, resolving the head again each time (by mDNS when it has no address).
+One link to each live head process (the head reached first names them all); each redials with backoff from 2 s to
+30 s, the seed address resolved again each time (by mDNS when it has no address).
 A refusal (token, identity, revoked key, a head whose key differs from the pinned one) ends the agent at once with a
 line saying what to do.
 """
@@ -39,6 +40,7 @@ from nodes.link.messages import (
     Error,
     Feature,
     Generate,
+    Heads,
     Heartbeat,
     LinkError,
     Pull,
@@ -93,8 +95,27 @@ def _log_end(event: Done | Error) -> None:
              usage.get("completion_tokens", 0), extra={"gen_id": gen_id})
 
 
+class HeadLink:
+    """One link to one head process: its outbox, the generations it sent, what it said at register."""
+
+    def __init__(self, dial: str) -> None:
+        self.dial = dial  # the address dialled (the seed given to node_join, or a head's link URL)
+        self.head = ""  # the link URL the head announced for itself (Registered.head)
+        self.head_url = ""  # that head's HTTP address, where media blobs are fetched from
+        self.outbox: asyncio.Queue | None = None
+        self.running: set[str] = set()
+        self.joined = False  # the current session registered
+        self.since = 0.0
+        self.heartbeat_s = 5.0
+
+
 class NodeAgent:
-    """Keeps one link to the head alive for an engine (an EngineWorker or a ReplicaSet)."""
+    """Keeps one link to each live head process alive for an engine (an EngineWorker or a ReplicaSet).
+
+    The node dials the address it was given (the seed); the head it reaches names every live head process
+    (Registered.heads, then Heads when that changes), and the node dials each of them too, one link per head, each
+    redialling on its own with the backoff. A generation's frames go back on the link it came on.
+    """
 
     def __init__(self, config: AgentConfig, engine, *, resolve_head: Callable[[], str | None] | None = None):
         self.config = config
@@ -102,53 +123,119 @@ class NodeAgent:
         self.resolve_head = resolve_head or (lambda: config.head)
         self.token_id, self.psk = parse_token(config.token)
         self.node_key = keys.node_key(config.home)
-        self.outbox: asyncio.Queue | None = None
-        self.running: set[str] = set()
         self.cache_cleared = True
-        self.heartbeat_s = 5.0
-        self.joined = False  # the current session registered
         self.media = MediaCache(config.home)
-        self.head_url = ""  # the head's HTTP address, where media blobs are fetched from
         self.deployer = None  # applies the head's `deploy` (nodes.agent.deploy.Deployer); None: deploys are ignored
+        self.links: dict[str | None, HeadLink] = {}  # by head link URL; None: the seed's
+        self.owner: dict[str, HeadLink] = {}  # gen_id -> the link it came on
+        self.heads: set[str] = set()  # the live heads' link URLs, as a head last said
+        self._loops: dict[str | None, asyncio.Task] = {}
+        self._refused: asyncio.Future | None = None
+
+    def up(self) -> list[HeadLink]:
+        """The links registered now."""
+        return [link for link in self.links.values() if link.joined and link.outbox is not None]
 
     def send(self, msg) -> None:
-        """Put a message on the link while one is up; dropped otherwise (what it said is said again at the next
-        join: the node registers with its models and the head sends its deployments)."""
-        if self.outbox is not None:
-            self.outbox.put_nowait(msg)
+        """Put a message on every link that is up; dropped otherwise (what it said is said again at the next join:
+        the node registers with its models and the head sends its deployments)."""
+        for link in self.up():
+            link.outbox.put_nowait(msg)
 
     def on_engine_event(self, event: Event) -> None:
-        """Engine callback (on the loop): the event is the link's message; forward it while a link is up."""
+        """Engine callback (on the loop): the event goes back on the link its generation came on, while it is up."""
+        link = self.owner.pop(event.gen_id, None) if isinstance(event, ENDS) else self.owner.get(event.gen_id)
         if isinstance(event, ENDS):
-            self.running.discard(event.gen_id)
             _log_end(event)
-        if self.outbox is not None:
-            self.outbox.put_nowait(event)
+        if link is None:
+            return
+        if isinstance(event, ENDS):
+            link.running.discard(event.gen_id)
+        if link.outbox is not None:
+            link.outbox.put_nowait(event)
 
     async def run(self) -> None:
-        """Dial, serve, redial; returns only by raising Refused (or on cancellation)."""
+        """Dial the seed and every head it names, redial each; returns only by raising Refused (or on
+        cancellation)."""
+        self._refused = asyncio.get_running_loop().create_future()
+        self._spawn(None)
+        try:
+            await self._refused
+        finally:
+            for task in self._loops.values():
+                task.cancel()
+            self._loops.clear()
+
+    def _spawn(self, url: str | None, *, pause: float = 0.0) -> None:
+        def ended(task: asyncio.Task) -> None:
+            if self._loops.get(url) is task:
+                del self._loops[url]
+            if self._refused.done():
+                return
+            if task.cancelled():  # not by run(): whatever cancelled a dial loop stops the agent
+                self._refused.cancel()
+            elif task.exception() is not None:  # Refused, or a bug: the agent stops with it, never silently
+                self._refused.set_exception(task.exception())
+
+        task = asyncio.ensure_future(self._dial_loop(url, pause))
+        task.add_done_callback(ended)
+        self._loops[url] = task
+
+    def _learn(self, heads: list[str]) -> None:
+        """The live heads, as a head names them: dial each one no link holds or dials yet."""
+        self.heads = set(heads)
+        held = {link.head for link in self.links.values() if link.joined}
+        for url in heads:
+            if url not in self._loops and url not in held:
+                log.info("fleet node: dialing head %s too", url)
+                self._spawn(url)
+
+    async def _dial_loop(self, url: str | None, pause: float = 0.0) -> None:
+        """Dial `url` (None: the seed address, resolved again each time), serve, redial with backoff. The seed's
+        loop gives way to a loop of the head it reached once another link is up; a head's loop ends when the heads
+        no longer name it and another link is up."""
         delay = self.config.backoff_start
+        link = self.links[url] = HeadLink(url or "")
+        if pause:
+            await asyncio.sleep(pause)
         while True:
             # in a thread: finding the head by mDNS blocks, and zeroconf started on a running loop would wait on it
-            head = await asyncio.to_thread(self.resolve_head)
+            head = url or await asyncio.to_thread(self.resolve_head)
             if head is None:
                 log.warning("fleet node: no head found on the local network; retrying in %.0f s", delay)
             else:
-                self.joined = False
+                link.dial, link.joined = head, False
                 failure: Exception | None = None
                 try:
-                    await self._session(head)
+                    await self._session(link)
                 except Refused:
                     raise
                 except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, LinkError, TimeoutError) as exc:
                     failure = exc
-                if self.joined:  # a session that ran, however it ended: the backoff starts over
+                if link.joined:  # a session that ran, however it ended: the backoff starts over
                     delay = self.config.backoff_start
+                link.joined = False
                 if failure is not None:
                     log.warning("fleet node: link to %s failed: %s; redialing in %.0f s", head, _describe(failure),
                                 delay)
+                if self._gives_way(url, link):
+                    return
             await asyncio.sleep(delay * (0.9 + 0.2 * random.random()))
             delay = min(delay * 2, self.config.backoff_max)
+
+    def _gives_way(self, url: str | None, link: HeadLink) -> bool:
+        if not self.up():
+            return False  # the last link standing keeps dialing, whatever the heads said
+        if url is None:  # the seed's head gets a loop of its own (redialling its link URL) once the seed has served
+            if link.head and link.head not in self._loops:
+                self._spawn(link.head, pause=self.config.backoff_start)
+            self.links.pop(None, None)
+            return True
+        if url not in self.heads:
+            log.info("fleet node: head %s left the fleet; no longer dialing it", url)
+            self.links.pop(url, None)
+            return True
+        return False
 
     async def check_join(self) -> None:
         """Handshake and ask whether this key may join under its identity before the model loads, so a refusal
@@ -177,21 +264,32 @@ class NodeAgent:
         except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, LinkError, TimeoutError):
             return None
 
-    async def _session(self, head: str) -> bool:
-        uri = _uri(head)
+    async def _session(self, link: HeadLink) -> bool:
+        uri = _uri(link.dial)
         async with websockets.connect(uri, max_size=MAX_FRAME + 1024, open_timeout=10, ping_interval=20,
                                       ping_timeout=20, close_timeout=2) as ws, _refusals():
             channel = await self._handshake(ws)
             registered = await self._register(ws, channel)
-            self.head_url = http_base(head)
-            self.joined = True  # this session ran: whatever ends it, the backoff starts over
-            log.info("fleet node %r joined %s as %s (%s)", self.config.identity, head,
-                     ", ".join(registered.model_names), registered.node_id)
+            link.head_url = http_base(link.dial)
+            link.head = registered.head or _uri(link.dial)
+            link.joined, link.since = True, time.time()  # this session ran: whatever ends it, the backoff starts over
+            link.heartbeat_s = registered.heartbeat_s or link.heartbeat_s
+            log.info("fleet node %r joined %s as %s (%s); %s", self.config.identity, link.head,
+                     ", ".join(registered.model_names), registered.node_id, self._links_line(extra=1))
             for warning in registered.warnings:
                 log.warning("fleet node: %s", warning)
-            self.heartbeat_s = registered.heartbeat_s or self.heartbeat_s
-            await self._serve(ws, channel, bundle=Feature.BUNDLE in registered.features)
+            if registered.heads:
+                self._learn(registered.heads)
+            try:
+                await self._serve(ws, channel, link, bundle=Feature.BUNDLE in registered.features)
+            finally:
+                log.warning("fleet node %r: link to %s closed; %s", self.config.identity, link.head,
+                            self._links_line())
             return True
+
+    def _links_line(self, extra: int = 0) -> str:
+        count = len(self.up()) + extra
+        return f"linked to {count} of {max(len(self.heads), count)} head process(es)"
 
     async def _handshake(self, ws) -> SecureChannel:
         pinned = keys.pinned_head(self.config.home)
@@ -219,6 +317,7 @@ class NodeAgent:
             labels=self.config.labels, replicas=info.get("replicas", []), cache_cleared=self.cache_cleared,
             warm=list(info.get("warm_generations", [])) if self.cache_cleared else [],
             tokenizers={info["model_name"]: info["tokenizer"]} if info.get("tokenizer") else {},
+            features=[Feature.HEADS.value],
         )))
         reply = channel.open(await asyncio.wait_for(ws.recv(), 15))
         if isinstance(reply, Refusal):
@@ -231,10 +330,10 @@ class NodeAgent:
                 await ws.send(channel.seal(part))
         return reply
 
-    async def _serve(self, ws, channel: SecureChannel, *, bundle: bool = False) -> None:
-        self.outbox = asyncio.Queue()
-        tasks = [asyncio.ensure_future(c) for c in (self._receive(ws, channel), self._send(ws, channel, bundle),
-                                                     self._heartbeat())]
+    async def _serve(self, ws, channel: SecureChannel, link: HeadLink, *, bundle: bool = False) -> None:
+        link.outbox = asyncio.Queue()
+        tasks = [asyncio.ensure_future(c) for c in (self._receive(ws, channel, link),
+                                                     self._send(ws, channel, link, bundle), self._heartbeat(link))]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -242,77 +341,84 @@ class NodeAgent:
         finally:
             for task in tasks:
                 task.cancel()
-            self.outbox = None
-            # Nobody is listening for these any more; the head places them again elsewhere.
-            for gen_id in list(self.running):
+            link.outbox = None
+            # Nobody is listening for these any more; that head places them again elsewhere.
+            for gen_id in list(link.running):
+                self.owner.pop(gen_id, None)
                 await self.engine.cancel(gen_id)
-            self.running.clear()
+            link.running.clear()
 
-    async def _receive(self, ws, channel: SecureChannel) -> None:
+    async def _receive(self, ws, channel: SecureChannel, link: HeadLink) -> None:
         async for frame in ws:
             if isinstance(frame, str):
                 raise LinkError("text frame on the node link")
             msg = channel.open(frame)
             if isinstance(msg, Generate):
-                await self._on_generate(msg)
+                await self._on_generate(msg, link)
             elif isinstance(msg, Cancel):
-                await self.engine.cancel(msg.gen_id)
+                if self.owner.get(msg.gen_id) is link:
+                    await self.engine.cancel(msg.gen_id)
             elif isinstance(msg, StateOp):
-                asyncio.ensure_future(self._on_state_op(msg))
+                asyncio.ensure_future(self._on_state_op(msg, link))
             elif isinstance(msg, Deploy) and self.deployer is not None:
                 self.deployer.apply(msg)
+            elif isinstance(msg, Heads):
+                self._learn(msg.heads)
             elif isinstance(msg, Bye):
                 return
             elif isinstance(msg, Refusal):  # the head closes the link next (a revoked key or token)
                 raise refused(msg)
 
-    async def _on_generate(self, msg: Generate) -> None:
+    async def _on_generate(self, msg: Generate, link: HeadLink) -> None:
         try:
             spec = GenerateSpec.from_dict({**msg.spec, "gen_id": msg.gen_id})
         except (SpecError, TypeError, ValueError) as exc:
             log.warning("fleet node: generation %s refused: %s", msg.gen_id, exc, extra={"gen_id": msg.gen_id})
-            self.outbox.put_nowait(Error(gen_id=msg.gen_id, code=ErrorCode.INVALID_REQUEST, message=str(exc)))
+            link.outbox.put_nowait(Error(gen_id=msg.gen_id, code=ErrorCode.INVALID_REQUEST, message=str(exc)))
             return
-        self.running.add(msg.gen_id)
+        link.running.add(msg.gen_id)
+        self.owner[msg.gen_id] = link
         has_media = spec.audio is not None or bool(spec.images())
-        if has_media and (problem := await media_ready(self.media, self.head_url, spec)):
-            self.running.discard(msg.gen_id)
-            if self.outbox is not None:
-                self.outbox.put_nowait(Error(gen_id=msg.gen_id, code=ErrorCode.MEDIA_UNAVAILABLE, message=problem))
+        if has_media and (problem := await media_ready(self.media, link.head_url, spec)):
+            link.running.discard(msg.gen_id)
+            self.owner.pop(msg.gen_id, None)
+            if link.outbox is not None:
+                link.outbox.put_nowait(Error(gen_id=msg.gen_id, code=ErrorCode.MEDIA_UNAVAILABLE, message=problem))
             return
         # A worker that is restarting answers engine_unavailable at once, and the head places the generation on
         # another node (it stopped sending here when the heartbeat said the engine was not ready).
         await self.engine.submit(spec)
 
-    async def _on_state_op(self, msg: StateOp) -> None:
+    async def _on_state_op(self, msg: StateOp, link: HeadLink) -> None:
         try:
             result = await self.engine.state_op(msg.op, msg.args)
             reply = StateResult(op_id=msg.op_id, ok=True, result=result)
         except Exception as exc:  # reported to the head, which answers its client with it
             reply = StateResult(op_id=msg.op_id, ok=False, error=str(exc), code=type(exc).__name__)
-        if self.outbox is not None:
-            self.outbox.put_nowait(reply)
+        if link.outbox is not None:
+            link.outbox.put_nowait(reply)
 
-    async def _send(self, ws, channel: SecureChannel, bundle: bool) -> None:
+    async def _send(self, ws, channel: SecureChannel, link: HeadLink, bundle: bool) -> None:
         """Every outbox message onto the link, in order. To a head that takes bundles, what the outbox holds at
         once goes in as few frames as fit (an engine step's token batches for all its lanes arrive together): no
         waiting for more, so a lone message leaves as soon as before."""
+        outbox = link.outbox
         while True:
-            msgs = [await self.outbox.get()]
+            msgs = [await outbox.get()]
             if not bundle:
                 await ws.send(channel.seal(msgs[0]))
                 continue
-            while not self.outbox.empty():
-                msgs.append(self.outbox.get_nowait())
+            while not outbox.empty():
+                msgs.append(outbox.get_nowait())
             for frame in channel.seal_all(msgs):
                 await ws.send(frame)
 
-    async def _heartbeat(self) -> None:
+    async def _heartbeat(self, link: HeadLink) -> None:
         """A heartbeat every `heartbeat_s`, and one at once when the engine worker dies or comes back."""
         while True:
             ready = self.engine.alive
-            self.outbox.put_nowait(heartbeat_of(self.engine.stats(), engine_ready=ready))
-            due = time.monotonic() + self.heartbeat_s
+            link.outbox.put_nowait(heartbeat_of(self.engine.stats(), engine_ready=ready))
+            due = time.monotonic() + link.heartbeat_s
             while time.monotonic() < due and self.engine.alive == ready:
                 await asyncio.sleep(READY_POLL_S)
 

@@ -67,7 +67,7 @@ class PlacementLifecycle:
 
     - `choose`: reserve a lane on the cheapest node (None: no lane free);
     - `accepted`: the node admitted it; forget what its lane choice evicted, now rather than at done;
-    - `done`: record the prompt's and the answer's keys, forget what the node evicted, free the lane;
+    - `done`: record the prompt's and the answer's keys, forget what the node evicted, free the lane (one call);
     - `ended`: it ended without a done to record (an error, a cancel, the link's own report); free the lane;
     - `preempted`: a batch line gives its lane to an interactive generation; free the lane before its end;
     - `lost`: the node (or its engine) was lost with it; free the lane, and forget the node's cache when it is gone.
@@ -110,9 +110,11 @@ class PlacementLifecycle:
         self._apply(self._measured(node_id, figures))
 
     # --- the same steps as coroutines, over the state's `aio` operations (the head's event loop) ---
-    async def achoose(self, spec: GenerateSpec, keys: list[PrefixKey], *, exclude: set[str] = frozenset()
-                      ) -> Choice | None:
-        return await aio(self.state).choose(spec.model, keys, exclude=exclude, gen_id=spec.gen_id)
+    async def achoose(self, spec: GenerateSpec, keys: list[PrefixKey], *, exclude: set[str] = frozenset(),
+                      only: set[str] | None = None, head: str = "") -> Choice | None:
+        """`only`: the nodes head process `head` holds links to (it places only there)."""
+        return await aio(self.state).choose(spec.model, keys, exclude=exclude, gen_id=spec.gen_id, only=only,
+                                            head=head)
 
     async def aaccepted(self, node_id: str, evicted: Sequence[str]) -> None:
         await self._aapply(self._accepted(node_id, evicted))
@@ -142,10 +144,10 @@ class PlacementLifecycle:
 
     def _done(self, node_id: str, spec: GenerateSpec, held: list[PrefixKey], *, usage: dict[str, Any],
               evicted: Sequence[str]) -> list[_Call]:
-        record = ("record", (node_id, spec.gen_id, held),
-                  {"completion_tokens": int(usage.get("completion_tokens") or 0)})
-        # evicted again in case a done recorded them after the accepted that reported them (harmless otherwise)
-        return [record, *self._accepted(node_id, evicted), *self._ended(node_id, spec.gen_id)]
+        # record, evict (again, in case a done recorded them after the accepted that reported them; harmless
+        # otherwise) and release: one call, so one round trip over Redis
+        return [("finish", (node_id, spec.gen_id, held),
+                 {"completion_tokens": int(usage.get("completion_tokens") or 0), "evicted": list(evicted)})]
 
     def _ended(self, node_id: str, gen_id: str) -> list[_Call]:
         return [("release", (node_id, gen_id), {})]

@@ -48,6 +48,7 @@ class MessageType(StrEnum):
     TOKENIZER_FILE = "tokenizer_file"
     REFUSAL = "refusal"
     BUNDLE = "bundle"
+    HEADS = "heads"
 
 
 class Feature(StrEnum):
@@ -56,6 +57,7 @@ class Feature(StrEnum):
     receives what the node does not send)."""
 
     BUNDLE = "bundle"  # several node -> head messages in one frame
+    HEADS = "heads"  # (a node's feature, in `register`) it keeps a link to each head process a `heads` names
 
 
 class Message:
@@ -87,6 +89,8 @@ class Register(Message):
     # its own model's tokenizer: {model name: fingerprint (nodes.agent.vocab)}; the head refuses a node whose
     # fingerprint differs from its registry model's of the same name, and asks for the file of one it lacks
     tokenizers: dict[str, str] = field(default_factory=dict)
+    # what this node takes beyond protocol 1 (Feature values): "heads", so the head sends it `heads` messages
+    features: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -102,6 +106,17 @@ class Registered(Message):
     # and takes no generation until they are in
     tokenizers_wanted: list[str] = field(default_factory=list)
     features: list[str] = field(default_factory=list)  # Feature values this head takes
+    head: str = ""  # this head process's link URL (where nodes reach it; FLEET_LINK_URL)
+    heads: list[str] = field(default_factory=list)  # every live head process's link URL: the node dials each
+
+
+@dataclass(slots=True)
+class Heads(Message):
+    """head -> node (one that registered with the "heads" feature): the live head processes changed; their link
+    URLs. The node dials those it has no link to."""
+
+    TYPE: ClassVar[MessageType] = MessageType.HEADS
+    heads: list[str]
 
 
 @dataclass(slots=True)
@@ -379,6 +394,7 @@ REGISTRY: dict[str, type[Message]] = {
         TokenizerFile,
         Refusal,
         Bundle,
+        Heads,
     )
 }
 

@@ -19,6 +19,7 @@ Shared by the head (placing on nodes) and a node with replicas (placing on its e
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,10 +136,11 @@ class PlacementState:
         self._placed: dict[str, set[str]] = {}  # node_id -> the generations holding a lane there
         self._index: OrderedDict[str, _Holders] = OrderedDict()
         self._by_gen: dict[tuple[str, str], list[str]] = {}
+        self._links: dict[str, dict[str, float]] = {}  # node_id -> {head process: since}
         self.aio = AsyncView(self)
 
     # --- nodes ---
-    def node_up(self, slot: NodeSlot, *, cache_cleared: bool = True, channel: str = "",
+    def node_up(self, slot: NodeSlot, *, cache_cleared: bool = True, head: str = "",
                 warm: list[str] | tuple[str, ...] = ()) -> None:
         """A node (re)joined. With `cache_cleared` its engine started afresh: the index forgets what it held,
         except what the generations in `warm` put there (lanes a `--park` node restored from disk)."""
@@ -148,6 +150,7 @@ class PlacementState:
                 slot.routed = old.routed
             self._nodes[slot.node_id] = slot
             self._placed[slot.node_id] = set()
+            self._links[slot.node_id] = {head: time.time()}  # one process: its one link
             if cache_cleared:
                 self._forget_node_locked(slot.node_id, set(warm))
 
@@ -171,21 +174,26 @@ class PlacementState:
     def node_alive(self, node_id: str) -> None:
         """Liveness is the link itself in one process; the Redis state expires silent nodes instead."""
 
-    def channel_of(self, node_id: str) -> str:
-        return ""
-
-    def node_down(self, node_id: str) -> None:
-        """The link is gone. What the node held stays in the index: a node that comes back with its cache
-        (a link blip, a parked restart) is placed by it at once, and one that cleared it says so at register."""
+    def node_down(self, node_id: str, head: str = "") -> int:
+        """The link is gone (the links left: none, in one process). What the node held stays in the index: a node
+        that comes back with its cache (a link blip, a parked restart) is placed by it at once, and one that cleared
+        it says so at register."""
         with self._lock:
             self._nodes.pop(node_id, None)
+            self._links.pop(node_id, None)
+        return 0
+
+    def links_of(self, node_id: str) -> dict[str, float]:
+        """The head processes holding a link to the node (by id here: one process) and since when."""
+        with self._lock:
+            return dict(self._links.get(node_id, {}))
 
     def set_schedulable(self, node_id: str, schedulable: bool) -> None:
         with self._lock:
             if node_id in self._nodes:
                 self._nodes[node_id].schedulable = schedulable
 
-    def nodes(self) -> list[NodeSlot]:
+    def nodes(self, fresh: bool = False) -> list[NodeSlot]:
         with self._lock:
             return [NodeSlot(**{**vars(s), "capabilities": list(s.capabilities), "tokenizers": dict(s.tokenizers)})
                     for s in self._nodes.values()]
@@ -205,13 +213,15 @@ class PlacementState:
             return sorted({m for s in self._nodes.values() for m in s.models})
 
     # --- placing ---
-    def choose(self, model: str, keys: list[PrefixKey], *, exclude: set[str] = frozenset(),
-               gen_id: str = "") -> Choice | None:
-        """Pick and reserve a lane on the cheapest node serving `model` for `gen_id`; None when no lane is free."""
+    def choose(self, model: str, keys: list[PrefixKey], *, exclude: set[str] = frozenset(), gen_id: str = "",
+               only: set[str] | None = None, head: str = "") -> Choice | None:
+        """Pick and reserve a lane on the cheapest node serving `model` for `gen_id` (among `only`, when given);
+        None when no lane is free."""
         with self._lock:
             candidates = [
                 s for s in self._nodes.values()
                 if model in s.models and s.schedulable and s.free > 0 and s.node_id not in exclude
+                and (only is None or s.node_id in only)
             ]
             if not candidates:
                 return None
@@ -279,6 +289,13 @@ class PlacementState:
             self._by_gen[(node_id, gen_id)] = [k.key for k in keys]
             while len(self._index) > self.max_keys:
                 self._index.popitem(last=False)
+
+    def finish(self, node_id: str, gen_id: str, keys: list[PrefixKey], *, completion_tokens: int = 0,
+               evicted: list[str] | tuple[str, ...] = ()) -> None:
+        """A generation done: record, evict, release (one round trip over Redis)."""
+        self.record(node_id, gen_id, keys, completion_tokens=completion_tokens)
+        self.evict(node_id, list(evicted))
+        self.release(node_id, gen_id)
 
     def evict(self, node_id: str, gen_ids: list[str]) -> None:
         """The node reports these generations' lanes were taken: it no longer holds what only they put there."""
