@@ -109,7 +109,8 @@ class FakeLink:
     def _end(self, gen_id: str, frame: Any) -> None:
         reg = registry()
         self.running.pop(gen_id, None)
-        reg.lifecycle.ended(self.node_id, gen_id)  # as the link consumer reports every end
+        if gen_id not in reg.relays:  # as the link consumer does: a dispatcher here frees the lane itself
+            reg.lifecycle.ended(self.node_id, gen_id)
         reg.lanes.notify()
         reg.relay_push(gen_id, frame, node_id=self.node_id)
 

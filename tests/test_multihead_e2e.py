@@ -1,6 +1,9 @@
-"""Two head processes sharing Redis (and the database) place consistently and relay across processes."""
+"""Two head processes sharing Redis (and the database): every node links both, each head serves over its own links,
+placement stays fleet-wide, and a SIGKILLed head costs only its own streams."""
 
 import os
+import signal
+import threading
 
 import pytest
 from openai import OpenAI
@@ -26,43 +29,74 @@ def heads(tmp_path):
     first.stop()
 
 
-def test_a_conversation_goes_back_to_its_node_whichever_head_takes_the_turn(heads):
+def _stream(client, messages, max_tokens, started=None):
+    """(text, finish reason, completion tokens) of one streamed chat, read to its end; `started` is set at its first
+    token."""
+    chunks = []
+    for chunk in client.chat.completions.create(model="smollm2", messages=messages, max_tokens=max_tokens,
+                                                temperature=0, stream=True, stream_options={"include_usage": True}):
+        chunks.append(chunk)
+        if started is not None and chunk.choices and chunk.choices[0].delta.content:
+            started.set()
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = next(c.choices[0].finish_reason for c in reversed(chunks) if c.choices and c.choices[0].finish_reason)
+    return text, finish, chunks[-1].usage.completion_tokens
+
+
+def test_every_node_links_every_head_and_a_killed_head_costs_only_its_own_streams(heads):
     first, second = heads
+    # both nodes are given the first head only: they learn the second from it and dial it too
     nodes = [start_node(first, "--max-batch", "2", identity="node-1"),
-             start_node(second, "--max-batch", "2", identity="node-2")]
+             start_node(first, "--max-batch", "2", identity="node-2")]
     try:
-        first.wait_nodes(1, timeout=240)
-        second.wait_nodes(1, timeout=240)
+        first.wait_nodes(2, timeout=240)
+        second.wait_nodes(2, timeout=60)
         for head in (first, second):  # each head keys prompts by the nodes' tokenizer once its file is in
             wait_for(lambda head=head: "sent tokenizer" in head.log(), 60, f"no tokenizer reached {head.url}")
         clients = [OpenAI(base_url=f"{h.url}/v1", api_key=first.api_key, max_retries=0, timeout=120)
                    for h in (first, second)]
         messages = [{"role": "system", "content": SYSTEM}]
         served = []
-        for turn in range(4):
+        for turn in range(3):  # one prefix index: the conversation goes back to its node whichever head takes it
             messages.append({"role": "user", "content": f"Question {turn + 1}: do you repair tyres?"})
-            client = clients[turn % 2]  # alternate heads
-            if turn == 3:  # the last turn streams, so tokens cross processes through the channel layer
-                chunks = list(client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12,
-                                                             temperature=0, stream=True))
-                answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-                served.append(chunks[0].system_fingerprint)
-            else:
-                reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12,
-                                                       temperature=0)
-                answer = reply.choices[0].message.content
-                served.append(reply.system_fingerprint)
-                if turn > 0:
-                    assert reply.usage.prompt_tokens_details.cached_tokens > reply.usage.prompt_tokens // 2
-            assert answer
-            messages.append({"role": "assistant", "content": answer})
+            reply = clients[turn % 2].chat.completions.create(model="smollm2", messages=messages, max_tokens=12,
+                                                              temperature=0)
+            served.append(reply.system_fingerprint)
+            if turn > 0:
+                assert reply.usage.prompt_tokens_details.cached_tokens > reply.usage.prompt_tokens // 2
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
         assert len(set(served)) == 1, served
-        # with its own node gone, the second head embeds on the first head's node, through the channel layer
-        nodes[1].stop()
-        local = clients[0].embeddings.create(model="smollm2", input=["a cat", "a stock market report"])
-        remote = clients[1].embeddings.create(model="smollm2", input=["a cat", "a stock market report"])
-        assert [d.embedding for d in remote.data] == [d.embedding for d in local.data]
-        assert len(remote.data[0].embedding) > 8
+        # each head embeds over its own link
+        embedded = [c.embeddings.create(model="smollm2", input=["a cat"]).data[0].embedding for c in clients]
+        assert embedded[0] == embedded[1] and len(embedded[0]) > 8
+
+        # SIGKILL the second head while both heads stream: the first head's stream loses nothing
+        ask = [{"role": "user", "content": "Count from one to forty in words, separated by commas."}]
+        expected = _stream(clients[0], ask, 40)
+        got, lost = {}, {}
+        started = {"first": threading.Event(), "second": threading.Event()}
+
+        def run(name, client):
+            try:
+                got[name] = _stream(client, ask, 40, started[name])
+            except Exception as exc:  # the killed head's own stream may break: that is its cost
+                lost[name] = exc
+
+        threads = [threading.Thread(target=run, args=(n, c)) for n, c in (("first", clients[0]),
+                                                                          ("second", clients[1]))]
+        for thread in threads:
+            thread.start()
+        assert all(event.wait(60) for event in started.values()), lost
+        second.stop(signal.SIGKILL)
+        for thread in threads:
+            thread.join(120)
+        assert "first" not in lost, lost
+        assert got["first"] == expected  # no error, no lost or repeated token
+        assert clients[0].chat.completions.create(model="smollm2", messages=ask, max_tokens=4).choices[0]
+        # the killed head comes back: the nodes link to it again within the redial backoff
+        second.start()
+        second.wait_nodes(2, timeout=90)
+        assert clients[1].chat.completions.create(model="smollm2", messages=ask, max_tokens=4).choices[0]
     finally:
         for node in nodes:
             node.stop()

@@ -298,3 +298,46 @@ def test_a_generation_route_is_the_first_pattern_tried(path):
     assert match.view_name in ("v1-chat-completions", "v1-completions")
     assert [str(tried[1].pattern) for tried in match.tried] == ["v1/"] * len(match.tried)  # no other routes first
     assert len(match.tried) <= 2  # chat first, then completions
+
+
+redis_placement = pytest.mark.skipif(not __import__("os").environ.get("REDIS_URL"),
+                                     reason="the round trips of the Redis placement state")
+
+
+@redis_placement
+async def test_a_generation_takes_two_redis_round_trips_whatever_its_length(monkeypatch):
+    """One to choose (its reply refreshes the head's snapshot of the nodes: context windows, free lanes), one at the
+    end (record, evictions and release together): a 400-token stream costs no more than a 20-token one."""
+    import time
+
+    from redis.asyncio.client import Pipeline, Redis
+
+    from fleet.dispatch import generation_stream
+    from nodes.link.spec import GenerateSpec
+
+    trips: list[str] = []
+    command, execute = Redis.execute_command, Pipeline.execute
+
+    async def counted(self, *args, **kwargs):
+        trips.append(str(args[0]))
+        return await command(self, *args, **kwargs)
+
+    async def counted_pipeline(self, *args, **kwargs):
+        trips.append("pipeline")
+        return await execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(Redis, "execute_command", counted)
+    monkeypatch.setattr(Pipeline, "execute", counted_pipeline)
+    link = add_fake_node(lanes=4)
+
+    async def trips_of(tokens: int) -> int:
+        link.script = Script(tokens=["x"] * tokens, per_batch=1)
+        spec = GenerateSpec(gen_id=uuid.uuid4().hex, model="smollm2", prompt="Hello there", max_tokens=tokens)
+        before = len(trips)
+        events = [e async for e in generation_stream(spec, deadline=time.time() + 30)]
+        assert sum(len(e.ids) for e in events if isinstance(e, Tokens)) == tokens
+        return len(trips) - before
+
+    await trips_of(5)  # the first one also reads the nodes once (no snapshot yet)
+    short, long = await trips_of(20), await trips_of(400)
+    assert short == long <= 2, trips[-(short + long):]
