@@ -599,3 +599,37 @@ async def test_a_tokenizer_file_that_is_not_the_one_named_closes_the_link(settin
     assert await closed_with(comm) == CloseCode.PROTOCOL
     assert not registry().placement.nodes()[0].schedulable
 
+
+
+async def test_a_node_that_takes_heads_is_told_every_live_head_process_and_each_change(monkeypatch, settings):
+    """At register the node learns where this head process and every other live one are reached; a heartbeat after
+    a head process started (or died) tells it the new list, so it dials the new one within seconds."""
+    from dataclasses import replace
+
+    from fleet import heads
+    from nodes.link.messages import Feature, Heads
+
+    settings.FLEET_LINK_URL = "ws://10.0.0.1:8001/ws/node/"
+    live = ["ws://10.0.0.1:8001/ws/node/", "ws://10.0.0.2:8001/ws/node/"]
+    monkeypatch.setattr(heads, "heads_live", lambda: list(live))
+    comm = communicator()
+    assert (await comm.connect())[0]
+    channel = await handshake(comm)
+    await comm.send_to(bytes_data=channel.seal(replace(REGISTER, features=[Feature.HEADS.value])))
+    reply = channel.open(await comm.receive_from(timeout=5))
+    assert reply.head == "ws://10.0.0.1:8001/ws/node/" and reply.heads == live
+    await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=0, lanes=4)))
+    assert await comm.receive_nothing(timeout=0.3)  # nothing changed: nothing said
+    live.append("ws://10.0.0.3:8001/ws/node/")
+    await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=0, lanes=4)))
+    told = channel.open(await comm.receive_from(timeout=5))
+    assert isinstance(told, Heads) and told.heads == live
+
+
+async def test_a_node_that_does_not_take_heads_is_sent_none(monkeypatch):
+    from fleet import heads
+
+    monkeypatch.setattr(heads, "heads_live", lambda: ["ws://10.0.0.2:8001/ws/node/"])
+    comm, channel = await joined()
+    await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=0, lanes=4)))
+    assert await comm.receive_nothing(timeout=0.3)
