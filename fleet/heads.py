@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import uuid
+from datetime import UTC, datetime
 
 from django.conf import settings
 
@@ -53,6 +54,16 @@ def heads_live() -> list[str]:
         return [own] if own else []
     heads_start()
     return sorted(set(_live) | ({own} if own else set()))
+
+
+def node_links(node_id: str) -> list[tuple[str, datetime]]:
+    """The head processes holding a link to the node: (link URL, since), oldest first (the node's admin page)."""
+    from fleet.links import registry
+
+    own = {PROCESS_ID: link_url() or "this head process", "": link_url() or "this head process"}
+    links = registry().placement.links_of(node_id)
+    return sorted(((own.get(head, head), datetime.fromtimestamp(since, UTC)) for head, since in links.items()),
+                  key=lambda row: row[1])
 
 
 def heads_start() -> None:

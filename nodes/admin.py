@@ -2,6 +2,7 @@
 
 from django import forms
 from django.contrib import admin, messages
+from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from nodes.deployments import (
@@ -25,11 +26,11 @@ class NodeAdmin(admin.ModelAdmin):
     list_filter = ("state", "hold", "engine")
     search_fields = ("identity", "address")
     readonly_fields = ("id", "identity", "models_served", "lanes", "context_window", "state", "address", "version",
-                       "engine", "capabilities", "replicas", "live", "token", "key_fingerprint", "key_bound_at",
-                       "joined_at", "last_seen_at", "created_at", "updated_at")
+                       "engine", "capabilities", "replicas", "live", "links", "token", "key_fingerprint",
+                       "key_bound_at", "joined_at", "last_seen_at", "created_at", "updated_at")
     fields = ("id", "identity", "state", "hold", "labels", "models_served", "lanes", "context_window", "live",
-              "address", "version", "engine", "capabilities", "replicas", "token", "key_fingerprint", "key_bound_at",
-              "joined_at", "last_seen_at", "created_at", "updated_at")
+              "links", "address", "version", "engine", "capabilities", "replicas", "token", "key_fingerprint",
+              "key_bound_at", "joined_at", "last_seen_at", "created_at", "updated_at")
     list_select_related = ("token",)
     actions = ("drain", "cordon", "uncordon", "release_key", "revoke")
 
@@ -53,6 +54,17 @@ class NodeAdmin(admin.ModelAdmin):
     def state_badge(self, node):
         colour = {"online": "#2e7d32", "offline": "#999", "draining": "#e65100", "cordoned": "#e65100"}[node.state]
         return format_html('<b style="color:{}">{}</b>', colour, node.state)
+
+    @admin.display(description="links (head processes)")
+    def links(self, node):
+        """Which head processes hold a link to the node (each one's link URL), and since when."""
+        from fleet.heads import node_links
+
+        rows = node_links(str(node.pk))
+        if not rows:
+            return "none (offline)"
+        return format_html_join(format_html("<br>"), "{} since {}",
+                                ((url, timezone.localtime(since).strftime("%Y-%m-%d %H:%M:%S")) for url, since in rows))
 
     @admin.display(description="live (last heartbeat)")
     def live(self, node):

@@ -167,3 +167,18 @@ def test_a_nodes_page_shows_what_its_engine_measured_and_the_load_cost_learned_f
     assert "reads prompts at 2,000 tokens/s" in body and "adds 1.50 ms to a decode step" in body
     assert "load cost per running generation: 150 prompt tokens (learned)" in body  # 2000 x 1.5 ms x 100 / 2
 
+
+
+def test_a_nodes_page_shows_which_head_processes_hold_its_links(staff_client, settings):
+    from fleet import heads
+    from fleet.links import registry
+    from nodes.link.placement import NodeSlot
+
+    settings.FLEET_LINK_URL = "ws://10.0.0.1:8001/ws/node/"
+    node = NodeFactory(identity="linked")
+    page = reverse("admin:nodes_node_change", args=[node.pk])
+    assert "none (offline)" in staff_client.get(page).content.decode()
+    registry().placement.node_up(NodeSlot(str(node.pk), "linked", ["smollm2"], 4), head=heads.PROCESS_ID)
+    body = staff_client.get(page).content.decode()
+    assert "ws://10.0.0.1:8001/ws/node/ since " in body
+    registry().placement.node_down(str(node.pk), heads.PROCESS_ID)
