@@ -3,10 +3,12 @@
     .venv/bin/python bench/soak.py [--seconds 600] [--clients 50]
 
 Needs DATABASE_URL (PostgreSQL) and REDIS_URL, as the heads share both. One node is SIGKILLed and restarted every
-20 s and the second head is restarted once (drained, SIGTERM, started again); see tests/chaos.py, which
-tests/test_soak.py runs for 60 s. Writes bench/results/soak.json as {"seconds", "requests", "completed",
-"errors": {code: count}, "failovers", "lost_tokens", "duplicated_tokens", "records_missing",
-"records_duplicated", "node_back_s_max"} and prints the details of anything that went wrong.
+20 s, and the second head is restarted twice: drained (SIGTERM, started again), then SIGKILLed under load and
+started again (every node links both heads; the killed head's streams in flight are its cost, counted apart in
+`killed_with_head`, and the other head's must lose nothing); see tests/chaos.py, which tests/test_soak.py runs for
+60 s. Writes bench/results/soak.json as {"seconds", "requests", "completed", "errors": {code: count}, "failovers",
+"lost_tokens", "duplicated_tokens", "records_missing", "records_duplicated", "node_back_s_max",
+"killed_with_head"} and prints the details of anything that went wrong.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 Real parts only: two daphne head processes on one PostgreSQL database and one Redis prefix, four mock-engine
 nodes (`tests.mock_node`, two dialing each head), and clients that send mixed chat and completion requests,
-streamed and not, over HTTP to whichever head is in service. Meanwhile one node is killed with SIGKILL and
-restarted every `node_kill_every_s`, and the second head is restarted once: it leaves the clients' rotation,
-its requests finish (as a load balancer drains a head), then it gets SIGTERM and starts again on its port;
-its nodes must redial it. The generations those nodes were running for the other head fail over.
+streamed and not, over HTTP to whichever head is in service. Every node links both heads (it is given one and
+learns the other). Meanwhile one node is killed with SIGKILL and restarted every `node_kill_every_s`, and the
+second head is restarted twice: once drained (it leaves the clients' rotation, its requests finish, as a load
+balancer drains a head, then SIGTERM), and once SIGKILLed under load. Each time it starts again on its port and
+every node must link it again. A SIGKILL costs that head's own streams only: the other head's lose nothing.
 
 Then every request is judged: done, or an error in OpenAI's shape with a code docs/api.md documents; each
 completed answer is compared token by token with what the mock engine produces for that prompt, seed and
@@ -59,6 +60,7 @@ class SoakConfig:
     max_tokens: tuple[int, int] = (8, 64)
     node_kill_every_s: float = 20.0
     head_restart_at: float = 0.4  # of the run
+    head_kill_at: float = 0.75  # of the run: the second head SIGKILLed under load, and started again
     hang_grace_s: float = 30.0  # after the run, how long a request may still take before it counts as hung
     hang_after_s: float = 120.0  # a request that took longer hung, however it ended (e.g. node_stuck after 300 s)
     node_back_limit_s: float = 35.0
@@ -81,6 +83,7 @@ class Request:
     completion_tokens: int | None = None
     started: float = 0.0
     ended: float = 0.0
+    killed_with_head: bool = False  # in flight on the head that was SIGKILLed: its loss is that head's cost
 
     def end(self, status: str, code: str = "") -> None:
         self.status, self.code, self.ended = status, code, time.monotonic()
@@ -115,7 +118,7 @@ class Fleet:
             head.wait_nodes(self.expected_nodes(index), timeout=120)
 
     def expected_nodes(self, index: int) -> int:
-        return sum(1 for home in self.homes.values() if home == index)
+        return len(self.homes)  # every node links every head
 
     def start_node(self, identity: str) -> None:
         params = {"decode_tps": self.config.decode_tps}
@@ -163,6 +166,7 @@ class Soak:
         self.head_restarting = False
         self.node_kills: list[str] = []
         self.head_restart: dict[str, float] = {}
+        self.head_kill: dict[str, Any] = {}
         self.seeds = itertools.count(random.SystemRandom().randrange(1, 2**40))
         self.stop_at = 0.0
 
@@ -238,6 +242,27 @@ class Soak:
         back = await self.wait(lambda: self.fleet.linked(index) >= expected, 90)
         self.head_restart = {"drained": drained, "down_s": round(up - began, 2),
                              "node_back_s": round(time.monotonic() - up, 2) if back else None}
+        self.in_service.add(index)
+        self.head_restarting = False
+        kill_at = self.stop_at - self.config.seconds * (1 - self.config.head_kill_at)
+        await asyncio.sleep(max(kill_at - time.monotonic(), 0))
+        await self.kill_head(index)
+
+    async def kill_head(self, index: int) -> None:
+        """SIGKILL the head under load (its requests in flight are its cost), start it again, wait for its links."""
+        self.head_restarting = True
+        self.in_service.discard(index)  # as a load balancer's health check would
+        head = self.fleet.heads[index]
+        killed_at = time.monotonic()
+        await asyncio.to_thread(head.stop, signal.SIGKILL)
+        cut = [r for r in self.requests if r.head == index and (r.status == "pending" or r.ended >= killed_at)]
+        for request in cut:
+            request.killed_with_head = True
+        await asyncio.to_thread(head.start)
+        up = time.monotonic()
+        back = await self.wait(lambda: self.fleet.linked(index) >= self.fleet.expected_nodes(index), 90)
+        self.head_kill = {"streams_cut": len(cut), "down_s": round(up - killed_at, 2),
+                          "node_back_s": round(time.monotonic() - up, 2) if back else None}
         self.in_service.add(index)
         self.head_restarting = False
 
@@ -336,7 +361,8 @@ def run_soak(config: SoakConfig, workdir: Path) -> SoakReport:
         linked = [fleet.linked(i) for i in range(len(fleet.heads))]
     finally:
         fleet.stop()
-    chaos = {"head_restart": soak.head_restart, "node_kills": soak.node_kills, "nodes_linked_at_end": linked,
+    chaos = {"head_restart": soak.head_restart, "head_kill": soak.head_kill, "node_kills": soak.node_kills,
+             "nodes_linked_at_end": linked,
              "logs": str(workdir), "database": fleet.heads[0].env["DATABASE_URL"]}
     report = judge(config.seconds, soak.requests, rows, chaos)
     if not (report.details["unclear"] or report.details["token_problems"] or report.details["record_problems"]):
@@ -345,9 +371,14 @@ def run_soak(config: SoakConfig, workdir: Path) -> SoakReport:
 
 
 def judge(seconds: float, requests: list[Request], rows: list[dict[str, Any]], chaos: dict[str, Any]) -> SoakReport:
-    """The report on what the clients saw and the database holds (`chaos`: what was done to the fleet)."""
+    """The report on what the clients saw and the database holds (`chaos`: what was done to the fleet). The
+    requests in flight on the SIGKILLed head are its cost, counted apart (`killed_with_head`), not judged."""
+    killed = {r.seed for r in requests if r.killed_with_head}
+    requests = [r for r in requests if r.seed not in killed]
+    rows = [row for row in rows if row["seed"] is None or int(row["seed"]) not in killed]
     tokens, records = judge_tokens(requests, Oracle()), judge_records(requests, rows)
     summary = summarize(seconds, requests, tokens, records, chaos["head_restart"].get("node_back_s"))
+    summary["killed_with_head"] = len(killed)
     details = {**chaos, "record_statuses": records["statuses"], "token_problems": tokens["problems"],
                "record_problems": records["problems"],
                "unclear": [{**describe(r), "records": records["by_seed"].get(r.seed, [])}
