@@ -42,9 +42,9 @@ def link_url() -> str:
 def served_at(scope: dict) -> None:
     """A node link reached this process: its server address is where it serves, if nothing said so before."""
     global _served
-    if not _served and scope.get("server"):
-        host, port = scope["server"][0], scope["server"][1]
-        _served = f"{host}:{port}" if port else str(host)
+    server = scope.get("server") or ()
+    if not _served and len(server) == 2 and isinstance(server[1], int):  # (host, port); a test's has no port
+        _served = f"{server[0]}:{server[1]}"
 
 
 def heads_live() -> list[str]:

@@ -105,3 +105,90 @@ async def test_what_the_outbox_holds_at_once_goes_as_one_bundle_to_a_head_that_t
         assert [msg for msg, _ in unbundle(opened[0])] == sent
     else:
         assert opened == sent  # an older head: one message a frame
+
+
+class SubmittingEngine(FakeEngine):
+    def __init__(self):
+        self.submitted, self.cancelled = [], []
+
+    async def submit(self, spec):
+        self.submitted.append(spec.gen_id)
+
+    async def cancel(self, gen_id):
+        self.cancelled.append(gen_id)
+
+
+async def test_a_generations_frames_go_back_on_the_link_it_came_on(tmp_path):
+    from nodes.link.messages import Cancel, Done, Generate
+
+    engine = SubmittingEngine()
+    node = agent(tmp_path, engine)
+    first, second = HeadLink("ws://a/ws/node/"), HeadLink("ws://b/ws/node/")
+    for link in (first, second):
+        link.outbox, link.joined = asyncio.Queue(), True
+    await node._on_generate(Generate(gen_id="g1", spec={"model": "m", "prompt": "hi"}), first)
+    await node._on_generate(Generate(gen_id="g2", spec={"model": "m", "prompt": "hi"}), second)
+    node.on_engine_event(TokenBatch(gen_id="g1", seq=1, text=["x"], ids=[1]))
+    node.on_engine_event(TokenBatch(gen_id="g2", seq=1, text=["y"], ids=[2]))
+    node.on_engine_event(Done(gen_id="g1", seq=2, finish_reason="stop", usage={}, timings={}))
+    assert [m.gen_id for m in _drain(first.outbox)] == ["g1", "g1"]
+    assert [m.gen_id for m in _drain(second.outbox)] == ["g2"]
+    node.on_engine_event(TokenBatch(gen_id="g1", seq=3, text=["z"], ids=[3]))  # a straggler after its end
+    assert first.outbox.empty() and not first.running and second.running == {"g2"}
+    # a head cancels only what it sent: another head's generation id is not its to stop
+    await node._receive(_Frames([Cancel(gen_id="g2")]), _Plain(), first)
+    assert engine.cancelled == []
+    # heartbeats and what the node says of itself go on every link that is up
+    node.links = {"ws://a/ws/node/": first, "ws://b/ws/node/": second}
+    node.send(Heartbeat(lanes_busy=0, lanes=2))
+    assert len(_drain(first.outbox)) == len(_drain(second.outbox)) == 1
+
+
+async def test_the_node_dials_each_head_it_is_told_of_that_no_link_holds(tmp_path, monkeypatch):
+    node = agent(tmp_path)
+    dialed = []
+
+    async def dial_loop(url, pause=0.0):
+        dialed.append(url)
+        await asyncio.Event().wait()  # dialing until cancelled
+
+    monkeypatch.setattr(node, "_dial_loop", dial_loop)
+    seed = node.links[None] = HeadLink("127.0.0.1:1")
+    seed.head, seed.joined = "ws://a/ws/node/", True  # the seed reached head a
+    try:
+        node._learn(["ws://a/ws/node/", "ws://b/ws/node/", "ws://c/ws/node/"])
+        await asyncio.sleep(0)
+        assert dialed == ["ws://b/ws/node/", "ws://c/ws/node/"]
+        node._learn(["ws://a/ws/node/", "ws://b/ws/node/", "ws://c/ws/node/", "ws://d/ws/node/"])  # d started
+        await asyncio.sleep(0)
+        assert dialed == ["ws://b/ws/node/", "ws://c/ws/node/", "ws://d/ws/node/"]  # one loop a head
+    finally:
+        for task in node._loops.values():
+            task.cancel()
+
+
+def _drain(queue: asyncio.Queue) -> list:
+    out = []
+    while not queue.empty():
+        out.append(queue.get_nowait())
+    return out
+
+
+class _Plain:
+    """A channel that passes messages through (the test hands _receive messages, not frames)."""
+
+    def open(self, msg):
+        return msg
+
+
+class _Frames:
+    def __init__(self, msgs):
+        self.msgs = list(msgs)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.msgs:
+            raise StopAsyncIteration
+        return self.msgs.pop(0)

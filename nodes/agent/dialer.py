@@ -170,7 +170,7 @@ class NodeAgent:
         def ended(task: asyncio.Task) -> None:
             if self._loops.get(url) is task:
                 del self._loops[url]
-            if self._refused.done():
+            if self._refused is None or self._refused.done():
                 return
             if task.cancelled():  # not by run(): whatever cancelled a dial loop stops the agent
                 self._refused.cancel()
