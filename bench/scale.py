@@ -40,6 +40,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -130,11 +131,13 @@ def stop(procs: list) -> None:
 
 
 class RedisCounter:
-    """A Redis server of the bench's own (the machine's may serve others too), and its commands over a window.
+    """A Redis server of the bench's own (the machine's may serve others too), and what it was asked over a window.
 
-    Round trips: each script call (EVALSHA, EVAL) is one, and so is each command that no Lua script issues; a
-    command a script also issues (HSET, EXPIRE, PUBLISH: a node's join or heartbeat, never a generation) is left
-    out, since Redis counts a script's own commands the same way. `redis_commands_per_generation` counts all."""
+    Round trips are counted with MONITOR, which shows each command a client sent (a script's own commands come
+    marked `lua` and are left out): `redis_round_trips_per_generation` those of the placement state (their
+    arguments name its `pl:` keys: choose, finish, a heartbeat, a head's beat), `redis_round_trips_all_per_generation`
+    every subsystem's (the cache's revocation stamp, the metrics' MULTI/EXEC, the channel layer's control). INFO
+    commandstats counts a script's inner commands as well: `redis_commands_per_generation`, before/after."""
 
     def __init__(self, tmp: Path) -> None:
         import redis
@@ -145,43 +148,52 @@ class RedisCounter:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.r = redis.Redis.from_url(self.url)
         wait_for(self._up, 20, "the bench's redis-server did not start")
-        self.in_scripts = _script_commands()
+        self.sent: dict[str, int] = {}
+        self._watching = False
 
     def _up(self) -> bool:
         try:
             return bool(self.r.ping())
-        except OSError:
-            return False
         except Exception:  # redis.ConnectionError: not up yet
             return False
+
+    def start(self) -> None:
+        """Count what clients send from now until `stop_counting`."""
+        self.sent = {"placement": 0, "all": 0}
+        self._watching = True
+        self._calls0 = self.calls()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        with self.r.monitor() as monitor:
+            while self._watching:
+                command = monitor.next_command()
+                if command.get("client_type") == "lua" or not self._watching:
+                    continue
+                self.sent["all"] += 1
+                if "pl:" in command.get("command", ""):
+                    self.sent["placement"] += 1
+
+    def stop_counting(self, generations: float) -> dict:
+        self._watching = False
+        self.r.ping()  # a command the monitor sees, so its wait ends
+        self._thread.join(10)
+        calls1 = self.calls()
+        per = max(generations, 1)
+        delta = {k: v - self._calls0.get(k, 0) for k, v in calls1.items() if v - self._calls0.get(k, 0) > 0}
+        return {"redis_round_trips_per_generation": round(self.sent["placement"] / per, 2),
+                "redis_round_trips_all_per_generation": round(self.sent["all"] / per, 2),
+                "redis_commands_per_generation": round(sum(delta.values()) / per, 2),
+                "redis_commands": dict(sorted(delta.items(), key=lambda kv: -kv[1])[:12])}
 
     def calls(self) -> dict[str, int]:
         return {name.removeprefix("cmdstat_"): int(stat["calls"])
                 for name, stat in self.r.info("commandstats").items()}
 
-    def figures(self, before: dict[str, int], after: dict[str, int], generations: int) -> dict:
-        delta = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0) > 0}
-        trips = sum(v for k, v in delta.items() if k in ("evalsha", "eval") or k not in self.in_scripts)
-        per = max(generations, 1)
-        return {"redis_round_trips_per_generation": round(trips / per, 2),
-                "redis_commands_per_generation": round(sum(delta.values()) / per, 2),
-                "redis_commands": dict(sorted(delta.items(), key=lambda kv: -kv[1])[:12])}
-
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(10)
-
-
-def _script_commands() -> set[str]:
-    """Every command a Lua script issues: the placement's and the channel layer's."""
-    import re
-
-    import channels_redis.core
-
-    from fleet.placement_lua import SCRIPTS
-
-    sources = [*SCRIPTS.values(), Path(channels_redis.core.__file__).read_text()]
-    return {m.lower() for src in sources for m in re.findall(r"redis\.call\(\s*['\"](\w+)['\"]", src)}
 
 
 def measure(args, tmp: Path, groups: list[tuple[str, list[str], str]], pids: list[int],
@@ -198,10 +210,10 @@ def measure(args, tmp: Path, groups: list[tuple[str, list[str], str]], pids: lis
                                       cwd=ROOT, start_new_session=True))
     time.sleep(max(start - time.time(), 0))
     cpu0, load0 = cpu_seconds(pids), os.getloadavg()[0]
-    calls0 = redis_counter.calls() if redis_counter else {}
+    if redis_counter:
+        redis_counter.start()
     time.sleep(max(start + args.seconds - time.time(), 0))
     cpu1, load1 = cpu_seconds(pids), os.getloadavg()[0]
-    calls1 = redis_counter.calls() if redis_counter else {}
     for proc in procs:
         proc.wait(120)
     seen = [json.loads(out.read_text()) for out in outs]
@@ -211,10 +223,11 @@ def measure(args, tmp: Path, groups: list[tuple[str, list[str], str]], pids: lis
         for k, v in s["errors"].items():
             errors[k] = errors.get(k, 0) + v
     time.sleep(args.settle)  # let the cancelled streams drain before the next run
-    generations = sum(len(s["ttfts"]) for s in seen)  # those that started in the window
-    redis = redis_counter.figures(calls0, calls1, generations) if redis_counter else {
+    generations = tokens / args.tokens  # each asks for --tokens (ignore_eos): the generations' worth in the window
+    redis = redis_counter.stop_counting(generations) if redis_counter else {
         "redis_round_trips_per_generation": 0, "redis_commands_per_generation": 0}
-    return {"tok_s": round(tokens / args.seconds, 1), "tokens": tokens, "generations": generations, **redis,
+    return {"tok_s": round(tokens / args.seconds, 1), "tokens": tokens, "generations": round(generations, 1),
+            **redis,
             "cpu_s": round(cpu1 - cpu0, 2), "load_avg_1m": [round(load0, 2), round(load1, 2)],
             "ttft_ms_p50": percentile([t for s in seen for t in s["ttfts"]], 0.5),
             "gap_ms_p99": percentile([g for s in seen for g in s["gaps"]], 0.99),

@@ -250,5 +250,22 @@ end
 return urls
 """
 
-SCRIPTS = {"choose": CHOOSE, "nodes": NODES, "release": RELEASE, "evict": EVICT, "record": RECORD,
-           "finish": FINISH, "node_down": NODE_DOWN, "head_beat": HEAD_BEAT}
+# A link's heartbeat in one round trip. ARGV: prefix, node id, TTL (s), prefill tokens/s, decode slowdown (ms),
+# schedulable ('1' or '0'). Keeps the node (and its links) alive, stores what its engine measured, and tells every
+# head process when it became schedulable or not (each link's heartbeat sets it: told only on a change).
+NODE_BEAT = """
+local p, node, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local key = p .. 'node:' .. node
+if redis.call('EXISTS', key) == 0 then return 0 end
+redis.call('EXPIRE', key, ttl)
+redis.call('EXPIRE', p .. 'links:' .. node, ttl)
+redis.call('HSET', key, 'ptps', ARGV[4], 'dslow', ARGV[5])
+if redis.call('HGET', key, 'schedulable') ~= ARGV[6] then
+  redis.call('HSET', key, 'schedulable', ARGV[6])
+  redis.call('PUBLISH', p .. 'lanes', 'schedulable')
+end
+return 1
+"""
+
+SCRIPTS = {"choose": CHOOSE, "node_beat": NODE_BEAT, "nodes": NODES, "release": RELEASE, "evict": EVICT,
+           "record": RECORD, "finish": FINISH, "node_down": NODE_DOWN, "head_beat": HEAD_BEAT}

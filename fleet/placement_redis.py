@@ -186,6 +186,15 @@ class RedisPlacementState:
         yield _pipe(lambda pipe: (pipe.expire(f"{self.p}node:{node_id}", self.node_ttl_s),
                                   pipe.expire(f"{self.p}links:{node_id}", self.node_ttl_s)))
 
+    def node_beat(self, node_id: str, *, prefill_tps: float, decode_slowdown_ms: float, schedulable: bool) -> None:
+        """A link's heartbeat: alive, what its engine measured, whether it takes work; one round trip."""
+        self._run(self._op_node_beat(node_id, prefill_tps=prefill_tps, decode_slowdown_ms=decode_slowdown_ms,
+                                     schedulable=schedulable))
+
+    def _op_node_beat(self, node_id: str, *, prefill_tps: float, decode_slowdown_ms: float, schedulable: bool) -> Op:
+        yield _script("node_beat", [self.p, node_id, self.node_ttl_s, float(prefill_tps), float(decode_slowdown_ms),
+                                    int(schedulable)])
+
     def node_down(self, node_id: str, head: str = "") -> int:
         """Head process `head`'s link to the node is gone; the links left. At none, as in process: the slot goes,
         what the node held stays until it registers with its cache cleared."""
@@ -342,7 +351,7 @@ class RedisPlacementState:
 class AsyncRedisPlacement:
     """The state's operations as coroutines on redis.asyncio (for the event loop), and the lanes channel."""
 
-    OPS = ("node_up", "node_models", "node_tokenizers", "node_alive", "node_down", "set_schedulable",
+    OPS = ("node_up", "node_models", "node_tokenizers", "node_alive", "node_beat", "node_down", "set_schedulable",
            "measured", "release", "record", "evict", "finish", "forget_node")
 
     def __init__(self, state: RedisPlacementState) -> None:

@@ -431,14 +431,13 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         if not all(isinstance(r, dict) for r in msg.replicas) or _json_problem(replicas=msg.replicas):
             raise LinkError("heartbeat: every replica must be a map of plain JSON")
         placement = registry().aplacement
-        await placement.node_alive(self.node_id)
-        await registry().lifecycle.ameasured(self.node_id, {"prefill_tps": msg.prefill_tps,
-                                                           "decode_slowdown_ms": msg.decode_slowdown_ms})
         if msg.cache_cleared:
             await placement.forget_node(self.node_id)
-        # set on every heartbeat: it also undoes a head that stopped placing here on an engine_unavailable answer
+        # schedulable is set on every heartbeat: it also undoes a head that stopped placing here on an
+        # engine_unavailable answer. Alive, measured and schedulable: one round trip over Redis.
         changed, self.engine_ready = msg.engine_ready != self.engine_ready, msg.engine_ready
-        await placement.set_schedulable(self.node_id, self._placeable())
+        await placement.node_beat(self.node_id, prefill_tps=msg.prefill_tps, decode_slowdown_ms=msg.decode_slowdown_ms,
+                                  schedulable=self._placeable())
         if changed:
             registry().lanes.notify()
         now_s = time.time()

@@ -174,6 +174,11 @@ class PlacementState:
     def node_alive(self, node_id: str) -> None:
         """Liveness is the link itself in one process; the Redis state expires silent nodes instead."""
 
+    def node_beat(self, node_id: str, *, prefill_tps: float, decode_slowdown_ms: float, schedulable: bool) -> None:
+        """A link's heartbeat: what its engine measured, and whether it takes work."""
+        self.measured(node_id, prefill_tps=prefill_tps, decode_slowdown_ms=decode_slowdown_ms)
+        self.set_schedulable(node_id, schedulable)
+
     def node_down(self, node_id: str, head: str = "") -> int:
         """The link is gone (the links left: none, in one process). What the node held stays in the index: a node
         that comes back with its cache (a link blip, a parked restart) is placed by it at once, and one that cleared
