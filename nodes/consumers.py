@@ -500,7 +500,10 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
                         code, len(self.running))
             fleet_changed()
         for gen_id in list(self.running):
-            reg.relay_push(gen_id, NodeLost(self.node_id, f"link closed (code {code})"), node_id=self.node_id)
+            if not reg.relay_push(gen_id, NodeLost(self.node_id, f"link closed (code {code})"), node_id=self.node_id):
+                # its dispatcher is gone (its client left; the cancel found no node): the lane is freed here, as the
+                # node's other links keep it in placement
+                await reg.lifecycle.aended(self.node_id, gen_id)
         self.running.clear()
         for fut in self.pending_ops.values():
             if not fut.done():
