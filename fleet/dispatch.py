@@ -270,7 +270,11 @@ class GenerationStream:
                                   f"(served: {served}).", status=404, param="model")
         if self.keys is None or (self._tokenizer_due and tokenizer_known(self._tokenizer_due)):
             await self._key(nodes)
-        unable = self._unable(nodes)
+        try:
+            unable = self._unable(nodes)
+        except GenerationError:  # refused by the snapshot: look again (an adapter may have just loaded)
+            nodes = await reg.aplacement.nodes(fresh=True)
+            unable = self._unable(nodes)
         ahead = _waiters.ahead_of(self.spec.gen_id, model, self.deadline, self.batch)
         # placed only on nodes this process holds a link to (a node behind NAT may reach only some head processes)
         linked = set(reg.links)
