@@ -248,14 +248,14 @@ def run_node(options: NodeOptions) -> int:
         sys.stderr.write(f"node_join: {exc}\n")
         return 2
 
-    def resolve_head():
+    def resolve_head() -> str | list[str] | None:
         if options.head:
             return options.head
         if options.offline:
             return None
-        from nodes.agent.discovery import find_head
+        from nodes.agent.discovery import find_heads
 
-        return find_head()
+        return find_heads()  # all of them: the dialer tries each until one proves the token
 
     loop = asyncio.new_event_loop()
     main = loop.create_task(_run(options, resolve_head))
