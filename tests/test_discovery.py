@@ -30,13 +30,13 @@ async def test_an_mdns_announcer_that_is_not_the_head_is_tried_and_left_unpinned
     joins the one that proves the token and pins its key; the impostor's answer leaves nothing behind."""
     async with FakeHead(make_secret(), "refuse") as impostor, FakeHead(SECRET) as head:
         announcers = [Announcer(int(h.address.rsplit(":", 1)[1]), "127.0.0.1") for h in (impostor, head)]
-        for announcer in announcers:
-            announcer.start(["smollm2"])
+        for announcer in announcers:  # in threads: zeroconf started on a running loop would wait on it
+            await asyncio.to_thread(announcer.start, ["smollm2"])
         try:
-            found = await asyncio.to_thread(find_heads, 8, 3.0)
+            found = await asyncio.to_thread(find_heads, 8, 2.0)
         finally:
             for announcer in announcers:
-                announcer.stop()
+                await asyncio.to_thread(announcer.stop)
         assert {impostor.address, head.address} <= set(found), found
         ordered = sorted(found, key=lambda h: h != impostor.address)  # the impostor first, as if it answered first
         answer = await node(tmp_path, ordered).request_pull("m")

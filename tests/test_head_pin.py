@@ -21,7 +21,6 @@ from nodes.link.messages import LinkError, Pull, PullGrant, Register, Registered
 from nodes.link.noise import generate_static, public_key
 from tests.live import PYTHON, ROOT
 
-
 SECRET = make_secret()
 TOKEN = format_token("a1b2c3d4e5f6", SECRET)
 ROGUE_BEHAVIOURS = ["close", "refuse", "garbage"]
@@ -40,7 +39,7 @@ class FakeHead:
 
     async def __aenter__(self) -> FakeHead:
         self.server = await websockets.serve(self.handle, "127.0.0.1", 0)
-        self.address = "127.0.0.1:%d" % self.server.sockets[0].getsockname()[1]
+        self.address = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         return self
 
     async def __aexit__(self, *exc) -> None:
