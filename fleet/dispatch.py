@@ -19,7 +19,7 @@ from fleet import metrics
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
 from nodes.agent.vocab import BUILTINS, BYTES
-from nodes.link.codes import ErrorCode, FinishReason
+from nodes.link.codes import ErrorCode, FinishReason, retried_elsewhere
 from nodes.link.lifecycle import aplacement_keys
 from nodes.link.messages import Accepted, Done, Error, LinkError, TokenBatch
 from nodes.link.prefix import PrefixKey
@@ -36,12 +36,9 @@ LINK_CHECK_S = 5.0
 # A generation waiting for a lane is woken by events (a lane freed, a node joined, here or in another head process);
 # it also looks again this often, in case a wake was lost with a Redis connection.
 WAKE_CHECK_S = 5.0
-# Only a lost node is retried elsewhere. An engine that crashed on a generation is not: the same request could
-# crash every node it is sent to (llama.cpp aborts on some inputs), so it ends with a clear error instead.
-RETRYABLE_CODES = {ErrorCode.NODE_LOST}
-# Before its first token a generation is also placed again when the node's engine could not start it: a worker
-# restarting (engine_unavailable) or one that died before any token. After a token only a lost node is retried.
-RETRYABLE_BEFORE_FIRST_TOKEN = RETRYABLE_CODES | {ErrorCode.ENGINE_UNAVAILABLE, ErrorCode.ENGINE_CRASHED}
+# Which node errors are placed again elsewhere: nodes.link.codes.retried_elsewhere (the request's faults never; the
+# node's before the first token; after it only a lost node). At most MAX_ATTEMPTS placements, so a request that
+# crashes every engine it reaches (llama.cpp aborts on some inputs) still ends with a clear error.
 # What a user can do when no node has a capability a request needs.
 CAPABILITY_HINTS = {
     "batch_invariant": "start a node with `manage.py node_join --batch-invariant` (greedy output then never depends "
@@ -397,8 +394,7 @@ class GenerationStream:
                     if event.code == ErrorCode.ENGINE_UNAVAILABLE:
                         # its heartbeat puts it back once the engine is up; until then nothing more goes there
                         await reg.aplacement.set_schedulable(link.node_id, False)
-                    retryable = RETRYABLE_CODES if self.outcome.completion_tokens else RETRYABLE_BEFORE_FIRST_TOKEN
-                    if event.code in retryable:
+                    if retried_elsewhere(event.code, streamed=bool(self.outcome.completion_tokens)):
                         raise _NodeFailed(event.code, event.message)
                     raise GenerationError(event.code, event.message, status=_status_for(event.code),
                                           param="messages" if event.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED else None)

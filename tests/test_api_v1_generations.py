@@ -398,7 +398,30 @@ def head_keys(messages):
     return placement_keys(GenerateSpec(gen_id="-", model="smollm2", messages=messages), BUILTINS[BYTES])
 
 
-@pytest.mark.parametrize("code", ["engine_unavailable", "engine_crashed"])
+# Each node error code, by whose fault it is (nodes.link.codes.REQUEST_FAULTS says it once for the head).
+REQUEST_FAULT_CODES = ["context_length_exceeded", "invalid_grammar", "invalid_request"]
+NODE_FAULT_CODES = ["engine_unavailable", "engine_crashed", "engine_failed", "media_unavailable", "unknown_op",
+                    "adapter_in_use", "node_lost"]
+
+
+def test_every_node_error_code_is_classified_here():
+    from nodes.link.codes import ErrorCode
+
+    assert sorted(REQUEST_FAULT_CODES + NODE_FAULT_CODES) == sorted(c.value for c in ErrorCode)
+
+
+@pytest.mark.parametrize("code", REQUEST_FAULT_CODES)
+async def test_a_request_fault_before_the_first_token_is_answered_not_placed_again(bearer, code):
+    broken = add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "refusing",
+                                    script=Script(error=(code, "the node refused the request"))), lanes=4)
+    able = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "able"), lanes=1)
+    holds_the_prompt(broken)  # so placement tries it first
+    answer = await request("POST", CHAT, key=bearer, body=chat())
+    assert answer.status == 400 and answer.json()["error"]["code"] == code
+    assert len(broken.specs) == 1 and not able.specs  # another node would refuse it alike
+
+
+@pytest.mark.parametrize("code", NODE_FAULT_CODES)
 async def test_a_node_that_cannot_start_a_generation_hands_it_to_another_at_once(bearer, code):
     from fleet.links import registry
 
