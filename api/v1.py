@@ -33,6 +33,7 @@ from api.sse import first_event, sse_response
 from api.transcriptions import serve_transcription
 from fleet.links import registry
 from fleet.remote import aremote_link
+from fleet.reported import count_checked, embedding_tokens_bound
 from nodes import selectors as node_selectors
 from nodes.link.messages import LinkError
 
@@ -210,7 +211,8 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
         raise OpenAIError(502, f"Node {node!r} could not embed: {exc}", code="embedding_failed") from None
     vectors = result.get("embeddings") or []
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, encoding)} for i, v in enumerate(vectors)]
-    prompt_tokens = int(result.get("prompt_tokens") or sum(max(len(t) // 4, 1) for t in texts))
+    prompt_tokens = count_checked(result.get("prompt_tokens") or sum(max(len(t) // 4, 1) for t in texts),
+                                  embedding_tokens_bound(texts), what="prompt_tokens", node=node)
     await request.quota.settle(prompt_tokens)
     response = JsonResponse({"object": "list", "data": data, "model": model,
                              "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})

@@ -18,6 +18,7 @@ from django.conf import settings
 from fleet import metrics
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
+from fleet.reported import count_checked, prompt_tokens_bound
 from nodes.agent.vocab import BUILTINS, BYTES
 from nodes.link.codes import ErrorCode, FinishReason, retried_elsewhere
 from nodes.link.lifecycle import aplacement_keys
@@ -154,6 +155,7 @@ class GenerationStream:
         self._tokenizer_due = ""  # the fingerprint whose file the keys wait for (they are bytes' until it is in)
         self.outcome = Outcome()
         self._seq = 0
+        self._streamed_before = 0  # completion tokens streamed before the current attempt (a failover resumes)
         self._cancelled = False
         self._current: tuple[str, Any] | None = None  # (node_id, link)
         self._relay: Any = None  # the current attempt's frames from its node (fleet.links.Relay)
@@ -353,6 +355,7 @@ class GenerationStream:
         spec = GenerateSpec(**{**self.spec.__dict__, "resume_text": self.spec.resume_text + self.outcome.text,
                                "resume_ids": self.spec.resume_ids + self.outcome.ids})
         spec.max_tokens = max(self.spec.max_tokens - self.outcome.completion_tokens, 1)
+        self._streamed_before = self.outcome.completion_tokens
         self._expected_seq = 1
         finished = False
         try:
@@ -440,8 +443,12 @@ class GenerationStream:
         await registry().lifecycle.aaccepted(link.node_id, event.evicted)
         resumed = bool(self.outcome.completion_tokens)
         if not resumed:
-            self.outcome.prompt_tokens, self.outcome.cached_tokens = event.prompt_tokens, event.cached_tokens
-            return Started(link.identity, event.prompt_tokens, event.cached_tokens)
+            prompt = count_checked(event.prompt_tokens, prompt_tokens_bound(self.spec), what="prompt_tokens",
+                                   node=link.identity, gen_id=self.spec.gen_id)
+            cached = count_checked(event.cached_tokens, prompt, what="cached_tokens", node=link.identity,
+                                   gen_id=self.spec.gen_id)
+            self.outcome.prompt_tokens, self.outcome.cached_tokens = prompt, cached
+            return Started(link.identity, prompt, cached)
         return None
 
     def _on_tokens(self, event: TokenBatch) -> Tokens:
@@ -455,12 +462,19 @@ class GenerationStream:
         return Tokens(self._seq, text, list(event.text), list(event.ids), event.logprobs, event.segments)
 
     async def _on_done(self, event: Done, link) -> Finished:
+        # what this node streamed on this attempt: the most completion tokens it may say it made
+        streamed = self.outcome.completion_tokens - self._streamed_before
+        reported = {"completion_tokens": count_checked(event.usage.get("completion_tokens"), streamed,
+                                                       what="completion_tokens", node=link.identity,
+                                                       gen_id=self.spec.gen_id)}
         await registry().lifecycle.adone(link.node_id, self.spec, self.keys, answer=self.outcome.text,
-                                         usage=event.usage, tokenizer=self.tokenizer, evicted=event.evicted)
+                                         usage=reported, tokenizer=self.tokenizer, evicted=event.evicted)
         self.outcome.finish_reason = event.finish_reason
         self.outcome.timings = dict(event.timings)
         usage = {
-            "prompt_tokens": self.outcome.prompt_tokens or event.usage.get("prompt_tokens", 0),
+            "prompt_tokens": self.outcome.prompt_tokens or count_checked(
+                event.usage.get("prompt_tokens"), prompt_tokens_bound(self.spec), what="prompt_tokens",
+                node=link.identity, gen_id=self.spec.gen_id),
             "completion_tokens": self.outcome.completion_tokens,
             "cached_tokens": self.outcome.cached_tokens,
         }

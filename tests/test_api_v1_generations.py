@@ -398,6 +398,57 @@ def head_keys(messages):
     return placement_keys(GenerateSpec(gen_id="-", model="smollm2", messages=messages), BUILTINS[BYTES])
 
 
+@pytest.mark.parametrize(("prompt", "cached", "completion", "expected"), [
+    (-10_000_000, -5, -3, (0, 0)),  # negative counts: none
+    (10**9, 10**9, 10**6, (None, None)),  # more than the request sent: at most the bound
+])
+async def test_node_reported_usage_is_bounded_before_the_client_the_quota_and_placement_see_it(
+        bearer, monkeypatch, prompt, cached, completion, expected):
+    from fleet.reported import TEMPLATE_TOKENS
+    from nodes.link.lifecycle import PlacementLifecycle
+
+    add_fake_node(FakeLink(script=Script(prompt_tokens=prompt, cached_tokens=cached,
+                                         reported_completion=completion)), lanes=1)
+    told: list[int] = []  # the completion tokens placement records for the node
+    adone = PlacementLifecycle.adone
+
+    async def spy(self, *args, usage, **kwargs):
+        told.append(usage["completion_tokens"])
+        return await adone(self, *args, usage=usage, **kwargs)
+    monkeypatch.setattr(PlacementLifecycle, "adone", spy)
+    body = chat()
+    answer = await request("POST", CHAT, key=bearer, body=body)
+    assert answer.status == 200
+    usage = answer.json()["usage"]
+    sent = sum(len(m["content"].encode()) + len("role") + len("content") + len(m["role"]) for m in body["messages"])
+    bound = sent + TEMPLATE_TOKENS
+    if expected[0] == 0:
+        assert usage["prompt_tokens"] == 0 and usage["prompt_tokens_details"]["cached_tokens"] == 0
+        assert told == [0]
+    else:
+        assert usage["prompt_tokens"] == bound and usage["prompt_tokens_details"]["cached_tokens"] == bound
+        assert told == [4]  # the four tokens it streamed, not the million it claimed
+    assert usage["completion_tokens"] == 4 and usage["total_tokens"] == usage["prompt_tokens"] + 4
+    record = (await generations())[0]
+    assert record["prompt_tokens"] == usage["prompt_tokens"]
+
+
+async def test_node_reported_embedding_tokens_are_bounded_by_the_texts_sent(bearer, monkeypatch):
+    link = add_fake_node(FakeLink())
+
+    async def state_op(op, args, timeout):
+        return {"embeddings": [[0.5] for _ in args["texts"]], "prompt_tokens": -10_000_000}
+    monkeypatch.setattr(link, "state_op", state_op)
+    answer = await request("POST", "/v1/embeddings", key=bearer, body={"model": "smollm2", "input": ["hello"]})
+    assert answer.status == 200 and answer.json()["usage"] == {"prompt_tokens": 0, "total_tokens": 0}
+
+    async def inflated(op, args, timeout):
+        return {"embeddings": [[0.5] for _ in args["texts"]], "prompt_tokens": 10**9}
+    monkeypatch.setattr(link, "state_op", inflated)
+    answer = await request("POST", "/v1/embeddings", key=bearer, body={"model": "smollm2", "input": ["hello"]})
+    assert answer.json()["usage"]["prompt_tokens"] == len("hello") + 2
+
+
 # Each node error code, by whose fault it is (nodes.link.codes.REQUEST_FAULTS says it once for the head).
 REQUEST_FAULT_CODES = ["context_length_exceeded", "invalid_grammar", "invalid_request"]
 NODE_FAULT_CODES = ["engine_unavailable", "engine_crashed", "engine_failed", "media_unavailable", "unknown_op",
