@@ -75,7 +75,11 @@ def remember_token(options: NodeOptions) -> str:
     if not token and os.environ.get(LOCAL_TOKEN_ENV):
         token, source = os.environ[LOCAL_TOKEN_ENV].strip(), LOCAL_TOKEN_ENV
     if not token and path.exists():
-        token, source = path.read_text().strip(), str(path)
+        try:
+            token, source = path.read_text().strip(), str(path)
+        except (OSError, UnicodeDecodeError) as exc:  # a damaged file: say which, not a traceback
+            raise NodeError(f"the kept fleet token in {path} is unreadable ({exc}); pass a token with --token, "
+                            "which replaces it") from None
     if not token:
         raise NodeError("no fleet token: make one on the head with `manage.py fleet_token` and pass it with --token")
     try:
