@@ -449,6 +449,26 @@ async def test_node_reported_embedding_tokens_are_bounded_by_the_texts_sent(bear
     assert answer.json()["usage"]["prompt_tokens"] == len("hello") + 2
 
 
+async def test_an_embedding_whose_node_link_closes_is_answered_by_another_node(bearer, monkeypatch):
+    from nodes.link.messages import LinkClosed
+
+    closing = add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "closing"), lanes=4)  # tried first
+    able = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "able", embeddings=[[1.0, 2.0]]))
+
+    async def closes(op, args, timeout):
+        closing.state_ops.append((op, args))
+        raise LinkClosed("the node link closed")
+    monkeypatch.setattr(closing, "state_op", closes)
+    body = {"model": "smollm2", "input": "hello"}
+    answer = await request("POST", "/v1/embeddings", key=bearer, body=body)
+    assert answer.status == 200 and answer.headers["x-fleet-node"] == "able"
+    assert answer.json()["data"][0]["embedding"] == [1.0, 2.0]
+    assert len(closing.state_ops) == 1 and len(able.state_ops) == 1
+    monkeypatch.setattr(able, "state_op", closes)  # now every node's link closes: a clear 502, no traceback
+    answer = await request("POST", "/v1/embeddings", key=bearer, body=body)
+    assert answer.status == 502 and answer.json()["error"]["code"] == "node_lost"
+
+
 # Each node error code, by whose fault it is (nodes.link.codes.REQUEST_FAULTS says it once for the head).
 REQUEST_FAULT_CODES = ["context_length_exceeded", "invalid_grammar", "invalid_request"]
 NODE_FAULT_CODES = ["engine_unavailable", "engine_crashed", "engine_failed", "media_unavailable", "unknown_op",
