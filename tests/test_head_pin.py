@@ -35,6 +35,7 @@ class FakeHead:
         self.static = generate_static()
         self.key = public_key(self.static)
         self.frames_3 = 0  # frames 3 it received: did a node prove itself to it?
+        self.received: list = []  # the nodes' first messages
         self.server = None
 
     async def __aenter__(self) -> FakeHead:
@@ -61,6 +62,7 @@ class FakeHead:
             await self.misbehave(ws)
             return
         msg = channel.open(await ws.recv())
+        self.received.append(msg)
         if isinstance(msg, Pull):
             await ws.send(channel.seal(PullGrant(model=msg.model, sha256="ab" * 32, size=1, path="/x", grant="g")))
         elif isinstance(msg, Register):
@@ -79,10 +81,14 @@ class FakeHead:
 
 class FakeEngine:
     alive = True
+    warm: list[str] = []  # generations whose parked lanes it restored (`--park`)
 
     def info(self):
-        return {"model_name": "m", "context_window": 512, "lanes": 1, "capabilities": [], "engine": "mock",
-                "engine_version": "0"}
+        return {"model_name": "m", "context_window": 512, "lanes": 1, "capabilities": {}, "engine": "mock",
+                "engine_version": "0", "warm_generations": self.warm}
+
+    def stats(self):
+        return {"lanes": 1}
 
 
 def node(home, heads) -> NodeAgent:
@@ -171,3 +177,18 @@ def test_node_join_against_a_rogue_head_exits_2_and_pins_nothing(tmp_path):
     assert rogue.frames_3 == 1 and "refused this node's fleet token" in done.stderr
     assert "Traceback" not in done.stderr
     assert not keys.head_pin_path(tmp_path).exists()
+
+
+async def test_a_node_restarted_with_park_tells_the_head_its_warm_generations_once(tmp_path):
+    """`--park` restores lanes from disk; the head keeps what those lanes hold in placement only if the register
+    names them (and only the first register after the cache was cleared: a rejoin's lanes are not new)."""
+    engine = FakeEngine()
+    engine.warm = ["g-parked-1", "g-parked-2"]
+    async with FakeHead(SECRET) as head:
+        agent = NodeAgent(AgentConfig(head=head.address, token=TOKEN, home=tmp_path, identity="warm"), engine)
+        for _ in range(2):
+            with pytest.raises((LinkError, ConnectionClosed)):
+                await agent._session(head.address)
+    first, second = head.received
+    assert isinstance(first, Register) and first.warm == ["g-parked-1", "g-parked-2"] and first.cache_cleared
+    assert second.warm == [] and not second.cache_cleared
