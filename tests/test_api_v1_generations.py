@@ -559,6 +559,39 @@ async def test_waiting_generations_get_a_free_lane_in_deadline_order(bearer):
     assert [s["messages"][-1]["content"] for s in link.specs] == ["blocker", "early", "late"]
 
 
+async def test_a_newcomer_does_not_take_a_free_lane_from_an_earlier_deadline_still_waiting(bearer, monkeypatch):
+    """The waiting room's `ahead` guard: a lane freed while the waiter has not yet woken goes to the waiter, not to
+    a generation with a later deadline that happens to look first."""
+    from fleet.links import registry
+
+    monkeypatch.setattr("fleet.dispatch.WAKE_CHECK_S", 3600.0)  # only wakes move the waiter
+    link = add_fake_node(FakeLink(script=lambda spec: Script(tokens=[spec["messages"][-1]["content"]],
+                                                             hang=spec["messages"][-1]["content"] == "blocker")),
+                         lanes=1)
+
+    def ask(content, deadline_ms):
+        body = chat(messages=[{"role": "user", "content": content}], deadline_ms=deadline_ms)
+        return asyncio.ensure_future(request("POST", CHAT, key=bearer, body=body))
+
+    blocker = ask("blocker", 60_000)
+    while not link.running:
+        await asyncio.sleep(0.01)
+    early = ask("early", 20_000)
+    await asyncio.sleep(0.2)
+    lanes = registry().lanes
+    notify = lanes.notify
+    monkeypatch.setattr(lanes, "notify", lambda *a, **k: None)  # the lane frees, and the waiter is not woken yet
+    await link.send_cancel(next(iter(link.running)), "test")
+    await blocker
+    late = ask("late", 50_000)  # looks while the lane is free and "early" still sleeps
+    await asyncio.sleep(0.3)
+    assert [s["messages"][-1]["content"] for s in link.specs] == ["blocker"]
+    monkeypatch.setattr(lanes, "notify", notify)
+    lanes.notify()
+    await asyncio.wait_for(asyncio.gather(early, late), 30)
+    assert [s["messages"][-1]["content"] for s in link.specs] == ["blocker", "early", "late"]
+
+
 async def test_a_waiting_generation_is_woken_when_the_lane_frees_not_by_a_timer(bearer, monkeypatch):
     monkeypatch.setattr("fleet.dispatch.WAKE_CHECK_S", 3600.0)  # no periodic look: only the lane's end wakes it
     link = add_fake_node(FakeLink(script=lambda spec: Script(tokens=["x"], hang=spec["messages"][-1]["content"]
