@@ -163,6 +163,8 @@ class NodeAgent:
                 if failure is not None:
                     log.warning("fleet node: link to %s failed: %s; redialing in %.0f s", head, _describe(failure),
                                 delay)
+                if self.joined:
+                    break  # this head proved itself and its link ended: find the heads again before redialing
             if heads and len(refusals) == len(heads):  # none proved the token, and each refused: say the first
                 raise refusals[0]
             await asyncio.sleep(delay * (0.9 + 0.2 * random.random()))
