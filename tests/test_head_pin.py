@@ -192,3 +192,19 @@ async def test_a_node_restarted_with_park_tells_the_head_its_warm_generations_on
     first, second = head.received
     assert isinstance(first, Register) and first.warm == ["g-parked-1", "g-parked-2"] and first.cache_cleared
     assert second.warm == [] and not second.cache_cleared
+
+
+async def test_the_dial_loop_joins_the_head_that_proves_the_token_past_an_impostor_that_refuses(tmp_path):
+    async with FakeHead(make_secret(), "refuse") as impostor, FakeHead(SECRET) as head:
+        agent = node(tmp_path, [impostor.address, head.address])
+        running = asyncio.ensure_future(agent.run())
+        try:
+            for _ in range(200):
+                if head.received or running.done():
+                    break
+                await asyncio.sleep(0.05)
+            assert not running.done(), running.exception()  # the impostor's refusal did not end the node
+        finally:
+            running.cancel()
+    assert impostor.frames_3 == 1 and isinstance(head.received[0], Register)
+    assert keys.pinned_head(tmp_path) == head.key
