@@ -32,13 +32,15 @@ from api.specs import GenerationRequest, aparse, chat_request, completion_reques
 from api.sse import first_event, sse_response
 from api.transcriptions import serve_transcription
 from fleet.links import registry
+from fleet.reported import count_checked, embedding_tokens_bound
 from nodes import selectors as node_selectors
-from nodes.link.messages import LinkError
+from nodes.link.messages import LinkClosed, LinkError
 
 log = logging.getLogger("api")
 
 MAX_EMBED_INPUTS = 256
 EMBED_TIMEOUT_S = 60.0
+EMBED_ATTEMPTS = 3  # nodes tried when links close under an embedding (as MAX_ATTEMPTS for a generation)
 
 
 def openai_view(*methods: str, tokens: bool = False, stream: bool = False, session: bool = False):
@@ -199,22 +201,35 @@ async def audio_transcriptions(request: HttpRequest) -> HttpResponse:
 async def embeddings(request: HttpRequest) -> HttpResponse:
     body = json_body(request)
     model, texts, encoding = _embedding_input(body)
-    node, link = await _embedding_node(model)
-    try:
-        result = await link.state_op("embed", {"texts": texts, "model": model}, EMBED_TIMEOUT_S)
-    except TimeoutError:
-        raise OpenAIError(504, f"Node {node!r} did not answer the embedding request in {EMBED_TIMEOUT_S:.0f} s.",
-                          code="node_timeout") from None
-    except LinkError as exc:
-        raise OpenAIError(502, f"Node {node!r} could not embed: {exc}", code="embedding_failed") from None
+    node, result = await _embedded(model, texts)
     vectors = result.get("embeddings") or []
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, encoding)} for i, v in enumerate(vectors)]
-    prompt_tokens = int(result.get("prompt_tokens") or sum(max(len(t) // 4, 1) for t in texts))
+    prompt_tokens = count_checked(result.get("prompt_tokens") or sum(max(len(t) // 4, 1) for t in texts),
+                                  embedding_tokens_bound(texts), what="prompt_tokens", node=node)
     await request.quota.settle(prompt_tokens)
     response = JsonResponse({"object": "list", "data": data, "model": model,
                              "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
     response["X-Fleet-Node"] = node
     return response
+
+
+async def _embedded(model: str, texts: list[str]) -> tuple[str, dict[str, Any]]:
+    """(the node, its answer) for an embedding; a node whose link closes while it embeds hands the request to the
+    next one that embeds the model, as a lost node's generation is placed again (EMBED_ATTEMPTS in all)."""
+    lost: list[str] = []
+    for _ in range(EMBED_ATTEMPTS):
+        node, link = await _embedding_node(model, lost_on=lost)
+        try:
+            return node, await link.state_op("embed", {"texts": texts, "model": model}, EMBED_TIMEOUT_S)
+        except TimeoutError:
+            raise OpenAIError(504, f"Node {node!r} did not answer the embedding request in {EMBED_TIMEOUT_S:.0f} s.",
+                              code="node_timeout") from None
+        except LinkClosed:
+            log.warning("api: node %r's link closed while it embedded; trying another node", node)
+            lost.append(node)
+        except LinkError as exc:
+            raise OpenAIError(502, f"Node {node!r} could not embed: {exc}", code="embedding_failed") from None
+    raise OpenAIError(502, f"The links of nodes {', '.join(lost)} closed while they embedded.", code="node_lost")
 
 
 def _embedding_input(body: dict[str, Any]) -> tuple[str, list[str], str]:
@@ -236,12 +251,16 @@ def _embedding_input(body: dict[str, Any]) -> tuple[str, list[str], str]:
     return model.strip(), texts, encoding
 
 
-async def _embedding_node(model: str) -> tuple[str, Any]:
+async def _embedding_node(model: str, lost_on: list[str] = ()) -> tuple[str, Any]:
     """A node serving the model and linked to this head process (every node links every head process it can
-    reach), the least busy first (an embedding takes no generation lane)."""
+    reach), the least busy first (an embedding takes no generation lane). `lost_on`: the nodes whose links closed
+    under this request, never tried again."""
     reg = registry()
     nodes = await reg.aplacement.nodes()
-    slots = [s for s in nodes if model in s.models and "embeddings" in s.capabilities]
+    slots = [s for s in nodes if model in s.models and "embeddings" in s.capabilities and s.identity not in lost_on]
+    if not slots and lost_on:
+        raise OpenAIError(502, f"The link of node {lost_on[-1]!r} closed while it embedded, and no other node embeds "
+                               f"{model!r}.", code="node_lost")
     if not slots:
         served = ", ".join(sorted({m for s in nodes for m in s.models})) or "none"
         raise OpenAIError(404, f"The model {model!r} is not served by any node that embeds (served: {served}).",

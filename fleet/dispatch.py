@@ -18,8 +18,9 @@ from django.conf import settings
 from fleet import heads, metrics
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
+from fleet.reported import count_checked, prompt_tokens_bound
 from nodes.agent.vocab import BUILTINS, BYTES
-from nodes.link.codes import ErrorCode, FinishReason
+from nodes.link.codes import ErrorCode, FinishReason, retried_elsewhere
 from nodes.link.lifecycle import aplacement_keys
 from nodes.link.messages import Accepted, Done, Error, LinkError, TokenBatch
 from nodes.link.prefix import PrefixKey
@@ -36,12 +37,9 @@ LINK_CHECK_S = 5.0
 # A generation waiting for a lane is woken by events (a lane freed, a node joined, here or in another head process);
 # it also looks again this often, in case a wake was lost with a Redis connection.
 WAKE_CHECK_S = 5.0
-# Only a lost node is retried elsewhere. An engine that crashed on a generation is not: the same request could
-# crash every node it is sent to (llama.cpp aborts on some inputs), so it ends with a clear error instead.
-RETRYABLE_CODES = {ErrorCode.NODE_LOST}
-# Before its first token a generation is also placed again when the node's engine could not start it: a worker
-# restarting (engine_unavailable) or one that died before any token. After a token only a lost node is retried.
-RETRYABLE_BEFORE_FIRST_TOKEN = RETRYABLE_CODES | {ErrorCode.ENGINE_UNAVAILABLE, ErrorCode.ENGINE_CRASHED}
+# Which node errors are placed again elsewhere: nodes.link.codes.retried_elsewhere (the request's faults never; the
+# node's before the first token; after it only a lost node). At most MAX_ATTEMPTS placements, so a request that
+# crashes every engine it reaches (llama.cpp aborts on some inputs) still ends with a clear error.
 # What a user can do when no node has a capability a request needs.
 CAPABILITY_HINTS = {
     "batch_invariant": "start a node with `manage.py node_join --batch-invariant` (greedy output then never depends "
@@ -157,6 +155,7 @@ class GenerationStream:
         self._tokenizer_due = ""  # the fingerprint whose file the keys wait for (they are bytes' until it is in)
         self.outcome = Outcome()
         self._seq = 0
+        self._streamed_before = 0  # completion tokens streamed before the current attempt (a failover resumes)
         self._cancelled = False
         self._current: tuple[str, Any] | None = None  # (node_id, link)
         self._relay: Any = None  # the current attempt's frames from its node (fleet.links.Relay)
@@ -367,6 +366,7 @@ class GenerationStream:
         spec = GenerateSpec(**{**self.spec.__dict__, "resume_text": self.spec.resume_text + self.outcome.text,
                                "resume_ids": self.spec.resume_ids + self.outcome.ids})
         spec.max_tokens = max(self.spec.max_tokens - self.outcome.completion_tokens, 1)
+        self._streamed_before = self.outcome.completion_tokens
         self._expected_seq = 1
         self._evicted = []
         finished = False
@@ -409,8 +409,7 @@ class GenerationStream:
                     if event.code == ErrorCode.ENGINE_UNAVAILABLE:
                         # its heartbeat puts it back once the engine is up; until then nothing more goes there
                         await reg.aplacement.set_schedulable(link.node_id, False)
-                    retryable = RETRYABLE_CODES if self.outcome.completion_tokens else RETRYABLE_BEFORE_FIRST_TOKEN
-                    if event.code in retryable:
+                    if retried_elsewhere(event.code, streamed=bool(self.outcome.completion_tokens)):
                         raise _NodeFailed(event.code, event.message)
                     raise GenerationError(event.code, event.message, status=_status_for(event.code),
                                           param="messages" if event.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED else None)
@@ -461,8 +460,12 @@ class GenerationStream:
         self._evicted = list(event.evicted or ())
         resumed = bool(self.outcome.completion_tokens)
         if not resumed:
-            self.outcome.prompt_tokens, self.outcome.cached_tokens = event.prompt_tokens, event.cached_tokens
-            return Started(link.identity, event.prompt_tokens, event.cached_tokens)
+            prompt = count_checked(event.prompt_tokens, prompt_tokens_bound(self.spec), what="prompt_tokens",
+                                   node=link.identity, gen_id=self.spec.gen_id)
+            cached = count_checked(event.cached_tokens, prompt, what="cached_tokens", node=link.identity,
+                                   gen_id=self.spec.gen_id)
+            self.outcome.prompt_tokens, self.outcome.cached_tokens = prompt, cached
+            return Started(link.identity, prompt, cached)
         return None
 
     def _on_tokens(self, event: TokenBatch) -> Tokens:
@@ -477,12 +480,19 @@ class GenerationStream:
 
     async def _on_done(self, event: Done, link) -> Finished:
         evicted, self._evicted = [*self._evicted, *(event.evicted or ())], []
+        # what this node streamed on this attempt: the most completion tokens it may say it made
+        streamed = self.outcome.completion_tokens - self._streamed_before
+        reported = {"completion_tokens": count_checked(event.usage.get("completion_tokens"), streamed,
+                                                       what="completion_tokens", node=link.identity,
+                                                       gen_id=self.spec.gen_id)}
         await registry().lifecycle.adone(link.node_id, self.spec, self.keys, answer=self.outcome.text,
-                                         usage=event.usage, tokenizer=self.tokenizer, evicted=evicted)
+                                         usage=reported, tokenizer=self.tokenizer, evicted=evicted)
         self.outcome.finish_reason = event.finish_reason
         self.outcome.timings = dict(event.timings)
         usage = {
-            "prompt_tokens": self.outcome.prompt_tokens or event.usage.get("prompt_tokens", 0),
+            "prompt_tokens": self.outcome.prompt_tokens or count_checked(
+                event.usage.get("prompt_tokens"), prompt_tokens_bound(self.spec), what="prompt_tokens",
+                node=link.identity, gen_id=self.spec.gen_id),
             "completion_tokens": self.outcome.completion_tokens,
             "cached_tokens": self.outcome.cached_tokens,
         }

@@ -45,6 +45,7 @@ from nodes.link.messages import (
     Generate,
     Heads,
     Heartbeat,
+    LinkClosed,
     LinkError,
     Models,
     ModelState,
@@ -507,7 +508,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         self.running.clear()
         for fut in self.pending_ops.values():
             if not fut.done():
-                fut.set_exception(LinkError("the node link closed"))
+                fut.set_exception(LinkClosed("the node link closed"))
         await self.channel_layer.group_discard(node_group(self.node_id), self.channel_name)
         reg.lanes.notify()
 

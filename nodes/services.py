@@ -13,7 +13,7 @@ from django.db.models import Subquery
 from django.utils import timezone
 
 from fleet import secretbox
-from nodes.agent.vocab import BUILTINS, VocabError
+from nodes.agent.vocab import VocabError
 from nodes.link.codes import CloseCode
 from nodes.link.handshake import LOCAL_TOKEN_ID, fingerprint, format_token, make_secret, parse_token
 from nodes.link.noise import generate_static, public_key
@@ -275,7 +275,8 @@ def _tokenizer_refusal(tokenizers: dict[str, str]) -> None:
             log.warning("fleet cannot read the tokenizer of registry model %r: %s", model.name, exc)
             continue
         own = tokenizers[model.name]
-        if registry and own not in BUILTINS and own != registry:  # a mock engine tokenizes nothing for real
+        # A builtin (`mock`, `bytes`) is no exception: placement would key the registry model's prompts with it.
+        if registry and own != registry:
             raise JoinRefused(CloseCode.TOKENIZER_MISMATCH, f"tokenizer {own[:12]} differs from the registry's "
                                                             f"{registry[:12]} for model {model.name!r}")
 

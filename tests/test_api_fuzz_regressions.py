@@ -185,3 +185,14 @@ def test_the_schema_documents_the_error_statuses_and_soft_deletes():
     for path in ("/api/keys/{id}/", "/api/fleet-tokens/{id}/", "/api/grammars/{id}/", "/api/logit-biases/{id}/"):
         assert "soft delete" in schema["paths"][path]["delete"]["description"], path
     assert "for good" in schema["paths"]["/api/sessions/{id}/"]["delete"]["description"]
+
+
+@pytest.mark.parametrize("body", [b"", b"\x00 a part's bytes"])
+def test_options_on_an_uploads_url_is_answered_not_a_500(body):
+    """DRF's OPTIONS asks the PUT route for its object to check permissions; the upload's route has no pk."""
+    staff = APIClient()
+    staff.force_authenticate(UserFactory(username="operator", is_staff=True))
+    response = staff.generic("OPTIONS", "/api/models/uploads/0/?offset=0", data=body,
+                             content_type="application/octet-stream")
+    assert response.status_code == 200, response.content
+    assert "PUT" in response["Allow"] and response.json()["name"]

@@ -398,7 +398,101 @@ def head_keys(messages):
     return placement_keys(GenerateSpec(gen_id="-", model="smollm2", messages=messages), BUILTINS[BYTES])
 
 
-@pytest.mark.parametrize("code", ["engine_unavailable", "engine_crashed"])
+@pytest.mark.parametrize(("prompt", "cached", "completion", "expected"), [
+    (-10_000_000, -5, -3, (0, 0)),  # negative counts: none
+    (10**9, 10**9, 10**6, (None, None)),  # more than the request sent: at most the bound
+])
+async def test_node_reported_usage_is_bounded_before_the_client_the_quota_and_placement_see_it(
+        bearer, monkeypatch, prompt, cached, completion, expected):
+    from fleet.reported import TEMPLATE_TOKENS
+    from nodes.link.lifecycle import PlacementLifecycle
+
+    add_fake_node(FakeLink(script=Script(prompt_tokens=prompt, cached_tokens=cached,
+                                         reported_completion=completion)), lanes=1)
+    told: list[int] = []  # the completion tokens placement records for the node
+    adone = PlacementLifecycle.adone
+
+    async def spy(self, *args, usage, **kwargs):
+        told.append(usage["completion_tokens"])
+        return await adone(self, *args, usage=usage, **kwargs)
+    monkeypatch.setattr(PlacementLifecycle, "adone", spy)
+    body = chat()
+    answer = await request("POST", CHAT, key=bearer, body=body)
+    assert answer.status == 200
+    usage = answer.json()["usage"]
+    sent = sum(len(m["content"].encode()) + len("role") + len("content") + len(m["role"]) for m in body["messages"])
+    bound = sent + TEMPLATE_TOKENS
+    if expected[0] == 0:
+        assert usage["prompt_tokens"] == 0 and usage["prompt_tokens_details"]["cached_tokens"] == 0
+        assert told == [0]
+    else:
+        assert usage["prompt_tokens"] == bound and usage["prompt_tokens_details"]["cached_tokens"] == bound
+        assert told == [4]  # the four tokens it streamed, not the million it claimed
+    assert usage["completion_tokens"] == 4 and usage["total_tokens"] == usage["prompt_tokens"] + 4
+    record = (await generations())[0]
+    assert record["prompt_tokens"] == usage["prompt_tokens"]
+
+
+async def test_node_reported_embedding_tokens_are_bounded_by_the_texts_sent(bearer, monkeypatch):
+    link = add_fake_node(FakeLink())
+
+    async def state_op(op, args, timeout):
+        return {"embeddings": [[0.5] for _ in args["texts"]], "prompt_tokens": -10_000_000}
+    monkeypatch.setattr(link, "state_op", state_op)
+    answer = await request("POST", "/v1/embeddings", key=bearer, body={"model": "smollm2", "input": ["hello"]})
+    assert answer.status == 200 and answer.json()["usage"] == {"prompt_tokens": 0, "total_tokens": 0}
+
+    async def inflated(op, args, timeout):
+        return {"embeddings": [[0.5] for _ in args["texts"]], "prompt_tokens": 10**9}
+    monkeypatch.setattr(link, "state_op", inflated)
+    answer = await request("POST", "/v1/embeddings", key=bearer, body={"model": "smollm2", "input": ["hello"]})
+    assert answer.json()["usage"]["prompt_tokens"] == len("hello") + 2
+
+
+async def test_an_embedding_whose_node_link_closes_is_answered_by_another_node(bearer, monkeypatch):
+    from nodes.link.messages import LinkClosed
+
+    closing = add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "closing"), lanes=4)  # tried first
+    able = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "able", embeddings=[[1.0, 2.0]]))
+
+    async def closes(op, args, timeout):
+        closing.state_ops.append((op, args))
+        raise LinkClosed("the node link closed")
+    monkeypatch.setattr(closing, "state_op", closes)
+    body = {"model": "smollm2", "input": "hello"}
+    answer = await request("POST", "/v1/embeddings", key=bearer, body=body)
+    assert answer.status == 200 and answer.headers["x-fleet-node"] == "able"
+    assert answer.json()["data"][0]["embedding"] == [1.0, 2.0]
+    assert len(closing.state_ops) == 1 and len(able.state_ops) == 1
+    monkeypatch.setattr(able, "state_op", closes)  # now every node's link closes: a clear 502, no traceback
+    answer = await request("POST", "/v1/embeddings", key=bearer, body=body)
+    assert answer.status == 502 and answer.json()["error"]["code"] == "node_lost"
+
+
+# Each node error code, by whose fault it is (nodes.link.codes.REQUEST_FAULTS says it once for the head).
+REQUEST_FAULT_CODES = ["context_length_exceeded", "invalid_grammar", "invalid_request"]
+NODE_FAULT_CODES = ["engine_unavailable", "engine_crashed", "engine_failed", "media_unavailable", "unknown_op",
+                    "adapter_in_use", "node_lost"]
+
+
+def test_every_node_error_code_is_classified_here():
+    from nodes.link.codes import ErrorCode
+
+    assert sorted(REQUEST_FAULT_CODES + NODE_FAULT_CODES) == sorted(c.value for c in ErrorCode)
+
+
+@pytest.mark.parametrize("code", REQUEST_FAULT_CODES)
+async def test_a_request_fault_before_the_first_token_is_answered_not_placed_again(bearer, code):
+    broken = add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "refusing",
+                                    script=Script(error=(code, "the node refused the request"))), lanes=4)
+    able = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "able"), lanes=1)
+    holds_the_prompt(broken)  # so placement tries it first
+    answer = await request("POST", CHAT, key=bearer, body=chat())
+    assert answer.status == 400 and answer.json()["error"]["code"] == code
+    assert len(broken.specs) == 1 and not able.specs  # another node would refuse it alike
+
+
+@pytest.mark.parametrize("code", NODE_FAULT_CODES)
 async def test_a_node_that_cannot_start_a_generation_hands_it_to_another_at_once(bearer, code):
     from fleet.links import registry
 
@@ -462,6 +556,41 @@ async def test_waiting_generations_get_a_free_lane_in_deadline_order(bearer):
     assert len(link.specs) == 1  # both wait for the one lane
     await link.send_cancel(next(iter(link.running)), "test")
     await asyncio.gather(blocker, late, early)
+    assert [s["messages"][-1]["content"] for s in link.specs] == ["blocker", "early", "late"]
+
+
+async def test_a_newcomer_does_not_take_a_free_lane_from_an_earlier_deadline_still_waiting(bearer, monkeypatch):
+    """The waiting room's `ahead` guard: a lane freed while the waiter has not yet woken goes to the waiter, not to
+    a generation with a later deadline that happens to look first."""
+    from fleet.links import registry
+
+    monkeypatch.setattr("fleet.dispatch.WAKE_CHECK_S", 3600.0)  # only wakes move the waiter
+    link = add_fake_node(FakeLink(script=lambda spec: Script(tokens=[spec["messages"][-1]["content"]],
+                                                             hang=spec["messages"][-1]["content"] == "blocker")),
+                         lanes=1)
+
+    def ask(content, deadline_ms):
+        body = chat(messages=[{"role": "user", "content": content}], deadline_ms=deadline_ms)
+        return asyncio.ensure_future(request("POST", CHAT, key=bearer, body=body))
+
+    blocker = ask("blocker", 60_000)
+    while not link.running:
+        await asyncio.sleep(0.01)
+    early = ask("early", 20_000)
+    await asyncio.sleep(0.2)
+    lanes = registry().lanes
+    # the lane frees, and the waiter is not woken yet (every wake, this process's or Redis's, passes here)
+    lanes._schedule = lambda: None
+    try:
+        await link.send_cancel(next(iter(link.running)), "test")
+        await blocker
+        late = ask("late", 50_000)  # looks while the lane is free and "early" still sleeps
+        await asyncio.sleep(0.3)
+        assert [s["messages"][-1]["content"] for s in link.specs] == ["blocker"]
+    finally:
+        del lanes._schedule
+    lanes.notify()
+    await asyncio.wait_for(asyncio.gather(early, late), 30)
     assert [s["messages"][-1]["content"] for s in link.specs] == ["blocker", "early", "late"]
 
 

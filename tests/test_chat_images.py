@@ -68,12 +68,18 @@ async def test_the_responses_shape_input_image_is_read_too(bearer):
 
 
 async def test_an_image_goes_only_to_a_node_with_vision(bearer):
-    text_only = add_fake_node(FakeLink(identity="text-only", script=Script(tokens=[" no"])), capabilities=["chat"])
-    seeing = add_fake_node(FakeLink(identity="seeing", script=Script(tokens=[" yes"])), capabilities=VISION)
+    # Two nodes, each with its own id; on a tie placement takes the one named first: the text-only one.
+    text_only = add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "a-text-only",
+                                       script=Script(tokens=[" no"])), capabilities=["chat"])
+    seeing = add_fake_node(FakeLink("22222222-2222-2222-2222-222222222222", "b-seeing",
+                                    script=Script(tokens=[" yes"])), capabilities=VISION)
     for _ in range(3):
         answer = await request("POST", URL, key=bearer, body=chat(data_url(png())))
         assert answer.status == 200, answer.chunks
     assert len(seeing.specs) == 3 and not text_only.specs
+    text = {"model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "What is it?"}]}
+    assert (await request("POST", URL, key=bearer, body=text)).status == 200
+    assert len(text_only.specs) == 1  # it was there all along, and takes what needs no vision
 
 
 async def test_with_no_node_that_has_vision_it_is_a_400_naming_the_capability_and_the_flag(bearer):

@@ -127,3 +127,17 @@ def test_fleet_token_expires_in():
     with pytest.raises(CommandError) as info:
         call_command("fleet_token", "--expires-in", "soon")
     assert info.value.returncode == 2 and "like 30m, 12h or 90d" in str(info.value)
+
+
+def test_node_join_with_a_corrupt_kept_token_file_is_one_line_and_exit_2(tmp_path):
+    import os
+
+    kept = tmp_path / "fleet" / "token"
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"\xff\xfe\x00garbage\x80")  # not UTF-8: a disk error, a stray binary write
+    env = {k: v for k, v in os.environ.items() if k != "FLEET_LOCAL_NODE_TOKEN"}
+    result = run_manage("node_join", "127.0.0.1:9", "--model", "smollm2", env={**env, "FLEET_HOME": str(tmp_path)})
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"the kept fleet token in {kept} is unreadable" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr

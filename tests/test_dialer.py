@@ -56,6 +56,12 @@ async def test_the_backoff_doubles_while_dialing_fails_and_starts_over_after_a_s
     assert pauses == [1.0, 2.0, 4.0, 1.0, 2.0, 4.0]
 
 
+async def test_the_real_backoff_starts_at_2_s_and_is_capped_at_30_s(tmp_path, monkeypatch):
+    config = AgentConfig(head="127.0.0.1:1", token=format_token(LOCAL_TOKEN_ID, make_secret()), home=tmp_path)
+    pauses = await delays_between(NodeAgent(config, FakeEngine()), ["fail"] * 7 + ["drop"], monkeypatch)
+    assert pauses == [2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0, 2.0]
+
+
 async def test_the_head_hears_at_once_when_the_engine_goes_down_and_comes_back(tmp_path):
     engine = FakeEngine()
     node, link = agent(tmp_path, engine), HeadLink("127.0.0.1:1")

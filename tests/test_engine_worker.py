@@ -189,3 +189,26 @@ async def test_real_model_worker_generates_and_survives_kill_9():
         assert worker.stats().get("cache_cleared") is True
     finally:
         await worker.stop()
+
+
+async def test_a_crashed_worker_is_restarted_after_the_2_s_cooldown(monkeypatch):
+    """Not at once: a model that aborts llama.cpp at load would otherwise respawn in a tight loop."""
+    import time
+
+    worker = EngineWorker(mock_config(), Recorder())
+    pauses: list[float] = []
+
+    async def sleep(seconds):
+        pauses.append(seconds)
+
+    async def launch():
+        return {"model_name": "mock"}
+
+    monkeypatch.setattr("nodes.agent.engine.worker.asyncio.sleep", sleep)
+    monkeypatch.setattr(worker, "_launch", launch)
+    worker._started_at = time.monotonic()  # it had just started when it died
+    await worker._restart()
+    assert len(pauses) == 1 and 1.9 < pauses[0] <= 2.0 and worker.restarts == 1
+    worker._started_at = time.monotonic() - 60  # it ran a minute: still not at once
+    await worker._restart()
+    assert pauses[1] == 2.0

@@ -517,6 +517,21 @@ async def test_a_register_with_a_malformed_warm_list_is_refused():
     assert await closed_with(comm) == CloseCode.PROTOCOL
 
 
+async def test_a_state_operation_waiting_when_the_link_closes_fails_as_a_closed_link():
+    """Not as the node's answer: /v1/embeddings then asks another node (LinkClosed), as a lost generation is."""
+    import asyncio
+
+    from nodes.link.messages import LinkClosed, StateOp
+
+    comm, channel = await joined()
+    holder = registry().links[str((await Node.objects.aget(identity="gpu-7")).id)]
+    asked = asyncio.ensure_future(holder.state_op("embed", {"texts": ["a cat"]}, 5))
+    assert isinstance(channel.open(await comm.receive_from(timeout=5)), StateOp)
+    await comm.disconnect()
+    with pytest.raises(LinkClosed):
+        await asyncio.wait_for(asked, 5)
+
+
 async def test_a_node_sends_the_tokenizer_the_head_lacks_and_takes_work_once_it_is_in(settings, tmp_path):
     from dataclasses import replace
 

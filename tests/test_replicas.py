@@ -114,3 +114,31 @@ def test_replicas_key_prompts_with_the_models_own_tokenizer_as_the_head_does():
     assert replicas.placement.holders(keys[-1].key) == {f"r{first}"}
     assert keys[-1].tokens == sum(len(head.tokenize(t)) for t in (
         "system\x1e" + SYSTEM["content"].strip() + "\x1e", "user\x1ehi\x1e", "assistant\x1eHello rider\x1e"))
+
+
+def test_each_replica_gets_its_own_cores_and_its_own_gpus(monkeypatch):
+    """`node_join --replicas 2 --gpus 0,1,2,3` on a 4-core host: disjoint cores (each worker's threads fit its
+    share) and each worker sees only its GPUs."""
+    from nodes.agent.main import NodeOptions, engine_configs
+
+    monkeypatch.setattr("nodes.agent.replicas.os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    configs, _, _ = engine_configs(NodeOptions(head=None, model="m", mock={}, replicas=2, gpus="0,1,2,3"))
+    assert [c.cpu_affinity for c in configs] == [[0, 1], [2, 3]]
+    assert [c.threads for c in configs] == [2, 2]
+    assert [c.env for c in configs] == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    one, _, _ = engine_configs(NodeOptions(head=None, model="m", mock={}))
+    assert one[0].cpu_affinity is None and one[0].threads == 4 and one[0].env == {}  # one replica: the whole host
+
+
+async def test_a_worker_process_runs_on_the_cores_it_was_given():
+    import os
+
+    from nodes.agent.engine import EngineConfig, EngineWorker
+
+    core = min(os.sched_getaffinity(0))
+    worker = EngineWorker(EngineConfig(model_name="mock", lanes=1, mock={}, cpu_affinity=[core]), lambda event: None)
+    await worker.start()
+    try:
+        assert os.sched_getaffinity(worker.pid) == {core}
+    finally:
+        await worker.stop()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from nodes.agent.models import resolve_model
-from nodes.agent.vocab import BUILTINS, MOCK, Vocab, tokenizer_fingerprint, vocab_gguf
+from nodes.agent.vocab import BUILTINS, BYTES, MOCK, Vocab, tokenizer_fingerprint, vocab_gguf
 
 BUNDLED, _ = resolve_model("smollm2")
 
@@ -99,7 +99,20 @@ def test_a_node_with_the_registrys_tokenizer_joins_and_one_with_another_is_refus
     assert refused.value.code == CloseCode.TOKENIZER_MISMATCH
     assert refused.value.reason == (f"tokenizer {theirs[:12]} differs from the registry's {ours[:12]} "
                                     "for model 'smollm2'")
-    assert register(identity="gpu-3", public_key="33" * 32, tokenizers={"smollm2": MOCK}).model_names == ["smollm2"]
+
+
+
+@pytest.mark.parametrize("builtin", [MOCK, BYTES])
+def test_a_node_reporting_a_builtin_tokenizer_under_a_registry_models_name_is_refused(registry_model, builtin):
+    """A builtin is no way around the check: placement would key the registry model's prompts with it."""
+    from nodes.link.codes import CloseCode
+    from nodes.services import JoinRefused
+
+    with pytest.raises(JoinRefused) as refused:
+        register(identity="gpu-3", public_key="33" * 32, tokenizers={"smollm2": builtin})
+    assert refused.value.code == CloseCode.TOKENIZER_MISMATCH and f"tokenizer {builtin}" in refused.value.reason
+    assert register(identity="gpu-4", public_key="44" * 32, models=["other-model"],
+                    tokenizers={"other-model": builtin}).model_names == ["other-model"]  # not a registry name
 
 
 # --- the head's tokenizers -----------------------------------------------------------------------------------

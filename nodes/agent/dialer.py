@@ -1,9 +1,12 @@
 """The node's end of the link: dial every head process, hand generations to the engine, stream its frames back.
 
 One link to each live head process (the head reached first names them all); each redials with backoff from 2 s to
-30 s, the seed address resolved again each time (by mDNS when it has no address).
-A refusal (token, identity, revoked key, a head whose key differs from the pinned one) ends the agent at once with a
-line saying what to do.
+30 s, the seed address resolved again each time (by mDNS when it has no address: every head announced is tried in
+turn until one proves the token). A refusal (token, identity, revoked key, a head whose key differs from the pinned
+one) ends the agent at once with a line saying what to do.
+
+Trust: the head's key is pinned only once the head proved it holds the token's secret (its first sealed message
+opened); a responder that proves nothing leaves no pin. See docs/protocol.md, "When the head key is pinned".
 """
 
 from __future__ import annotations
@@ -63,7 +66,16 @@ TOKENIZER_PART = 1024 * 1024  # a tokenizer file's part a frame: well under the 
 
 
 class Refused(Exception):
-    """The head refused this node for good (token, identity, revoked key, changed head key); redialing won't help."""
+    """The head refused this node for good (token, identity, revoked key, changed head key); redialing won't help.
+
+    `proven`: the refusal came from a head that proved it holds the token (a sealed message, or a close after one).
+    An unproven one (a close code before any sealed frame, a key other than the pinned one) may come from anything
+    that answers in the head's place: with several heads announced, the node tries the others first.
+    """
+
+    def __init__(self, line: str, *, proven: bool = True) -> None:
+        super().__init__(line)
+        self.proven = proven
 
 
 @dataclass
@@ -117,7 +129,8 @@ class NodeAgent:
     redialling on its own with the backoff. A generation's frames go back on the link it came on.
     """
 
-    def __init__(self, config: AgentConfig, engine, *, resolve_head: Callable[[], str | None] | None = None):
+    def __init__(self, config: AgentConfig, engine, *,
+                 resolve_head: Callable[[], str | list[str] | None] | None = None):
         self.config = config
         self.engine = engine
         self.resolve_head = resolve_head or (lambda: config.head)
@@ -199,27 +212,35 @@ class NodeAgent:
         if pause:
             await asyncio.sleep(pause)
         while True:
-            # in a thread: finding the head by mDNS blocks, and zeroconf started on a running loop would wait on it
-            head = url or await asyncio.to_thread(self.resolve_head)
-            if head is None:
+            heads = [url] if url else await self._heads()
+            if not heads:
                 log.warning("fleet node: no head found on the local network; retrying in %.0f s", delay)
-            else:
+            refusals: list[Refused] = []
+            for head in heads:
                 link.dial, link.joined = head, False
                 failure: Exception | None = None
                 try:
                     await self._session(link)
-                except Refused:
-                    raise
+                except Refused as exc:
+                    if exc.proven:
+                        raise
+                    refusals.append(exc)
+                    failure = exc
                 except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, LinkError, TimeoutError) as exc:
                     failure = exc
-                if link.joined:  # a session that ran, however it ended: the backoff starts over
+                served = link.joined
+                if served:  # a session that ran, however it ended: the backoff starts over
                     delay = self.config.backoff_start
                 link.joined = False
                 if failure is not None:
                     log.warning("fleet node: link to %s failed: %s; redialing in %.0f s", head, _describe(failure),
                                 delay)
-                if self._gives_way(url, link):
-                    return
+                if served:
+                    break  # this head proved itself and its link ended: find the heads again before redialing
+            if self._gives_way(url, link):
+                return
+            if heads and len(refusals) == len(heads):  # none proved the token, and each refused: say the first
+                raise refusals[0]
             await asyncio.sleep(delay * (0.9 + 0.2 * random.random()))
             delay = min(delay * 2, self.config.backoff_max)
 
@@ -237,6 +258,13 @@ class NodeAgent:
             return True
         return False
 
+    async def _heads(self) -> list[str]:
+        """The heads to try, in order: the given address, or every head announced by mDNS (none of them trusted
+        before it proves the token)."""
+        # in a thread: finding the head by mDNS blocks, and zeroconf started on a running loop would wait on it
+        found = await asyncio.to_thread(self.resolve_head)
+        return [found] if isinstance(found, str) else list(found or [])
+
     async def check_join(self) -> None:
         """Handshake and ask whether this key may join under its identity before the model loads, so a refusal
         stops the node in seconds, not after a long load. A head that does not answer yet is no error: the agent
@@ -248,27 +276,37 @@ class NodeAgent:
         return await self._ask(Pull(identity=self.config.identity, model=model))
 
     async def _ask(self, question: Check | Pull) -> tuple[str, PullGrant] | None:
-        head = await asyncio.to_thread(self.resolve_head)
-        if head is None:
-            return None
-        try:
-            async with websockets.connect(_uri(head), open_timeout=10, close_timeout=2) as ws, _refusals():
-                channel = await self._handshake(ws)
-                await ws.send(channel.seal(question))
-                answer = channel.open(await asyncio.wait_for(ws.recv(), 10))  # a Check is answered by the close
-                if isinstance(answer, Refusal):
-                    raise refused(answer)
-                if not isinstance(answer, PullGrant):
-                    raise LinkError(f"expected pull_grant, got {type(answer).__name__}")
-                return head, answer
-        except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, LinkError, TimeoutError):
-            return None
+        heads = await self._heads()
+        refusals: list[Refused] = []
+        for head in heads:
+            try:
+                return await self._ask_one(head, question)
+            except Refused as exc:
+                if exc.proven:
+                    raise
+                refusals.append(exc)
+            except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, LinkError, TimeoutError):
+                continue
+        if heads and len(refusals) == len(heads):
+            raise refusals[0]
+        return None
+
+    async def _ask_one(self, head: str, question: Check | Pull) -> tuple[str, PullGrant] | None:
+        async with websockets.connect(_uri(head), open_timeout=10, close_timeout=2) as ws, _refusals() as link:
+            channel = link.channel = await self._handshake(ws)
+            await ws.send(channel.seal(question))
+            answer = self._head_proved(channel, await asyncio.wait_for(ws.recv(), 10))  # a Check: the close answers
+            if isinstance(answer, Refusal):
+                raise refused(answer)
+            if not isinstance(answer, PullGrant):
+                raise LinkError(f"expected pull_grant, got {type(answer).__name__}")
+            return head, answer
 
     async def _session(self, link: HeadLink) -> bool:
         uri = _uri(link.dial)
         async with websockets.connect(uri, max_size=MAX_FRAME + 1024, open_timeout=10, ping_interval=20,
-                                      ping_timeout=20, close_timeout=2) as ws, _refusals():
-            channel = await self._handshake(ws)
+                                      ping_timeout=20, close_timeout=2) as ws, _refusals() as proof:
+            channel = proof.channel = await self._handshake(ws)
             registered = await self._register(ws, channel)
             link.head_url = http_base(link.dial)
             link.head = registered.head or _uri(link.dial)
@@ -292,20 +330,31 @@ class NodeAgent:
         return f"linked to {count} of {max(len(self.heads), count)} head process(es)"
 
     async def _handshake(self, ws) -> SecureChannel:
+        """The three handshake frames; the channel's peer has proved nothing yet (see `_head_proved`)."""
         pinned = keys.pinned_head(self.config.home)
         initiator = Initiator(self.token_id, self.psk, self.node_key, pinned_head=pinned)
         await ws.send(initiator.first_frame())
         try:
-            head_key = initiator.read_reply(await asyncio.wait_for(ws.recv(), 10))
+            initiator.read_reply(await asyncio.wait_for(ws.recv(), 10))
         except HeadKeyChanged as exc:
-            raise Refused(f"{exc}. If this node moved to a new head on purpose, run node_join again with "
-                          "--accept-new-head; otherwise something is answering in the head's place") from None
-        if pinned is None:
-            keys.pin_head(self.config.home, head_key)
-            log.info("fleet node: pinned the head's link key %s (first contact)", fingerprint(head_key))
+            # Frame 2 proves nothing, so this is neither the head with a new key nor surely an impostor: the node
+            # stops before proving itself, pins nothing, and says both.
+            raise Refused(f"{exc}; it has not proved it holds the token. If this node's head changed its key on "
+                          "purpose, run node_join again with --accept-new-head (the new key is pinned only once "
+                          "the head proves the token); otherwise something is answering in the head's place",
+                          proven=False) from None
         final, channel = initiator.finish()
         await ws.send(final)
         return channel
+
+    def _head_proved(self, channel: SecureChannel, frame: bytes):
+        """The head's first sealed message, opened: only a holder of the token's secret can seal it, so its key is
+        pinned now if this node has no pin yet (a frame that does not open leaves none: FrameError)."""
+        msg = channel.open(frame)
+        if keys.pin_head(self.config.home, channel.peer_static):
+            log.info("fleet node: pinned the head's link key %s (first contact; the head proved the token)",
+                     fingerprint(channel.peer_static))
+        return msg
 
     async def _register(self, ws, channel: SecureChannel) -> Registered:
         info = self.engine.info()
@@ -319,7 +368,7 @@ class NodeAgent:
             tokenizers={info["model_name"]: info["tokenizer"]} if info.get("tokenizer") else {},
             features=[Feature.HEADS.value],
         )))
-        reply = channel.open(await asyncio.wait_for(ws.recv(), 15))
+        reply = self._head_proved(channel, await asyncio.wait_for(ws.recv(), 15))
         if isinstance(reply, Refusal):
             raise refused(reply)
         if not isinstance(reply, Registered):
@@ -424,7 +473,8 @@ class NodeAgent:
 
 
 def refused(msg: Refusal) -> Refused:
-    """What the node exits with when the head refuses it: the close code's line, with the head's reason."""
+    """What the node exits with when the head refuses it: the close code's line, with the head's reason (a sealed
+    message: proven)."""
     return Refused(refusal(msg.code, msg.reason) or f"the head refused this node: {msg.reason}")
 
 
@@ -457,15 +507,22 @@ def heartbeat_of(stats: dict, *, engine_ready: bool) -> Heartbeat:
     )
 
 
+@dataclass
+class _Link:
+    channel: SecureChannel | None = None  # once the handshake's frames were exchanged
+
+
 @contextlib.asynccontextmanager
 async def _refusals():
-    """A link the head closed with a refusal code ends the agent (Refused); any other close is for redialing."""
+    """A link the head closed with a refusal code ends the agent (Refused: proven when a sealed frame from the head
+    opened first); any other close is for redialing."""
+    link = _Link()
     try:
-        yield
+        yield link
     except ConnectionClosed as exc:
         line = refusal(exc.rcvd.code, exc.rcvd.reason) if exc.rcvd else None
         if line is not None:
-            raise Refused(line) from None
+            raise Refused(line, proven=link.channel is not None and link.channel.peer_proved) from None
         raise
 
 

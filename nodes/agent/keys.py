@@ -1,7 +1,8 @@
 """The node's own link key and the head key it pinned, kept 0600 under `$FLEET_HOME/fleet/`.
 
 The node key says "I am this node": the head binds the node's identity to it at the first join. The pinned head
-key says "this is my fleet's head": a head that presents another key is refused until the owner accepts it.
+key says "this is my fleet's head": written only once a head proved it holds the token's secret, so a responder
+without it leaves no pin; a head that presents another key is refused until the owner accepts it.
 """
 
 from __future__ import annotations
@@ -60,14 +61,17 @@ def node_key_fingerprint(home: Path) -> str:
 
 
 def pinned_head(home: Path) -> bytes | None:
-    """The head key this node pinned on first contact, or None before it."""
+    """The head key this node pinned when a head first proved the token to it, or None before that."""
     path = head_pin_path(home)
     return _read_hex(path, "the pinned head key") if path.exists() else None
 
 
-def pin_head(home: Path, key: bytes) -> None:
-    """Pin the head's key on first contact (or after `forget_head`); a pin already there is kept."""
-    _write_new(head_pin_path(home), key)
+def pin_head(home: Path, key: bytes) -> bool:
+    """Pin the head's key once the head proved the token (the dialer's `_head_proved`), at the first join or after
+    `forget_head`; a pin already there is kept. True when this call wrote it."""
+    if len(key) != DHLEN:
+        raise ValueError(f"a head key is {DHLEN} bytes, not {len(key)}")
+    return _write_new(head_pin_path(home), key)
 
 
 def forget_head(home: Path) -> None:

@@ -75,7 +75,11 @@ def remember_token(options: NodeOptions) -> str:
     if not token and os.environ.get(LOCAL_TOKEN_ENV):
         token, source = os.environ[LOCAL_TOKEN_ENV].strip(), LOCAL_TOKEN_ENV
     if not token and path.exists():
-        token, source = path.read_text().strip(), str(path)
+        try:
+            token, source = path.read_text().strip(), str(path)
+        except (OSError, UnicodeDecodeError) as exc:  # a damaged file: say which, not a traceback
+            raise NodeError(f"the kept fleet token in {path} is unreadable ({exc}); pass a token with --token, "
+                            "which replaces it") from None
     if not token:
         raise NodeError("no fleet token: make one on the head with `manage.py fleet_token` and pass it with --token")
     try:
@@ -248,14 +252,14 @@ def run_node(options: NodeOptions) -> int:
         sys.stderr.write(f"node_join: {exc}\n")
         return 2
 
-    def resolve_head():
+    def resolve_head() -> str | list[str] | None:
         if options.head:
             return options.head
         if options.offline:
             return None
-        from nodes.agent.discovery import find_head
+        from nodes.agent.discovery import find_heads
 
-        return find_head()
+        return find_heads()  # all of them: the dialer tries each until one proves the token
 
     loop = asyncio.new_event_loop()
     main = loop.create_task(_run(options, resolve_head))

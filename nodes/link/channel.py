@@ -37,11 +37,16 @@ class SecureChannel:
         *,
         max_frame: int = MAX_FRAME,
         handshake_hash: bytes = b"",
+        peer_static: bytes = b"",
     ) -> None:
         self._send = send
         self._receive = receive
         self.max_frame = max_frame
         self.handshake_hash = handshake_hash  # the same on both ends; usable for channel binding
+        self.peer_static = peer_static  # the other end's static public key, from the handshake
+        # True once a frame from the peer opened under the final keys: the peer holds the handshake's PSK (in
+        # XXpsk3 the responder's frame 2 proves nothing of it; its first transport frame does).
+        self.peer_proved = False
         self._broken: str | None = None
 
     @property
@@ -106,6 +111,7 @@ class SecureChannel:
             raise self._break(
                 FrameError("frame failed authentication (tampered, replayed, reordered or reflected)")
             ) from exc
+        self.peer_proved = True
         try:
             return messages.decode(body), body
         except LinkError as exc:

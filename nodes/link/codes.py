@@ -22,6 +22,20 @@ class ErrorCode(StrEnum):
     NODE_LOST = "node_lost"  # the head's own: the node's link was lost, or a token batch on its way
 
 
+# The request's fault: another node would refuse it alike, so it is never placed again (a 400 to the client). Every
+# other code, a newer node's unknown one too, is the node's: before the first token the head places the generation
+# on another node (fleet.dispatch); after it, only a lost node is (the client already has the first node's tokens).
+REQUEST_FAULTS = frozenset({ErrorCode.CONTEXT_LENGTH_EXCEEDED, ErrorCode.INVALID_GRAMMAR, ErrorCode.INVALID_REQUEST})
+
+
+def retried_elsewhere(code: str, *, streamed: bool) -> bool:
+    """Whether a generation that failed with `code` is placed again on another node; `streamed`: the client already
+    has tokens from this node."""
+    if streamed:
+        return code == ErrorCode.NODE_LOST
+    return code not in REQUEST_FAULTS
+
+
 class FinishReason(StrEnum):
     """How a generation ended, in a node's `done` (the engine's FINISH_* are these values)."""
 

@@ -5,9 +5,13 @@ Noise_XXpsk3_25519_ChaChaPoly_SHA256, three frames:
 1. node -> head: b"FLEET2" + u16 big-endian len(hello) + hello + Noise message 1 (e), where
    hello = msgpack({"proto": "fleet/2", "token_id": str}). Everything before the Noise message is the Noise
    prologue, so a tampered hello fails the handshake. The head looks the token id up to find the PSK.
-2. head -> node: Noise message 2 (e, ee, s, es): the head's static key, which the node pins on first contact.
+2. head -> node: Noise message 2 (e, ee, s, es): the head's static key. It proves nothing of the token: the PSK
+   enters only at message 3, so anything that answers frame 1 can send a valid message 2.
 3. node -> head: Noise message 3 (s, se, psk): the node's static key (its identity's key) and proof that it
    holds the token's secret. A wrong secret fails here, at the head.
+
+The head proves the secret with its first transport frame: it opens only under keys the PSK went into
+(`SecureChannel.peer_proved`). The node pins the head's key then, never after message 2 alone.
 
 Every payload is empty. `manage.py up`'s own node uses the reserved token id LOCAL_TOKEN_ID with a secret made
 for that run; nothing joins without a PSK.
@@ -160,7 +164,8 @@ def _split_first_frame(frame: bytes) -> tuple[bytes, Hello, bytes]:
 
 def _channel(state: HandshakeState, max_frame: int) -> SecureChannel:
     send, receive = state.split()
-    return SecureChannel(send, receive, max_frame=max_frame, handshake_hash=state.handshake_hash)
+    return SecureChannel(send, receive, max_frame=max_frame, handshake_hash=state.handshake_hash,
+                         peer_static=state.remote_static or b"")
 
 
 class Initiator:

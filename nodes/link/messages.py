@@ -22,6 +22,10 @@ class LinkError(Exception):
     """Anything wrong on the node link: a bad handshake, frame or message. The link is closed."""
 
 
+class LinkClosed(LinkError):
+    """The node's link closed while the head waited on it (a state operation): another node may answer."""
+
+
 class ProtocolError(LinkError):
     """A frame decrypted fine but is not a message this side understands."""
 
