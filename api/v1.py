@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 import struct
 from collections.abc import Awaitable, Callable
@@ -26,6 +25,7 @@ from api.auth import v1_authenticate_async, v1_staff_session
 from api.batches import BATCH_HEADER, batch_key_for
 from api.errors import OpenAIError, body_too_large, invalid, openai_error_response
 from api.generation import Run
+from api.json_in import JsonRefused, json_loads
 from api.quotas import Ticket, quota_admit
 from api.responses import shape_for
 from api.specs import GenerationRequest, aparse, chat_request, completion_request
@@ -109,9 +109,11 @@ def json_body(request: HttpRequest) -> dict[str, Any]:
         raise OpenAIError(415, f"Send the body as JSON with `Content-Type: application/json` (got "
                           f"{content_type or 'none'!r}).", code="unsupported_media_type")
     try:
-        body = json.loads(request.body or b"")
+        body = json_loads(request.body or b"")
     except RequestDataTooBig:
         raise body_too_large(settings.DATA_UPLOAD_MAX_MEMORY_SIZE) from None
+    except JsonRefused as exc:
+        raise invalid(f"The body is not accepted: {exc}.", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid(f"The body is not valid JSON: {exc}.", code="invalid_json") from None
     if not isinstance(body, dict):

@@ -211,6 +211,9 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_THROTTLE_CLASSES": ["api.quotas.RequestQuota"],
     "EXCEPTION_HANDLER": "api.errors.management_exception_handler",
+    # DRF's parsers, its JSON one refusing JSON nested too deep or holding a lone surrogate (api/json_in.py)
+    "DEFAULT_PARSER_CLASSES": ["api.json_in.ClientJSONParser", "rest_framework.parsers.FormParser",
+                               "rest_framework.parsers.MultiPartParser"],
     "DEFAULT_PAGINATION_CLASS": "api.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,
 }
@@ -221,7 +224,7 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "api.schema.document_errors"],
     # The API speaks JSON (form data is accepted, for DRF's browsable forms, but not documented).
-    "PARSER_WHITELIST": ["rest_framework.parsers.JSONParser"],
+    "PARSER_WHITELIST": ["rest_framework.parsers.JSONParser", "api.json_in.ClientJSONParser"],
 }
 
 # The fleet's own knobs.
