@@ -40,6 +40,8 @@ log = logging.getLogger("api")
 
 MAX_EMBED_INPUTS = 256
 EMBED_TIMEOUT_S = 60.0
+EMBED_BATCH_INPUTS = 32  # a node link frame (4 MiB) holds 32 vectors of 8,192 dimensions as msgpack doubles
+EMBED_BATCH_CHARS = 1024 * 1024
 
 
 def openai_view(*methods: str, tokens: bool = False, stream: bool = False, session: bool = False):
@@ -203,21 +205,37 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
     body = json_body(request)
     model, texts, encoding = _embedding_input(body)
     node, link = await _embedding_node(model)
-    try:
-        result = await link.state_op("embed", {"texts": texts, "model": model}, EMBED_TIMEOUT_S)
-    except TimeoutError:
-        raise OpenAIError(504, f"Node {node!r} did not answer the embedding request in {EMBED_TIMEOUT_S:.0f} s.",
-                          code="node_timeout") from None
-    except LinkError as exc:
-        raise OpenAIError(502, f"Node {node!r} could not embed: {exc}", code="embedding_failed") from None
-    vectors = result.get("embeddings") or []
+    vectors, prompt_tokens = [], 0
+    for batch in _embedding_batches(texts):
+        try:
+            result = await link.state_op("embed", {"texts": batch, "model": model}, EMBED_TIMEOUT_S)
+        except TimeoutError:
+            raise OpenAIError(504, f"Node {node!r} did not answer the embedding request in {EMBED_TIMEOUT_S:.0f} s.",
+                              code="node_timeout") from None
+        except LinkError as exc:
+            raise OpenAIError(502, f"Node {node!r} could not embed: {exc}", code="embedding_failed") from None
+        vectors += result.get("embeddings") or []
+        prompt_tokens += int(result.get("prompt_tokens") or sum(max(len(t) // 4, 1) for t in batch))
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, encoding)} for i, v in enumerate(vectors)]
-    prompt_tokens = int(result.get("prompt_tokens") or sum(max(len(t) // 4, 1) for t in texts))
     await request.quota.settle(prompt_tokens)
     response = JsonResponse({"object": "list", "data": data, "model": model,
                              "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
     response["X-Fleet-Node"] = node
     return response
+
+
+def _embedding_batches(texts: list[str]) -> list[list[str]]:
+    """The inputs in runs of at most EMBED_BATCH_INPUTS and EMBED_BATCH_CHARS: one link frame each way holds a run
+    and its vectors (256 vectors of a 4,096-wide model are about 9 MB of msgpack, over a frame)."""
+    batches: list[list[str]] = [[]]
+    size = 0
+    for text in texts:
+        if batches[-1] and (len(batches[-1]) == EMBED_BATCH_INPUTS or size + len(text) > EMBED_BATCH_CHARS):
+            batches.append([])
+            size = 0
+        batches[-1].append(text)
+        size += len(text)
+    return batches
 
 
 def _embedding_input(body: dict[str, Any]) -> tuple[str, list[str], str]:
@@ -231,6 +249,9 @@ def _embedding_input(body: dict[str, Any]) -> tuple[str, list[str], str]:
                       param="input")
     if len(texts) > MAX_EMBED_INPUTS:
         raise invalid(f"input may hold at most {MAX_EMBED_INPUTS} strings.", param="input")
+    if any(len(t) > EMBED_BATCH_CHARS for t in texts):
+        raise invalid(f"each input may hold at most {EMBED_BATCH_CHARS} characters (far past any model's context).",
+                      param="input")
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise invalid('encoding_format must be "float" or "base64".', param="encoding_format")

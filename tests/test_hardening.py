@@ -1,0 +1,65 @@
+"""What a hostile client or a busy node broke (issue 41), in process: each test replays the attack."""
+
+import asyncio
+import os
+
+import pytest
+
+from nodes.agent.dialer import TOKENIZER_PART, AgentConfig, NodeAgent
+from nodes.link.channel import MAX_FRAME
+from nodes.link.handshake import format_token, make_secret
+from nodes.link.messages import StateOp, StateResult, TokenizerFile, encode
+from nodes.link.noise import TAGLEN
+from tests.api_support import FakeLink, add_fake_node, request
+
+pytest_plugins = ["tests.api_fixtures"]
+
+DAPHNE_DEFAULT_MAX_MESSAGE = 1024 * 1024
+
+
+# --- item 1: frames that fit end to end --------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_256_embeddings_go_to_the_node_in_runs_that_each_fit_a_frame(bearer):
+    """In one state op, 256 vectors were more than a frame can carry: the reply was over daphne's cap (the link
+    closed, ending every stream on it), and over the link's own cap for wide models."""
+    link = add_fake_node(FakeLink())
+    texts = [f"text {i}" for i in range(256)]
+    answer = await request("POST", "/v1/embeddings", key=bearer, body={"model": "smollm2", "input": texts})
+    assert answer.status == 200, answer.body
+    assert [d["index"] for d in answer.json()["data"]] == list(range(256))
+    runs = [args["texts"] for op, args in link.state_ops]
+    assert sum(runs, []) == texts and max(len(run) for run in runs) <= 32
+    wide = StateResult(op_id="o", ok=True, result={"embeddings": [[0.1] * 8192] * max(len(r) for r in runs)})
+    assert len(encode(wide)) + TAGLEN <= MAX_FRAME
+
+
+class _HugeEngine:
+    async def state_op(self, op, args):
+        return {"embeddings": [[0.1] * 8192] * 128}  # about 9.4 MB as msgpack doubles
+
+
+async def test_a_node_answers_a_state_op_too_large_for_a_frame_with_an_error_not_a_dead_link(tmp_path):
+    agent = NodeAgent(AgentConfig(head=None, token=format_token("t0ken1d", make_secret()), home=tmp_path),
+                      _HugeEngine())
+    agent.outbox = asyncio.Queue()
+    await agent._on_state_op(StateOp(op_id="o1", op="embed", args={}))
+    reply = agent.outbox.get_nowait()
+    assert isinstance(reply, StateResult) and not reply.ok and "larger than a link frame" in reply.error
+    assert len(encode(reply)) < MAX_FRAME  # the send loop seals it (an oversized one failed the loop: the link)
+
+
+def test_a_tokenizer_part_fits_even_under_daphnes_default_message_cap():
+    part = TokenizerFile(fingerprint="f" * 64, part=0, parts=64, data=os.urandom(TOKENIZER_PART))
+    assert len(encode(part)) + TAGLEN < DAPHNE_DEFAULT_MAX_MESSAGE
+
+
+def test_the_head_starts_daphne_with_the_links_frame_size(settings):
+    from fleet.daphne_options import daphne_limit_args
+
+    settings.FLEET_LINK_MAX_FRAME_BYTES = 8 * 1024 * 1024
+    args = daphne_limit_args()
+    size = int(args[args.index("--websocket-max-message-size") + 1])
+    assert size > settings.FLEET_LINK_MAX_FRAME_BYTES and size > settings.FLEET_MAX_BODY_BYTES
+    assert int(args[args.index("--websocket-max-frame-size") + 1]) == size
