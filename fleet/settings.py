@@ -235,6 +235,9 @@ FLEET_DEFAULT_DEADLINE_MS = env_int("FLEET_DEFAULT_DEADLINE_MS", 60_000)
 FLEET_HEARTBEAT_S = env_int("FLEET_HEARTBEAT_S", 5)
 FLEET_NODE_TIMEOUT_S = env_int("FLEET_NODE_TIMEOUT_S", 20)
 FLEET_MAX_HANDSHAKES = env_int("FLEET_MAX_HANDSHAKES", 8)
+# Of those, at most this many from one address (loopback exempt: local nodes), each stage done within this long.
+FLEET_MAX_HANDSHAKES_PER_ADDRESS = env_int("FLEET_MAX_HANDSHAKES_PER_ADDRESS", 2)
+FLEET_HANDSHAKE_STAGE_S = env_int("FLEET_HANDSHAKE_STAGE_S", 3)
 FLEET_MDNS = env_bool("FLEET_MDNS", True)
 # A head served by daphne (not `manage.py up`) announces itself by mDNS when this names the address nodes should
 # dial: "host:port", or ":port" for this machine's LAN address.

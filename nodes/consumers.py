@@ -14,7 +14,7 @@ import ipaddress
 import json
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 from cachetools import TTLCache
@@ -64,13 +64,13 @@ from nodes.services import JoinRefused, node_group, token_group
 
 log = logging.getLogger("fleet")
 
-HANDSHAKE_TIMEOUT_S = 10
 REVOCATION_CHECK_S = 1
 TOUCH_EVERY_S = 30
 TOKENS_HISTORY_S = 600  # the fleet page's tokens/s chart: this much of each node's heartbeats, kept with them
 PROXY_HEADERS = {b"x-forwarded-for", b"forwarded", b"x-real-ip", b"x-forwarded-host"}
 
 _handshakes_in_progress = 0
+_handshakes_by_peer: Counter = Counter()  # handshakes in progress by address (loopback not counted)
 
 
 def liveness_key(node_id: str) -> str:
@@ -193,16 +193,24 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         self.tokenizers_due: dict[str, list[bytes]] = {}  # fingerprints asked for at register -> the parts so far
         self.tokens_history: deque = deque(maxlen=TOKENS_HISTORY_S // max(settings.FLEET_HEARTBEAT_S, 1) + 1)
         self.in_handshake = False
+        self.counted_peer: str | None = None
+        self.stage_at = time.monotonic()
         self.closing = False
         self.watchdog: asyncio.Task | None = None
-        if _handshakes_in_progress >= settings.FLEET_MAX_HANDSHAKES:
-            log.warning("fleet refused a node from %s: %d handshakes already in progress", self.peer,
-                        _handshakes_in_progress)
+        counted = None if _is_loopback(self.peer) else self.peer
+        if _handshakes_in_progress >= settings.FLEET_MAX_HANDSHAKES or (
+                counted and _handshakes_by_peer[counted] >= settings.FLEET_MAX_HANDSHAKES_PER_ADDRESS):
+            log.warning("fleet refused a node from %s: %d handshakes already in progress (%d from there)", self.peer,
+                        _handshakes_in_progress, _handshakes_by_peer[counted] if counted else 0)
             metrics.link_refused(code=CloseCode.BUSY)
+            # Accepted first: a socket closed before it is accepted is an HTTP 403 from daphne, with no close code
+            await self.accept()
             await self.close(code=int(CloseCode.BUSY), reason="too many handshakes in progress, retry")
             return
         _handshakes_in_progress += 1
-        self.in_handshake = True
+        self.in_handshake, self.counted_peer, self.stage_at = True, counted, time.monotonic()
+        if counted:
+            _handshakes_by_peer[counted] += 1
         await self.accept()
         self.watchdog = asyncio.ensure_future(self._watch())
 
@@ -211,6 +219,10 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         if self.in_handshake:
             self.in_handshake = False
             _handshakes_in_progress -= 1
+            if self.counted_peer:
+                _handshakes_by_peer[self.counted_peer] -= 1
+                if _handshakes_by_peer[self.counted_peer] <= 0:
+                    del _handshakes_by_peer[self.counted_peer]
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         if self.closing:
@@ -266,6 +278,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
                                                         "never through a proxy")
         self.token, psk = await database_sync_to_async(services.fleet_token_for_join)(public_id=hello.token_id)
         await self.send(bytes_data=self.responder.respond(psk))
+        self.stage_at = time.monotonic()  # the node's frame 3 is due within a stage from now
 
     async def _finish_handshake(self, frame: bytes) -> None:
         """Frame 3: the node's static key and its proof of the token's secret; then the channel is open."""
@@ -507,7 +520,8 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
                     await self._refuse(refusal.code, refusal.reason)
                     return
             quiet = time.monotonic() - self.last_frame
-            if self.channel_ is None and quiet > HANDSHAKE_TIMEOUT_S:
+            # Each handshake stage has its own short deadline, frames or not: a slot is held only that long
+            if self.channel_ is None and time.monotonic() - self.stage_at > settings.FLEET_HANDSHAKE_STAGE_S:
                 await self._refuse(CloseCode.PROTOCOL, "no handshake in time")
                 return
             if self.channel_ is not None and quiet > settings.FLEET_NODE_TIMEOUT_S:
