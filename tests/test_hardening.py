@@ -63,3 +63,23 @@ def test_the_head_starts_daphne_with_the_links_frame_size(settings):
     size = int(args[args.index("--websocket-max-message-size") + 1])
     assert size > settings.FLEET_LINK_MAX_FRAME_BYTES and size > settings.FLEET_MAX_BODY_BYTES
     assert int(args[args.index("--websocket-max-frame-size") + 1]) == size
+
+
+# --- item 2: a grammar that froze a node ---------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_grammar_of_nested_repetitions_is_a_400_before_any_node(bearer, fake_node):
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}],
+            "grammar": 'root ::= ((("a"{0,30}){0,30}){0,30})'}
+    answer = await request("POST", "/v1/chat/completions", key=bearer, body=body)
+    assert answer.status == 400 and answer.json()["error"]["code"] == "invalid_grammar", answer.body
+    assert "nested 3 deep" in answer.json()["error"]["message"] and fake_node.specs == []
+
+
+@pytest.mark.parametrize("grammar", ['root ::= ("a"{0,30}){0,30}', 'root ::= ("[" ("(" [a-z]{0,30} ")"){0,30} "]")*',
+                                     'root ::= "\\"(((" x{0,99}\nx ::= [)(]{1,3} # (((', 'root ::= ((("a"?)?)?)'])
+def test_grammars_without_costly_nesting_pass_the_check(grammar):
+    from nodes.link.gbnf import repetition_problem
+
+    assert repetition_problem(grammar) is None
