@@ -259,6 +259,9 @@ FLEET_LOCAL_NODE_TOKEN = os.environ.get("FLEET_LOCAL_NODE_TOKEN", "").strip()
 FLEET_TRUSTED_PROXIES = [p.strip() for p in os.environ.get("FLEET_TRUSTED_PROXIES", "").split(",") if p.strip()]
 # What the head takes from one node: frames a second (sustained, with bursts of twice that) and bytes a frame.
 FLEET_LINK_MAX_FRAMES_PER_S = env_int("FLEET_LINK_MAX_FRAMES_PER_S", 2000)
+# ... or, once a node registered, this many a second for each of its lanes (up to 1,024 lanes) when that is more:
+# 200 lanes at 40 tokens a second are 8,000 messages a second (a bundle's messages count one each).
+FLEET_LINK_MAX_FRAMES_PER_LANE_S = env_int("FLEET_LINK_MAX_FRAMES_PER_LANE_S", 64)
 FLEET_LINK_MAX_FRAME_BYTES = env_int("FLEET_LINK_MAX_FRAME_BYTES", 4 * 1024 * 1024)
 # Input limits: a request body (and a client websocket message) over FLEET_MAX_BODY_BYTES is a 413 before Django
 # reads it; a chat with more than FLEET_MAX_MESSAGES messages is a 400.

@@ -66,6 +66,7 @@ log = logging.getLogger("fleet")
 
 REVOCATION_CHECK_S = 1
 TOUCH_EVERY_S = 30
+MAX_BUDGETED_LANES = 1024  # lanes are the node's own claim: the frame rate they buy is bounded
 TOKENS_HISTORY_S = 600  # the fleet page's tokens/s chart: this much of each node's heartbeats, kept with them
 PROXY_HEADERS = {b"x-forwarded-for", b"forwarded", b"x-real-ip", b"x-forwarded-host"}
 
@@ -232,7 +233,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
             await self._refuse(CloseCode.PROTOCOL, "the node link carries binary frames only")
             return
         if not self.budget.take():
-            await self._refuse(CloseCode.FLOOD, f"more than {settings.FLEET_LINK_MAX_FRAMES_PER_S} frames a second")
+            await self._refuse(CloseCode.FLOOD, f"more than {self.budget.rate:.0f} frames a second")
             return
         try:
             if self.channel_ is not None:
@@ -293,7 +294,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
             if not self.node_id:
                 raise LinkError("bundle before the node registered")
             if not self.budget.take(max(len(msg.parts) - 1, 0)):  # each message counts as the frame it could have had
-                await self._refuse(CloseCode.FLOOD, f"more than {settings.FLEET_LINK_MAX_FRAMES_PER_S} frames a second "
+                await self._refuse(CloseCode.FLOOD, f"more than {self.budget.rate:.0f} frames a second "
                                                     "(a bundle's messages count one each)")
                 return
             self.outgoing = outgoing = {}
@@ -440,6 +441,9 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
             reg = await register(**fields)
         node = reg.node
         self.node_id, self.identity = str(node.id), node.identity
+        # A busy node's token batches grow with its lanes: a fixed rate cut a legitimate node (200 lanes at 40/s)
+        self.budget = FrameBudget(max(settings.FLEET_LINK_MAX_FRAMES_PER_S,
+                                      min(msg.lanes, MAX_BUDGETED_LANES) * settings.FLEET_LINK_MAX_FRAMES_PER_LANE_S))
         self.fleet_names = dict(zip(fields["models"], reg.model_names, strict=False))
         registry_ = registry()
         old = registry_.links.get(self.node_id)
