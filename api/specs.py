@@ -27,7 +27,7 @@ from fleet.selectors import acontext_windows, model_context_window
 from nodes.link.spec import GenerateSpec
 from nodes.registry import media_ref
 from sessions import selectors
-from sessions.services import logit_bias_clean
+from sessions.services import logit_bias_clean, nul_problem
 
 DEFAULT_MAX_TOKENS = 512
 MAX_STOP = 16
@@ -84,6 +84,8 @@ def chat_request(body: Any, *, api_key=None, user=None, windows: dict[str, int] 
         if session is None:
             raise invalid(f"There is no session {body['session']!r} for this API key; create one with "
                           "POST /api/sessions/.", param="session", code="session_not_found")
+        if problem := nul_problem(new_messages, "messages"):  # kept with the session: PostgreSQL cannot store it
+            raise invalid(f"{problem} in a session.", param="messages")
         session_id, history = str(session.id), selectors.session_history(session=session)
     spec.messages = _for_node(history + new_messages, plan)
     _apply_logprobs_chat(spec, body)

@@ -234,3 +234,17 @@ async def test_a_prompt_too_large_for_a_link_frame_is_a_413_before_any_node(bear
     error = openai_error(await request("POST", "/v1/completions", key=bearer, body=body), 413)
     assert error["code"] == "request_too_large" and "FLEET_LINK_MAX_FRAME_BYTES" in error["message"]
     assert fake_node.specs == []
+
+
+async def test_a_nul_character_in_a_session_turn_is_a_400_on_every_backend(bearer, api_user, fake_node):
+    """PostgreSQL cannot store a NUL: the turn was answered (200) and then never stored."""
+    from asgiref.sync import sync_to_async
+
+    from sessions.models import Message
+    from sessions.services import session_create
+
+    session = await sync_to_async(session_create)(owner=api_user, model="smollm2", messages=[])
+    ex = await request("POST", CHAT, key=bearer, body=chat({"role": "user", "content": "a\x00b"},
+                                                           session=str(session.id)))
+    assert openai_error(ex, 400)["param"] == "messages" and "NUL" in ex.json()["error"]["message"]
+    assert fake_node.specs == [] and not await Message.objects.filter(session=session).aexists()
