@@ -23,7 +23,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from api.auth import v1_authenticate_async, v1_staff_session
 from api.batches import BATCH_HEADER, batch_key_for
-from api.errors import OpenAIError, body_too_large, invalid, openai_error_response
+from api.errors import OpenAIError, body_too_large, invalid, openai_error_response, store_unavailable
 from api.generation import Run
 from api.json_in import JsonRefused, json_loads
 from api.quotas import Ticket, quota_admit
@@ -82,7 +82,10 @@ async def _serve_admitted(view, request: HttpRequest, methods, wants: tuple[bool
         return await view(request, *args, **kwargs)
     except OpenAIError as exc:
         return openai_error_response(exc)
-    except Exception:
+    except Exception as exc:
+        if (unavailable := store_unavailable(exc)) is not None:
+            log.warning("api: %s %s: %s (%s)", request.method, request.path, unavailable.message, exc)
+            return openai_error_response(unavailable)
         log.exception("api: %s %s failed", request.method, request.path)
         return openai_error_response(OpenAIError(500, "The head failed to serve this request; it has been "
                                                  "logged.", code="internal_error"))

@@ -288,6 +288,8 @@ FLEET_PULL_GRANT_S = env_int("FLEET_PULL_GRANT_S", 900)
 
 # Threads that write generation records, each keeping its database connection open (SQLite takes one writer at a time).
 FLEET_RECORD_WRITERS = env_int("FLEET_RECORD_WRITERS", 4 if DATABASE_URL else 1)
+# How long a record's write waits for a database that cannot be reached (an outage), retrying, before it is lost.
+FLEET_RECORD_RETRY_S = env_int("FLEET_RECORD_RETRY_S", 300)
 # Freeze what the head loaded before serving out of the garbage collector's full collections (fleet/heap.py).
 FLEET_GC_FREEZE = env_bool("FLEET_GC_FREEZE", True)
 # The head's garbage collector thresholds (gc.set_threshold: generations 0, 1 and 2) as "a,b,c"; empty for Python's

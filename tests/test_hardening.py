@@ -83,3 +83,45 @@ def test_grammars_without_costly_nesting_pass_the_check(grammar):
     from nodes.link.gbnf import repetition_problem
 
     assert repetition_problem(grammar) is None
+
+
+# --- items 6 and 4: the database or Redis away -------------------------------------------------------------------
+
+
+def _down(exc):
+    def raising(*args, **kwargs):
+        raise exc
+
+    return raising
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("exc", ["database", "redis"])
+async def test_a_request_that_needs_an_unreachable_store_is_a_503_with_retry_after(bearer, monkeypatch, exc):
+    """During a 10 s PostgreSQL or Redis outage every such request was a bare 500."""
+    from django.db import OperationalError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from nodes import selectors
+
+    error = OperationalError("could not connect to server") if exc == "database" else RedisConnectionError("refused")
+    monkeypatch.setattr(selectors, "node_models_served", _down(error))
+    answer = await request("GET", "/v1/models", key=bearer)
+    assert answer.status == 503 and answer.headers["retry-after"] == "5", answer.body
+    assert answer.json()["error"]["code"] == "service_unavailable"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_management_api_answers_503_with_retry_after_while_the_database_is_away(api_user, monkeypatch):
+    from django.db import OperationalError
+    from rest_framework.test import APIClient
+
+    from api.services import api_key_create
+    from sessions import selectors
+
+    _, key = api_key_create(owner=api_user, name="dev")
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    monkeypatch.setattr(selectors, "session_list", _down(OperationalError("the database system is starting up")))
+    answer = client.get("/api/sessions/")
+    assert answer.status_code == 503 and answer["Retry-After"] == "5" and "database" in answer.json()["detail"]
