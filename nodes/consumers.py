@@ -24,6 +24,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.core.cache import cache
 from django.db import IntegrityError
+from redis.exceptions import RedisError
 
 from fleet import metrics
 from fleet.dbsweep import FramesSkipSweep
@@ -66,6 +67,8 @@ log = logging.getLogger("fleet")
 
 REVOCATION_CHECK_S = 1
 TOUCH_EVERY_S = 30
+NODE_DOWN_RETRY_FIRST_S, NODE_DOWN_RETRY_MAX_S = 1.0, 30.0
+REDIS_AWAY = (RedisError, OSError)  # Redis unreachable: placement and the channel layer raise these
 MAX_BUDGETED_LANES = 1024  # lanes are the node's own claim: the frame rate they buy is bounded
 TOKENS_HISTORY_S = 600  # the fleet page's tokens/s chart: this much of each node's heartbeats, kept with them
 PROXY_HEADERS = {b"x-forwarded-for", b"forwarded", b"x-real-ip", b"x-forwarded-host"}
@@ -134,6 +137,32 @@ def _register_problem(msg: Register) -> str | None:
     if not all(isinstance(g, str) and 0 < len(g) <= 64 for g in msg.warm) or len(msg.warm) > 64 * max(msg.lanes, 1):
         return "warm must list generation ids (at most 64 per lane)"
     return _json_problem(models=msg.models, capabilities=msg.capabilities, labels=msg.labels, replicas=msg.replicas)
+
+
+async def _node_down(reg, node_id: str) -> None:
+    """Take a lost node out of placement. With Redis away (an outage) that failed, and the rest of the link's cleanup
+    with it: the node stayed placeable, generations went nowhere (node_stuck) until a restart. Now the rest goes on,
+    and this is tried again, backing off, until Redis is back (unless the node rejoined meanwhile)."""
+    try:
+        await reg.aplacement.node_down(node_id)
+    except REDIS_AWAY as exc:
+        log.warning("fleet node %s: placement cannot be told it is gone (%s); again once Redis is back", node_id, exc)
+        asyncio.ensure_future(_node_down_later(reg, node_id))
+
+
+async def _node_down_later(reg, node_id: str) -> None:
+    delay = NODE_DOWN_RETRY_FIRST_S
+    while True:
+        await asyncio.sleep(delay)
+        if node_id in reg.links:
+            return  # it rejoined: its new link put it back in placement
+        try:
+            await reg.aplacement.node_down(node_id)
+        except REDIS_AWAY:
+            delay = min(delay * 2, NODE_DOWN_RETRY_MAX_S)
+            continue
+        log.info("fleet node %s: taken out of placement now that Redis is back", node_id)
+        return
 
 
 class FrameBudget:
@@ -538,13 +567,14 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         if self.watchdog is not None:
             self.watchdog.cancel()
         if self.token is not None and self.channel_ is not None:
-            await self.channel_layer.group_discard(token_group(self.token.public_id), self.channel_name)
+            with contextlib.suppress(*REDIS_AWAY):  # a group's membership expires by itself
+                await self.channel_layer.group_discard(token_group(self.token.public_id), self.channel_name)
         if not self.node_id:
             return
         reg = registry()
         if reg.links.get(self.node_id) is self:
             del reg.links[self.node_id]
-            await reg.aplacement.node_down(self.node_id)
+            await _node_down(reg, self.node_id)
             await database_sync_to_async(services.node_mark_offline)(node_id=self.node_id)
             await database_sync_to_async(services.link_event_record)(
                 kind=LinkEvent.Kind.DROPPED, node_id=self.node_id, identity=self.identity, peer=self.peer or "",
@@ -562,14 +592,15 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
                 try:
                     await self.channel_layer.send(reply_to, {"type": "relay.lost", "gen_id": gen_id,
                                                              "node_id": self.node_id, "reason": reason})
-                except ChannelFull:  # the rest of the teardown still runs; that process's link check finds out
+                except (ChannelFull, *REDIS_AWAY):  # the rest of the teardown runs; that process's link check finds out
                     log.warning("node link %s: the head process of generation %s was not told its node was lost "
                                 "(its channel is full); its own link check will find out", self.identity, gen_id)
         self.running.clear()
         for fut in self.pending_ops.values():
             if not fut.done():
                 fut.set_exception(LinkError("the node link closed"))
-        await self.channel_layer.group_discard(node_group(self.node_id), self.channel_name)
+        with contextlib.suppress(*REDIS_AWAY):
+            await self.channel_layer.group_discard(node_group(self.node_id), self.channel_name)
         reg.lanes.notify()
 
     # --- LinkHandle, used by fleet.dispatch ---

@@ -817,3 +817,42 @@ async def test_a_dropped_link_tells_every_other_head_process_it_can_even_when_on
     assert told["type"] == "relay.lost" and told["gen_id"] == placed[reading]
     assert not holder.running and not holder.remote
     assert "was not told its node was lost" in caplog.text
+
+
+async def test_a_link_lost_while_redis_is_away_is_cleaned_up_and_leaves_placement_once_it_is_back(monkeypatch):
+    """A 10 s Redis outage: the lost link's cleanup stopped at placement, the node stayed placeable and generations
+    went nowhere (node_stuck, 504s) until the head restarted."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from nodes import consumers
+
+    monkeypatch.setattr(consumers, "NODE_DOWN_RETRY_FIRST_S", 0.05)
+    comm, _ = await joined()
+    node_id = next(iter(registry().links))
+    placement = registry().aplacement
+    real_down, away = placement.node_down, {"calls": 0}
+
+    async def redis_away_twice(nid):
+        away["calls"] += 1
+        if away["calls"] <= 2:
+            raise RedisConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+        await real_down(nid)
+
+    monkeypatch.setattr(placement, "node_down", redis_away_twice)
+    stream = generation_stream(GenerateSpec(gen_id=uuid.uuid4().hex, model="smollm2", prompt="Hi"),
+                               deadline=time.time() + 20)
+    first = asyncio.ensure_future(stream.__aiter__().__anext__())
+    await asyncio.sleep(0.2)
+    await comm.disconnect()
+    _open.remove(comm)
+    # The rest of the cleanup ran: the node is offline, and the generation there is told so (not stuck)
+    assert (await Node.objects.aget(pk=node_id)).state == Node.State.OFFLINE
+    done, _ = await asyncio.wait({first}, timeout=10)
+    assert done  # an answer (the node was lost, no other serves the model), not a wait for frames that never come
+    # And once Redis is back the node leaves placement
+    for _ in range(100):
+        if not registry().placement.nodes():
+            break
+        await asyncio.sleep(0.05)
+    assert away["calls"] == 3 and not registry().placement.nodes()
+    await stream.cancel()
