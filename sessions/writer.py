@@ -103,7 +103,8 @@ def _call(fn: Callable[..., Any], args: tuple) -> Any:
         try:
             return fn(*args)
         except (OperationalError, InterfaceError) as exc:  # the database cannot be reached: wait for it
-            if time.monotonic() + delay > deadline:
+            # SQLite is a local file, never away: its OperationalError is a lock, which the caller hears of at once
+            if connections["default"].vendor == "sqlite" or time.monotonic() + delay > deadline:
                 log.error("writer: %s failed for %s s (%s); given up", fn.__name__, settings.FLEET_RECORD_RETRY_S, exc)
                 raise
             log.warning("writer: %s failed (%s); again in %.1f s", fn.__name__, exc, delay)
