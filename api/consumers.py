@@ -13,7 +13,6 @@ socket and its other generations go on.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from contextlib import suppress
 from typing import Any
@@ -27,6 +26,7 @@ from django.conf import settings
 from api.auth import bearer_from_scope
 from api.errors import OpenAIError
 from api.generation import Run
+from api.json_in import JsonRefused, json_loads
 from api.json_out import json_text
 from api.quotas import Ticket, quota_admit
 from api.services import api_key_authenticate, api_key_verified
@@ -100,7 +100,10 @@ class ClientStreamConsumer(FramesSkipSweep, AsyncJsonWebsocketConsumer):
                                         f"hold at most {settings.FLEET_MAX_BODY_BYTES} (FLEET_MAX_BODY_BYTES)."))
             return
         try:
-            frame = json.loads(text_data if text_data is not None else bytes_data)
+            frame = json_loads(text_data if text_data is not None else bytes_data)
+        except JsonRefused as exc:
+            await self.send_json(_error(None, 0, "invalid_json", f"The frame is not accepted: {exc}."))
+            return
         except (ValueError, TypeError):
             await self.send_json(_error(None, 0, "invalid_json", "Each frame is one JSON object."))
             return

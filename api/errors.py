@@ -66,6 +66,26 @@ def body_too_large(limit: int) -> OpenAIError:
                        "FLEET_MAX_BODY_BYTES); send less, e.g. fewer or shorter messages.", code="request_too_large")
 
 
+STORE_RETRY_AFTER_S = 5
+
+
+def store_unavailable(exc: BaseException) -> OpenAIError | None:
+    """A 503 with Retry-After when `exc` says the database or Redis cannot be reached (an outage, a restart), which
+    was a bare 500; None for anything else. The head recovers by itself once they are back."""
+    from django.db import InterfaceError, OperationalError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    if isinstance(exc, OperationalError | InterfaceError):
+        what = "database"
+    elif isinstance(exc, RedisConnectionError | RedisTimeoutError):
+        what = "Redis"
+    else:
+        return None
+    return OpenAIError(503, f"The head cannot reach its {what} just now; retry in a few seconds.",
+                       code="service_unavailable", headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+
+
 def management_exception_handler(exc: Exception, context: dict) -> Response | None:
     """DRF's handler, plus the errors services raise (ValueError, Django's ValidationError) as 400s and a body over
     Django's DATA_UPLOAD_MAX_MEMORY_SIZE as a 413.
@@ -87,6 +107,9 @@ def management_exception_handler(exc: Exception, context: dict) -> Response | No
         return response
     if isinstance(exc, Http404 | PermissionDenied):  # pragma: no cover - DRF handles these above
         return None
+    if (unavailable := store_unavailable(exc)) is not None:
+        log.warning("api: %s: %s", unavailable.message, exc)
+        return Response({"detail": unavailable.message}, status=503, headers=unavailable.headers)
     log.exception("api: unhandled error in %s", context.get("view").__class__.__name__)
     return Response({"detail": "Internal error; it has been logged."}, status=status.HTTP_500_INTERNAL_SERVER_ERROR)
 

@@ -136,7 +136,13 @@ def remote_allowed(host: str) -> bool:
 
 
 def _remote(url: str, param: str) -> bytes:
-    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        host = urllib.parse.urlsplit(url).hostname or ""
+    except ValueError as exc:  # e.g. "http://[x/": an unclosed IPv6 address
+        raise invalid(f"{param}: the image URL cannot be read: {exc}.", param=param, code="invalid_image_url") from None
+    if "\\" in url or any(ord(c) < 33 for c in url):  # parsers disagree about these (a backslash is a slash to some)
+        raise invalid(f"{param}: an image URL may hold no backslash, space or control character.", param=param,
+                      code="invalid_image_url")
     if not remote_allowed(host):
         raise invalid(f"{param}: this head does not fetch remote image URLs ({host or url[:40]!r}); send the image "
                       "as a base64 data URL, or ask the operator to allow the host in FLEET_MEDIA_REMOTE_URLS.",

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
@@ -26,12 +27,13 @@ from fleet.selectors import acontext_windows, model_context_window
 from nodes.link.spec import GenerateSpec
 from nodes.registry import media_ref
 from sessions import selectors
-from sessions.services import logit_bias_clean
+from sessions.services import logit_bias_clean, nul_problem
 
 DEFAULT_MAX_TOKENS = 512
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
 MAX_DEADLINE_MS = 3_600_000
+LINK_FRAME_SLACK = 64 * 1024
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -82,6 +84,8 @@ def chat_request(body: Any, *, api_key=None, user=None, windows: dict[str, int] 
         if session is None:
             raise invalid(f"There is no session {body['session']!r} for this API key; create one with "
                           "POST /api/sessions/.", param="session", code="session_not_found")
+        if problem := nul_problem(new_messages, "messages"):  # kept with the session: PostgreSQL cannot store it
+            raise invalid(f"{problem} in a session.", param="messages")
         session_id, history = str(session.id), selectors.session_history(session=session)
     spec.messages = _for_node(history + new_messages, plan)
     _apply_logprobs_chat(spec, body)
@@ -121,9 +125,22 @@ def _request(kind, spec, body, api_key, *, plan=None, session_id=None, new_messa
     # A deadline the client gave bounds the whole generation; the default only bounds the wait for a lane,
     # so a client that asked for none gets its whole answer however long the node takes.
     spec.deadline = deadline if body.get("deadline_ms") is not None else None
+    _fits_a_link_frame(spec)
     return GenerationRequest(kind, spec, deadline, stream=stream, include_usage=stream and bool(
         options.get("include_usage")), tools=plan, session_id=session_id, new_messages=new_messages or [],
         api_key=api_key)
+
+
+def _fits_a_link_frame(spec: GenerateSpec) -> None:
+    """A 413 for a spec the node link cannot carry (one frame, FLEET_LINK_MAX_FRAME_BYTES): sent, it was refused by
+    the link as the node was reached, a 502 `node_lost`. LINK_FRAME_SLACK leaves room for the text a resumed
+    generation carries and the message's own fields."""
+    limit = settings.FLEET_LINK_MAX_FRAME_BYTES - LINK_FRAME_SLACK
+    size = len(msgpack.packb(spec.to_dict(), use_bin_type=True))
+    if size > limit:
+        raise OpenAIError(413, f"This request makes a {size}-byte message for the node; a node link carries at most "
+                          f"{limit} (FLEET_LINK_MAX_FRAME_BYTES less room for its replies). Send a shorter prompt, "
+                          "fewer messages, or a smaller logit_bias, grammar or tool list.", code="request_too_large")
 
 
 # --- the common parameters ------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 import struct
 from collections.abc import Awaitable, Callable
@@ -24,8 +23,9 @@ from django.views.decorators.csrf import csrf_exempt
 
 from api.auth import v1_authenticate_async, v1_staff_session
 from api.batches import BATCH_HEADER, batch_key_for
-from api.errors import OpenAIError, body_too_large, invalid, openai_error_response
+from api.errors import OpenAIError, body_too_large, invalid, openai_error_response, store_unavailable
 from api.generation import Run
+from api.json_in import JsonRefused, json_loads
 from api.quotas import Ticket, quota_admit
 from api.responses import shape_for
 from api.specs import GenerationRequest, aparse, chat_request, completion_request
@@ -41,6 +41,8 @@ log = logging.getLogger("api")
 MAX_EMBED_INPUTS = 256
 EMBED_TIMEOUT_S = 60.0
 EMBED_ATTEMPTS = 3  # nodes tried when links close under an embedding (as MAX_ATTEMPTS for a generation)
+EMBED_BATCH_INPUTS = 32  # a node link frame (4 MiB) holds 32 vectors of 8,192 dimensions as msgpack doubles
+EMBED_BATCH_CHARS = 1024 * 1024
 
 
 def openai_view(*methods: str, tokens: bool = False, stream: bool = False, session: bool = False):
@@ -81,7 +83,10 @@ async def _serve_admitted(view, request: HttpRequest, methods, wants: tuple[bool
         return await view(request, *args, **kwargs)
     except OpenAIError as exc:
         return openai_error_response(exc)
-    except Exception:
+    except Exception as exc:
+        if (unavailable := store_unavailable(exc)) is not None:
+            log.warning("api: %s %s: %s (%s)", request.method, request.path, unavailable.message, exc)
+            return openai_error_response(unavailable)
         log.exception("api: %s %s failed", request.method, request.path)
         return openai_error_response(OpenAIError(500, "The head failed to serve this request; it has been "
                                                  "logged.", code="internal_error"))
@@ -110,9 +115,11 @@ def json_body(request: HttpRequest) -> dict[str, Any]:
         raise OpenAIError(415, f"Send the body as JSON with `Content-Type: application/json` (got "
                           f"{content_type or 'none'!r}).", code="unsupported_media_type")
     try:
-        body = json.loads(request.body or b"")
+        body = json_loads(request.body or b"")
     except RequestDataTooBig:
         raise body_too_large(settings.DATA_UPLOAD_MAX_MEMORY_SIZE) from None
+    except JsonRefused as exc:
+        raise invalid(f"The body is not accepted: {exc}.", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid(f"The body is not valid JSON: {exc}.", code="invalid_json") from None
     if not isinstance(body, dict):
@@ -201,11 +208,13 @@ async def audio_transcriptions(request: HttpRequest) -> HttpResponse:
 async def embeddings(request: HttpRequest) -> HttpResponse:
     body = json_body(request)
     model, texts, encoding = _embedding_input(body)
-    node, result = await _embedded(model, texts)
-    vectors = result.get("embeddings") or []
+    node, vectors, prompt_tokens = "", [], 0
+    for batch in _embedding_batches(texts):
+        node, result = await _embedded(model, batch)
+        vectors += result.get("embeddings") or []
+        prompt_tokens += count_checked(result.get("prompt_tokens") or sum(max(len(t) // 4, 1) for t in batch),
+                                       embedding_tokens_bound(batch), what="prompt_tokens", node=node)
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, encoding)} for i, v in enumerate(vectors)]
-    prompt_tokens = count_checked(result.get("prompt_tokens") or sum(max(len(t) // 4, 1) for t in texts),
-                                  embedding_tokens_bound(texts), what="prompt_tokens", node=node)
     await request.quota.settle(prompt_tokens)
     response = JsonResponse({"object": "list", "data": data, "model": model,
                              "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
@@ -232,6 +241,20 @@ async def _embedded(model: str, texts: list[str]) -> tuple[str, dict[str, Any]]:
     raise OpenAIError(502, f"The links of nodes {', '.join(lost)} closed while they embedded.", code="node_lost")
 
 
+def _embedding_batches(texts: list[str]) -> list[list[str]]:
+    """The inputs in runs of at most EMBED_BATCH_INPUTS and EMBED_BATCH_CHARS: one link frame each way holds a run
+    and its vectors (256 vectors of a 4,096-wide model are about 9 MB of msgpack, over a frame)."""
+    batches: list[list[str]] = [[]]
+    size = 0
+    for text in texts:
+        if batches[-1] and (len(batches[-1]) == EMBED_BATCH_INPUTS or size + len(text) > EMBED_BATCH_CHARS):
+            batches.append([])
+            size = 0
+        batches[-1].append(text)
+        size += len(text)
+    return batches
+
+
 def _embedding_input(body: dict[str, Any]) -> tuple[str, list[str], str]:
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
@@ -243,6 +266,9 @@ def _embedding_input(body: dict[str, Any]) -> tuple[str, list[str], str]:
                       param="input")
     if len(texts) > MAX_EMBED_INPUTS:
         raise invalid(f"input may hold at most {MAX_EMBED_INPUTS} strings.", param="input")
+    if any(len(t) > EMBED_BATCH_CHARS for t in texts):
+        raise invalid(f"each input may hold at most {EMBED_BATCH_CHARS} characters (far past any model's context).",
+                      param="input")
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise invalid('encoding_format must be "float" or "base64".', param="encoding_format")

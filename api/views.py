@@ -115,7 +115,8 @@ class FleetTokenViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.R
 class ApiKeyViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                     mixins.DestroyModelMixin, viewsets.GenericViewSet):
     """Your own API keys (staff: everyone's). The key is shown once, in the create response; DELETE revokes it.
-    Quotas are set by staff in the admin; here they are read-only."""
+    Quotas are set by staff in the admin; here they are read-only. Only staff create keys: quotas are per key, so a
+    key that could mint another (at the defaults, or even at its own limits) would multiply what staff allowed it."""
 
     serializer_class = s.ApiKeySerializer
     queryset = ApiKey.objects.none()  # for the schema; get_queryset narrows to the caller's keys
@@ -124,7 +125,10 @@ class ApiKeyViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retri
         keys = ApiKey.objects.select_related("owner").order_by("-created_at")
         return keys if self.request.user.is_staff else keys.filter(owner=self.request.user)
 
-    @extend_schema(responses={201: s.ApiKeyCreatedSerializer})
+    def get_permissions(self):
+        return [IsStaff()] if self.action == "create" else super().get_permissions()
+
+    @extend_schema(responses={201: s.ApiKeyCreatedSerializer}, description="Staff only.")
     def create(self, request, *args, **kwargs):
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)

@@ -50,6 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from fleet.daphne_options import daphne_limit_args  # noqa: E402
 from tests.live import PYTHON, Head, free_port, make_head, make_peer_head, wait_for  # noqa: E402
 from tests.mock_node import start_mock_node  # noqa: E402
 
@@ -280,7 +281,7 @@ def start_head(head: Head, profile: Path | None, n: int) -> None:
     head.log_path = head.home / f"daphne-{head.port}.log"
     wrap = ["-m", "cProfile", "-o", str(profile / f"head-{n}.prof")] if profile else []
     head.proc = subprocess.Popen([PYTHON, *wrap, "-m", "daphne", "-b", "127.0.0.1", "-p", str(head.port),
-                                  "fleet.asgi:application"], cwd=ROOT, env=head.env,
+                                  *daphne_limit_args(), "fleet.asgi:application"], cwd=ROOT, env=head.env,
                                  stdout=open(head.log_path, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
                                  start_new_session=True)
     wait_for(lambda: head.health() is not None, 60, f"head on port {head.port} did not start: {head.log()}")

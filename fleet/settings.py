@@ -211,6 +211,9 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_THROTTLE_CLASSES": ["api.quotas.RequestQuota"],
     "EXCEPTION_HANDLER": "api.errors.management_exception_handler",
+    # DRF's parsers, its JSON one refusing JSON nested too deep or holding a lone surrogate (api/json_in.py)
+    "DEFAULT_PARSER_CLASSES": ["api.json_in.ClientJSONParser", "rest_framework.parsers.FormParser",
+                               "rest_framework.parsers.MultiPartParser"],
     "DEFAULT_PAGINATION_CLASS": "api.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,
 }
@@ -221,7 +224,7 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "api.schema.document_errors"],
     # The API speaks JSON (form data is accepted, for DRF's browsable forms, but not documented).
-    "PARSER_WHITELIST": ["rest_framework.parsers.JSONParser"],
+    "PARSER_WHITELIST": ["rest_framework.parsers.JSONParser", "api.json_in.ClientJSONParser"],
 }
 
 # The fleet's own knobs.
@@ -232,6 +235,9 @@ FLEET_DEFAULT_DEADLINE_MS = env_int("FLEET_DEFAULT_DEADLINE_MS", 60_000)
 FLEET_HEARTBEAT_S = env_int("FLEET_HEARTBEAT_S", 5)
 FLEET_NODE_TIMEOUT_S = env_int("FLEET_NODE_TIMEOUT_S", 20)
 FLEET_MAX_HANDSHAKES = env_int("FLEET_MAX_HANDSHAKES", 8)
+# Of those, at most this many from one address (loopback exempt: local nodes), each stage done within this long.
+FLEET_MAX_HANDSHAKES_PER_ADDRESS = env_int("FLEET_MAX_HANDSHAKES_PER_ADDRESS", 2)
+FLEET_HANDSHAKE_STAGE_S = env_int("FLEET_HANDSHAKE_STAGE_S", 3)
 FLEET_MDNS = env_bool("FLEET_MDNS", True)
 # A head served by daphne (not `manage.py up`) announces itself by mDNS when this names the address nodes should
 # dial: "host:port", or ":port" for this machine's LAN address.
@@ -256,6 +262,9 @@ FLEET_LOCAL_NODE_TOKEN = os.environ.get("FLEET_LOCAL_NODE_TOKEN", "").strip()
 FLEET_TRUSTED_PROXIES = [p.strip() for p in os.environ.get("FLEET_TRUSTED_PROXIES", "").split(",") if p.strip()]
 # What the head takes from one node: frames a second (sustained, with bursts of twice that) and bytes a frame.
 FLEET_LINK_MAX_FRAMES_PER_S = env_int("FLEET_LINK_MAX_FRAMES_PER_S", 2000)
+# ... or, once a node registered, this many a second for each of its lanes (up to 1,024 lanes) when that is more:
+# 200 lanes at 40 tokens a second are 8,000 messages a second (a bundle's messages count one each).
+FLEET_LINK_MAX_FRAMES_PER_LANE_S = env_int("FLEET_LINK_MAX_FRAMES_PER_LANE_S", 64)
 FLEET_LINK_MAX_FRAME_BYTES = env_int("FLEET_LINK_MAX_FRAME_BYTES", 4 * 1024 * 1024)
 # Input limits: a request body (and a client websocket message) over FLEET_MAX_BODY_BYTES is a 413 before Django
 # reads it; a chat with more than FLEET_MAX_MESSAGES messages is a 400.
@@ -282,6 +291,8 @@ FLEET_PULL_GRANT_S = env_int("FLEET_PULL_GRANT_S", 900)
 
 # Threads that write generation records, each keeping its database connection open (SQLite takes one writer at a time).
 FLEET_RECORD_WRITERS = env_int("FLEET_RECORD_WRITERS", 4 if DATABASE_URL else 1)
+# How long a record's write waits for a database that cannot be reached (an outage), retrying, before it is lost.
+FLEET_RECORD_RETRY_S = env_int("FLEET_RECORD_RETRY_S", 300)
 # Freeze what the head loaded before serving out of the garbage collector's full collections (fleet/heap.py).
 FLEET_GC_FREEZE = env_bool("FLEET_GC_FREEZE", True)
 # The head's garbage collector thresholds (gc.set_threshold: generations 0, 1 and 2) as "a,b,c"; empty for Python's

@@ -14,7 +14,7 @@ import ipaddress
 import json
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 from cachetools import TTLCache
@@ -23,6 +23,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.core.cache import cache
 from django.db import IntegrityError
+from redis.exceptions import RedisError
 
 from fleet import heads, metrics
 from fleet.dbsweep import FramesSkipSweep
@@ -65,13 +66,16 @@ from nodes.services import JoinRefused, node_group, token_group
 
 log = logging.getLogger("fleet")
 
-HANDSHAKE_TIMEOUT_S = 10
 REVOCATION_CHECK_S = 1
 TOUCH_EVERY_S = 30
+NODE_DOWN_RETRY_FIRST_S, NODE_DOWN_RETRY_MAX_S = 1.0, 30.0
+REDIS_AWAY = (RedisError, OSError)  # Redis unreachable: placement and the channel layer raise these
+MAX_BUDGETED_LANES = 1024  # lanes are the node's own claim: the frame rate they buy is bounded
 TOKENS_HISTORY_S = 600  # the fleet page's tokens/s chart: this much of each node's heartbeats, kept with them
 PROXY_HEADERS = {b"x-forwarded-for", b"forwarded", b"x-real-ip", b"x-forwarded-host"}
 
 _handshakes_in_progress = 0
+_handshakes_by_peer: Counter = Counter()  # handshakes in progress by address (loopback not counted)
 
 
 def liveness_key(node_id: str) -> str:
@@ -136,6 +140,34 @@ def _register_problem(msg: Register) -> str | None:
     return _json_problem(models=msg.models, capabilities=msg.capabilities, labels=msg.labels, replicas=msg.replicas)
 
 
+async def _node_down(reg, node_id: str) -> bool:
+    """Take a lost link's node out of this process's placement links; True while another head process still links
+    it. With Redis away (an outage) that failed, and the rest of the link's cleanup with it: the node stayed
+    placeable, generations went nowhere (node_stuck) until a restart. Now the rest goes on, and this is tried again,
+    backing off, until Redis is back (unless the node rejoined meanwhile)."""
+    try:
+        return await reg.aplacement.node_down(node_id, heads.PROCESS_ID)
+    except REDIS_AWAY as exc:
+        log.warning("fleet node %s: placement cannot be told it is gone (%s); again once Redis is back", node_id, exc)
+        asyncio.ensure_future(_node_down_later(reg, node_id))
+        return False  # not known: the node is marked offline, as a lost link's node is
+
+
+async def _node_down_later(reg, node_id: str) -> None:
+    delay = NODE_DOWN_RETRY_FIRST_S
+    while True:
+        await asyncio.sleep(delay)
+        if node_id in reg.links:
+            return  # it rejoined: its new link put it back in placement
+        try:
+            await reg.aplacement.node_down(node_id, heads.PROCESS_ID)
+        except REDIS_AWAY:
+            delay = min(delay * 2, NODE_DOWN_RETRY_MAX_S)
+            continue
+        log.info("fleet node %s: taken out of placement now that Redis is back", node_id)
+        return
+
+
 class FrameBudget:
     """A token bucket over a node's frames: `rate` a second sustained, bursts up to twice that."""
 
@@ -193,16 +225,24 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         self.tokenizers_due: dict[str, list[bytes]] = {}  # fingerprints asked for at register -> the parts so far
         self.tokens_history: deque = deque(maxlen=TOKENS_HISTORY_S // max(settings.FLEET_HEARTBEAT_S, 1) + 1)
         self.in_handshake = False
+        self.counted_peer: str | None = None
+        self.stage_at = time.monotonic()
         self.closing = False
         self.watchdog: asyncio.Task | None = None
-        if _handshakes_in_progress >= settings.FLEET_MAX_HANDSHAKES:
-            log.warning("fleet refused a node from %s: %d handshakes already in progress", self.peer,
-                        _handshakes_in_progress)
+        counted = None if _is_loopback(self.peer) else self.peer
+        if _handshakes_in_progress >= settings.FLEET_MAX_HANDSHAKES or (
+                counted and _handshakes_by_peer[counted] >= settings.FLEET_MAX_HANDSHAKES_PER_ADDRESS):
+            log.warning("fleet refused a node from %s: %d handshakes already in progress (%d from there)", self.peer,
+                        _handshakes_in_progress, _handshakes_by_peer[counted] if counted else 0)
             metrics.link_refused(code=CloseCode.BUSY)
+            # Accepted first: a socket closed before it is accepted is an HTTP 403 from daphne, with no close code
+            await self.accept()
             await self.close(code=int(CloseCode.BUSY), reason="too many handshakes in progress, retry")
             return
         _handshakes_in_progress += 1
-        self.in_handshake = True
+        self.in_handshake, self.counted_peer, self.stage_at = True, counted, time.monotonic()
+        if counted:
+            _handshakes_by_peer[counted] += 1
         await self.accept()
         self.watchdog = asyncio.ensure_future(self._watch())
 
@@ -211,6 +251,10 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         if self.in_handshake:
             self.in_handshake = False
             _handshakes_in_progress -= 1
+            if self.counted_peer:
+                _handshakes_by_peer[self.counted_peer] -= 1
+                if _handshakes_by_peer[self.counted_peer] <= 0:
+                    del _handshakes_by_peer[self.counted_peer]
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         if self.closing:
@@ -220,7 +264,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
             await self._refuse(CloseCode.PROTOCOL, "the node link carries binary frames only")
             return
         if not self.budget.take():
-            await self._refuse(CloseCode.FLOOD, f"more than {settings.FLEET_LINK_MAX_FRAMES_PER_S} frames a second")
+            await self._refuse(CloseCode.FLOOD, f"more than {self.budget.rate:.0f} frames a second")
             return
         try:
             if self.channel_ is not None:
@@ -266,6 +310,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
                                                         "never through a proxy")
         self.token, psk = await database_sync_to_async(services.fleet_token_for_join)(public_id=hello.token_id)
         await self.send(bytes_data=self.responder.respond(psk))
+        self.stage_at = time.monotonic()  # the node's frame 3 is due within a stage from now
 
     async def _finish_handshake(self, frame: bytes) -> None:
         """Frame 3: the node's static key and its proof of the token's secret; then the channel is open."""
@@ -280,7 +325,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
             if not self.node_id:
                 raise LinkError("bundle before the node registered")
             if not self.budget.take(max(len(msg.parts) - 1, 0)):  # each message counts as the frame it could have had
-                await self._refuse(CloseCode.FLOOD, f"more than {settings.FLEET_LINK_MAX_FRAMES_PER_S} frames a second "
+                await self._refuse(CloseCode.FLOOD, f"more than {self.budget.rate:.0f} frames a second "
                                                     "(a bundle's messages count one each)")
                 return
             for part, part_body in unbundle(msg):
@@ -387,6 +432,9 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
             reg = await register(**fields)
         node = reg.node
         self.node_id, self.identity = str(node.id), node.identity
+        # A busy node's token batches grow with its lanes: a fixed rate cut a legitimate node (200 lanes at 40/s)
+        self.budget = FrameBudget(max(settings.FLEET_LINK_MAX_FRAMES_PER_S,
+                                      min(msg.lanes, MAX_BUDGETED_LANES) * settings.FLEET_LINK_MAX_FRAMES_PER_LANE_S))
         self.fleet_names = dict(zip(fields["models"], reg.model_names, strict=False))
         registry_ = registry()
         old = registry_.links.get(self.node_id)
@@ -472,7 +520,8 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
                     await self._refuse(refusal.code, refusal.reason)
                     return
             quiet = time.monotonic() - self.last_frame
-            if self.channel_ is None and quiet > HANDSHAKE_TIMEOUT_S:
+            # Each handshake stage has its own short deadline, frames or not: a slot is held only that long
+            if self.channel_ is None and time.monotonic() - self.stage_at > settings.FLEET_HANDSHAKE_STAGE_S:
                 await self._refuse(CloseCode.PROTOCOL, "no handshake in time")
                 return
             if self.channel_ is not None and quiet > settings.FLEET_NODE_TIMEOUT_S:
@@ -485,13 +534,14 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         if self.watchdog is not None:
             self.watchdog.cancel()
         if self.token is not None and self.channel_ is not None:
-            await self.channel_layer.group_discard(token_group(self.token.public_id), self.channel_name)
+            with contextlib.suppress(*REDIS_AWAY):  # a group's membership expires by itself
+                await self.channel_layer.group_discard(token_group(self.token.public_id), self.channel_name)
         if not self.node_id:
             return
         reg = registry()
         if reg.links.get(self.node_id) is self:
             del reg.links[self.node_id]
-            if not await reg.aplacement.node_down(self.node_id, heads.PROCESS_ID):  # its last link, fleet-wide
+            if not await _node_down(reg, self.node_id):  # its last link, fleet-wide
                 await database_sync_to_async(services.node_mark_offline)(node_id=self.node_id)
             await database_sync_to_async(services.link_event_record)(
                 kind=LinkEvent.Kind.DROPPED, node_id=self.node_id, identity=self.identity, peer=self.peer or "",
@@ -509,7 +559,8 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         for fut in self.pending_ops.values():
             if not fut.done():
                 fut.set_exception(LinkClosed("the node link closed"))
-        await self.channel_layer.group_discard(node_group(self.node_id), self.channel_name)
+        with contextlib.suppress(*REDIS_AWAY):
+            await self.channel_layer.group_discard(node_group(self.node_id), self.channel_name)
         reg.lanes.notify()
 
     # --- LinkHandle, used by fleet.dispatch ---

@@ -16,6 +16,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Max
 from django.utils import timezone
 
+from nodes.link.gbnf import repetition_problem
 from nodes.models import Node
 from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message
 from sessions.writer import writers
@@ -210,7 +211,7 @@ def gbnf_problem(source: str) -> str | None:
         return "the grammar is empty"
     if not any(line.strip().startswith("root") and "::=" in line for line in source.splitlines()):
         return "a GBNF grammar needs a `root ::= ...` rule"
-    return None
+    return repetition_problem(source)
 
 
 def grammar_handle_create(*, kind: str, source: str | dict, name: str = "", owner=None, api_key=None) -> GrammarHandle:

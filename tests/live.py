@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fleet.daphne_options import daphne_limit_args
 from nodes.link.handshake import LOCAL_TOKEN_ID, format_token, make_secret
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +70,8 @@ class Head:
         self.log_path = self.home / f"daphne-{self.port}.log"
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
         self.proc = subprocess.Popen(
-            [PYTHON, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), "fleet.asgi:application"],
+            [PYTHON, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), *daphne_limit_args(),
+             "fleet.asgi:application"],
             cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         wait_for(lambda: self.health() is not None, 60, f"head on port {self.port} did not start: {self.log()}")

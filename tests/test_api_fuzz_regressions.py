@@ -196,3 +196,66 @@ def test_options_on_an_uploads_url_is_answered_not_a_500(body):
                              content_type="application/octet-stream")
     assert response.status_code == 200, response.content
     assert "PUT" in response["Allow"] and response.json()["name"]
+
+
+# --- hostile input (issue 41): each was a 500, or a 502 after it broke the node's link ---------------------------
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "smollm2", "messages": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+    b'{"model": "smollm2", "messages": [{"role": "user", "content": "\\ud800"}]}',
+    b'{"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "stop": ["\\udfff"]}',
+])
+async def test_json_nested_too_deep_or_with_a_lone_surrogate_is_a_400(bearer, fake_node, raw):
+    error = openai_error(await request("POST", CHAT, key=bearer, raw=raw), 400)
+    assert error["code"] == "invalid_json" and ("nested" in error["message"] or "surrogate" in error["message"])
+    assert fake_node.specs == []
+
+
+def test_json_nested_too_deep_is_a_400_on_the_management_api_too(client):
+    answer = client.post("/api/sessions/", b'{"model": "smollm2", "metadata": ' + b'{"a": ' * 1000 + b"1" +
+                         b"}" * 1000 + b"}", content_type="application/json")
+    assert answer.status_code == 400 and "nested" in answer.json()["detail"], answer.content
+
+
+@pytest.mark.parametrize("depth", [15, 29, 31, 40])
+async def test_a_deep_json_schema_is_a_400_or_served(bearer, fake_node, depth):
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    body = chat(response_format={"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}})
+    ex = await request("POST", CHAT, key=bearer, body=body)
+    assert ex.status in (200, 400), ex.body
+    if ex.status == 400:
+        openai_error(ex, 400)
+
+
+@pytest.mark.parametrize("url", ["http://a\\b/x.png", "https://\\\\evil\\x.png", "http://[x/", "http://a b/"])
+async def test_a_hostile_image_url_is_a_400(bearer, fake_node, settings, url):
+    settings.FLEET_MEDIA_REMOTE_URLS = ["*"]
+    part = {"type": "image_url", "image_url": {"url": url}}
+    ex = await request("POST", CHAT, key=bearer, body=chat({"role": "user", "content": [part]}))
+    error = openai_error(ex, 400)
+    assert error["param"] == "messages[0].content[0]" and error["code"] == "invalid_image_url"  # not even fetched
+
+
+async def test_a_prompt_too_large_for_a_link_frame_is_a_413_before_any_node(bearer, fake_node, settings):
+    settings.FLEET_LINK_MAX_FRAME_BYTES = 256 * 1024  # the 4 MiB body limit's case, smaller
+    body = {"model": "smollm2", "prompt": "x" * (300 * 1024), "max_tokens": 1}
+    error = openai_error(await request("POST", "/v1/completions", key=bearer, body=body), 413)
+    assert error["code"] == "request_too_large" and "FLEET_LINK_MAX_FRAME_BYTES" in error["message"]
+    assert fake_node.specs == []
+
+
+async def test_a_nul_character_in_a_session_turn_is_a_400_on_every_backend(bearer, api_user, fake_node):
+    """PostgreSQL cannot store a NUL: the turn was answered (200) and then never stored."""
+    from asgiref.sync import sync_to_async
+
+    from sessions.models import Message
+    from sessions.services import session_create
+
+    session = await sync_to_async(session_create)(owner=api_user, model="smollm2", messages=[])
+    ex = await request("POST", CHAT, key=bearer, body=chat({"role": "user", "content": "a\x00b"},
+                                                           session=str(session.id)))
+    assert openai_error(ex, 400)["param"] == "messages" and "NUL" in ex.json()["error"]["message"]
+    assert fake_node.specs == [] and not await Message.objects.filter(session=session).aexists()

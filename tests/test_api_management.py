@@ -46,9 +46,18 @@ def test_the_api_needs_a_valid_key():
     assert response.status_code == 401 and "wrong or revoked" in response.json()["detail"]
 
 
-def test_api_keys_are_shown_once_and_revoking_one_locks_it_out(client, person):
-    created = client.post("/api/keys/", {"name": "ci"}, format="json")
+def test_only_staff_mint_api_keys(client, person):
+    """A key staff limited cannot mint another one (at the defaults, or at its own limits: quotas are per key)."""
+    ApiKey.objects.filter(owner=person).update(requests_per_minute=1)
+    refused = client.post("/api/keys/", {"name": "escape"}, format="json")
+    assert refused.status_code == 403 and "staff" in refused.json()["detail"]
+    assert ApiKey.objects.filter(owner=person).count() == 1
+
+
+def test_api_keys_are_shown_once_and_revoking_one_locks_it_out(client, person, staff):
+    created = staff.post("/api/keys/", {"name": "ci"}, format="json")
     assert created.status_code == 201 and created.json()["key"].startswith(created.json()["prefix"] + ".")
+    ApiKey.objects.filter(pk=created.json()["id"]).update(owner=person)  # staff made it for the person
     listed = client.get("/api/keys/").json()["results"]
     assert {k["name"] for k in listed} == {"dev", "ci"} and all("key" not in k for k in listed)
     other = UserFactory(is_staff=False)

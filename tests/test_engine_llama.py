@@ -529,3 +529,17 @@ def test_the_heartbeat_carries_the_prefill_rate_and_decode_slowdown_the_engine_m
 
     # each further lane decoding makes a step slower, by less than a second
     assert 0 < heartbeat.decode_slowdown_ms < 1000
+
+
+def test_a_grammar_too_costly_to_sample_fails_alone_at_once(engine):
+    """`((("a"{0,30}){0,30}){0,30})` (62 bytes) held a node's decode loop for 59 minutes. Refused before any step:
+    literally nested (the static check), or nested through rule references (the timed probe); the generation beside
+    them runs."""
+    out = run_local(engine, [
+        chat("nested", "hi", grammar='root ::= ((("a"{0,30}){0,30}){0,30})', max_tokens=4),
+        chat("by-rules", "hi", grammar='root ::= y{0,10}\ny ::= x{0,10}\nx ::= "a"{0,10}', max_tokens=4),
+        chat("beside", "Is the sky blue?", grammar='root ::= "yes" | "no"', max_tokens=4),
+    ])
+    assert out["nested"].error.code == "invalid_grammar" and "nested 3 deep" in out["nested"].error.message
+    assert out["by-rules"].error.code == "invalid_grammar" and "too costly" in out["by-rules"].error.message
+    assert out["beside"].done is not None and out["beside"].text in ("yes", "no")

@@ -571,6 +571,7 @@ async def test_floods_of_frames_for_generations_the_node_does_not_hold(steady, c
 
 async def test_a_frame_rate_flood_closes_4009_and_a_burst_within_twice_the_rate_does_not(steady, caplog, settings):
     settings.FLEET_LINK_MAX_FRAMES_PER_S = rate = 50  # after the steady node joined: it keeps the default budget
+    settings.FLEET_LINK_MAX_FRAMES_PER_LANE_S = 10  # 4 lanes buy less than the rate
     rng = random.Random(SEED + 6)
     for case in range(10):
         flood = rng.randrange(4 * rate, 8 * rate)
@@ -589,6 +590,7 @@ async def test_a_frame_rate_flood_closes_4009_and_a_burst_within_twice_the_rate_
 
 async def test_a_bundle_counts_each_of_its_messages_against_the_frame_rate(steady, caplog, settings):
     settings.FLEET_LINK_MAX_FRAMES_PER_S = rate = 50
+    settings.FLEET_LINK_MAX_FRAMES_PER_LANE_S = 10
     beat = encode(Heartbeat(lanes_busy=0, lanes=4))
 
     async def attack(node: Hostile) -> None:
@@ -599,4 +601,21 @@ async def test_a_bundle_counts_each_of_its_messages_against_the_frame_rate(stead
 
     await refused(attack, CloseCode.FLOOD, caplog, steady, "one bundle over the frame rate")
     assert "a bundle's messages count one each" in caplog.text
+    await steady.finish()
+
+
+async def test_a_node_with_many_lanes_gets_a_frame_rate_for_them(steady, caplog, settings):
+    """200 lanes at 40 tokens a second are 8,000 messages a second: the fixed 2,000 cut such a node (4009)."""
+    settings.FLEET_LINK_MAX_FRAMES_PER_S, settings.FLEET_LINK_MAX_FRAMES_PER_LANE_S = 50, 10
+    beat = encode(Heartbeat(lanes_busy=0, lanes=40))
+    busy = Hostile()
+    assert (await busy.comm.connect())[0]
+    channel = await busy.handshake()
+    await busy.send(channel.seal(replace(HOSTILE, lanes=40)))  # buys 400 a second, bursts of 800
+    assert isinstance(channel.open(await busy.receive()), Registered)
+    await busy.send(channel.seal(Bundle(parts=[beat] * 700)))  # 14 times the base rate
+    assert await busy.comm.receive_nothing(timeout=0.3)
+    await busy.send(channel.seal(Bundle(parts=[beat] * 1000)))  # past what its lanes buy
+    assert await closed_with(busy.comm) == CloseCode.FLOOD
+    assert "more than 400 frames a second" in caplog.text
     await steady.finish()

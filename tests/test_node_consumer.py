@@ -391,7 +391,8 @@ async def test_at_most_eight_handshakes_at_once(settings):
     for comm in comms:
         assert (await comm.connect())[0]
     ninth = communicator()
-    assert await ninth.connect() == (False, 4008)
+    # accepted, then closed with 4008: refused before accepting, daphne answered HTTP 403, with no close code
+    assert await ninth.connect() == (True, None) and await closed_with(ninth) == 4008
     await ninth.disconnect()  # as a client does after a refusal: else its application task outlives the test
     _open.remove(ninth)
     for comm in comms:
@@ -399,6 +400,35 @@ async def test_at_most_eight_handshakes_at_once(settings):
     _open.clear()
     again = communicator()
     assert (await again.connect())[0]  # the slots are free again
+
+
+async def test_one_address_holds_at_most_two_handshake_slots(settings):
+    """About 12 idle sockets from one address, reopened as they closed, held every slot: no node could join."""
+    idle = [communicator(peer="203.0.113.9") for _ in range(settings.FLEET_MAX_HANDSHAKES_PER_ADDRESS)]
+    for comm in idle:
+        assert (await comm.connect())[0]
+    third = communicator(peer="203.0.113.9")
+    assert await third.connect() == (True, None) and await closed_with(third) == 4008
+    elsewhere = communicator(peer="198.51.100.7")  # a node elsewhere still joins
+    assert (await elsewhere.connect())[0]
+    _, token = await sync_to_async(fleet_token_create)(name="rack")
+    assert (await handshake(elsewhere, token=token)).handshake_hash
+
+
+async def test_a_socket_that_stalls_in_a_handshake_stage_loses_its_slot(settings, caplog):
+    settings.FLEET_HANDSHAKE_STAGE_S = 1
+    silent = communicator(peer="203.0.113.9")
+    assert (await silent.connect())[0]
+    output = await silent.receive_output(timeout=4)  # one second's stage, the watchdog's tick
+    assert (output["type"], output["code"]) == ("websocket.close", 4003)
+    stalled = communicator(peer="203.0.113.9")
+    assert (await stalled.connect())[0]
+    _, token = await sync_to_async(fleet_token_create)(name="rack")
+    token_id, psk = parse_token(token)
+    await stalled.send_to(bytes_data=Initiator(token_id, psk, NODE_KEY).first_frame())  # frame 1, then nothing
+    await stalled.receive_from(timeout=5)  # frame 2
+    assert await closed_with(stalled) == 4003
+    assert "no handshake in time" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -648,3 +678,42 @@ async def test_a_node_that_does_not_take_heads_is_sent_none(monkeypatch):
     comm, channel = await joined()
     await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=0, lanes=4)))
     assert await comm.receive_nothing(timeout=0.3)
+
+
+async def test_a_link_lost_while_redis_is_away_is_cleaned_up_and_leaves_placement_once_it_is_back(monkeypatch):
+    """A 10 s Redis outage: the lost link's cleanup stopped at placement, the node stayed placeable and generations
+    went nowhere (node_stuck, 504s) until the head restarted."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from nodes import consumers
+
+    monkeypatch.setattr(consumers, "NODE_DOWN_RETRY_FIRST_S", 0.05)
+    comm, _ = await joined()
+    node_id = next(iter(registry().links))
+    placement = registry().aplacement
+    real_down, away = placement.node_down, {"calls": 0}
+
+    async def redis_away_twice(nid, *args):
+        away["calls"] += 1
+        if away["calls"] <= 2:
+            raise RedisConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+        return await real_down(nid, *args)
+
+    monkeypatch.setattr(placement, "node_down", redis_away_twice)
+    stream = generation_stream(GenerateSpec(gen_id=uuid.uuid4().hex, model="smollm2", prompt="Hi"),
+                               deadline=time.time() + 20)
+    first = asyncio.ensure_future(stream.__aiter__().__anext__())
+    await asyncio.sleep(0.2)
+    await comm.disconnect()
+    _open.remove(comm)
+    # The rest of the cleanup ran: the node is offline, and the generation there is told so (not stuck)
+    assert (await Node.objects.aget(pk=node_id)).state == Node.State.OFFLINE
+    done, _ = await asyncio.wait({first}, timeout=10)
+    assert done  # an answer (the node was lost, no other serves the model), not a wait for frames that never come
+    # And once Redis is back the node leaves placement
+    for _ in range(100):
+        if not registry().placement.nodes():
+            break
+        await asyncio.sleep(0.05)
+    assert away["calls"] == 3 and not registry().placement.nodes()
+    await stream.cancel()

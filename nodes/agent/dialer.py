@@ -54,7 +54,9 @@ from nodes.link.messages import (
     StateOp,
     StateResult,
     TokenizerFile,
+    encode,
 )
+from nodes.link.noise import TAGLEN
 from nodes.link.spec import GenerateSpec, SpecError
 
 log = logging.getLogger("nodes.agent")
@@ -62,7 +64,7 @@ log = logging.getLogger("nodes.agent")
 BACKOFF_START_S = 2.0
 BACKOFF_MAX_S = 30.0
 READY_POLL_S = 0.1  # how often the engine's liveness is looked at between heartbeats
-TOKENIZER_PART = 1024 * 1024  # a tokenizer file's part a frame: well under the link's frame cap (MAX_FRAME)
+TOKENIZER_PART = 960 * 1024  # a tokenizer part a frame: under the link cap, and daphne's default 1 MiB too
 
 
 class Refused(Exception):
@@ -444,6 +446,9 @@ class NodeAgent:
             reply = StateResult(op_id=msg.op_id, ok=True, result=result)
         except Exception as exc:  # reported to the head, which answers its client with it
             reply = StateResult(op_id=msg.op_id, ok=False, error=str(exc), code=type(exc).__name__)
+        if reply.ok and len(encode(reply)) + TAGLEN > MAX_FRAME:  # sealing it would fail the send loop: the link
+            reply = StateResult(op_id=msg.op_id, ok=False, code="FrameError",
+                                error=f"the answer to {msg.op} is larger than a link frame ({MAX_FRAME} bytes)")
         if link.outbox is not None:
             link.outbox.put_nowait(reply)
 

@@ -18,6 +18,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from api.services import api_key_create
+from fleet.daphne_options import daphne_limit_args
 from fleet.discovery import Announcer
 from nodes.link.handshake import LOCAL_TOKEN_ID, format_token, make_secret
 
@@ -82,7 +83,7 @@ class Command(BaseCommand):
                "FLEET_HEAD_URL": os.environ.get("FLEET_HEAD_URL") or f"http://{head_host}:{options['port']}"}
         commands = {
             "daphne": [python, "-m", "daphne", "-b", options["host"], "-p", str(options["port"]),
-                       "fleet.asgi:application"],
+                       *daphne_limit_args(), "fleet.asgi:application"],
         }
         if not options["no_celery"]:
             commands["celery"] = [python, "-m", "celery", "-A", "fleet", "worker", "-B", "--pool=solo",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import math
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,10 +15,15 @@ import numpy as np
 from nodes.agent.engine.base import EngineError
 from nodes.agent.engine.model import LoadedModel
 from nodes.link.codes import ErrorCode
+from nodes.link.gbnf import repetition_problem
 from nodes.link.spec import GenerateSpec
 
 PENALTY_LAST_N = 64  # llama.cpp's default window for repeat/frequency/presence penalties
 MAX_TOP_LOGPROBS = 20
+GRAMMAR_PROBE_TOKENS = 512
+# A grammar whose filter of the vocabulary would take longer is refused (JSON schemas' grammars take 0.01-0.07 s on
+# this machine, and the filter runs only on the steps where the chain's pick breaks the grammar)
+GRAMMAR_FILTER_BUDGET_S = 2.0
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
 
 
@@ -210,10 +216,29 @@ def _add_bias(chain: Any, n_vocab: int, biases: dict[int, float]) -> None:
 
 
 def _grammar(model: LoadedModel, gbnf: str) -> Any:
+    if problem := repetition_problem(gbnf):  # a JSON schema's grammar, or a head that did not check
+        raise EngineError(ErrorCode.INVALID_GRAMMAR, f"the grammar's {problem}")
     grammar = L.llama_sampler_init_grammar(model.vocab, gbnf.encode("utf-8"), b"root")
     if not grammar:
         raise EngineError(ErrorCode.INVALID_GRAMMAR, "the grammar does not parse as GBNF with a `root` rule")
+    cost = _full_filter_cost_s(grammar, model.n_vocab)
+    if cost > GRAMMAR_FILTER_BUDGET_S:
+        L.llama_sampler_free(grammar)
+        raise EngineError(ErrorCode.INVALID_GRAMMAR, f"the grammar is too costly to sample: filtering the vocabulary "
+                          f"would take about {cost:.1f} s a token (at most {GRAMMAR_FILTER_BUDGET_S} s)")
     return grammar
+
+
+def _full_filter_cost_s(grammar: Any, n_vocab: int) -> float:
+    """What one filter of the whole vocabulary by `grammar` would take, timed on GRAMMAR_PROBE_TOKENS of it: what
+    the static check cannot see (repetitions nested through rule references) shows here, before any decode step
+    waits on it. Applying leaves the grammar's state as it was (only accepting a token moves it)."""
+    count = min(GRAMMAR_PROBE_TOKENS, n_vocab)
+    data = (L.llama_token_data * count)(*(L.llama_token_data(i, 0.0, 0.0) for i in range(count)))
+    array = L.llama_token_data_array(data, count, -1, False)
+    started = time.perf_counter()
+    L.llama_sampler_apply(grammar, ctypes.byref(array))
+    return (time.perf_counter() - started) * n_vocab / count
 
 
 def _add_pick(chain: Any, spec: GenerateSpec, greedy: bool) -> None:
