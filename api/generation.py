@@ -159,15 +159,15 @@ class Run:
         if self.finished is None and not outcome.finish_reason:
             outcome.finish_reason = "cancelled" if status == Generation.Status.CANCELLED else ""
         trace = GenerationTrace(
-            gen_id=request.gen_id, kind=request.kind, model=request.spec.model, status=status, outcome=outcome,
-            parameters=request.parameters(), error=error, session_id=request.session_id,
+            gen_id=request.gen_id, kind=request.api or request.kind, model=request.spec.model, status=status,
+            outcome=outcome, parameters=request.parameters(), error=error, session_id=request.session_id,
             api_key_id=request.api_key.pk if request.api_key is not None else None,
             new_messages=request.new_messages + [self.answer_message()] if request.session_id else [],
             finished_at=time.time(),
         )
         code = self.error.code if self.error is not None else ""
         metrics.generation_ended(model=trace.model, status=status, code=code, outcome=outcome,
-                                 finished_at=trace.finished_at)
+                                 finished_at=trace.finished_at, api=trace.kind)
         log.info("api: generation %s %s on %s: %d prompt tokens (%d cached), %d completion tokens%s", request.gen_id,
                  status, outcome.node or "no node", outcome.prompt_tokens, outcome.cached_tokens,
                  outcome.completion_tokens, f" ({code})" if code else "")

@@ -49,6 +49,7 @@ class GenerationRequest:
     new_messages: list[dict[str, Any]] = field(default_factory=list)
     api_key: Any = None
     batch: bool = False  # a batch line: placed below interactive generations (fleet.dispatch)
+    api: str = ""  # the interface that asked, where it is not `kind`'s own ("responses", "messages")
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

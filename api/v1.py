@@ -42,11 +42,13 @@ MAX_EMBED_INPUTS = 256
 EMBED_TIMEOUT_S = 60.0
 
 
-def openai_view(*methods: str, tokens: bool = False, stream: bool = False, session: bool = False):
+def openai_view(*methods: str, tokens: bool = False, stream: bool = False, session: bool = False,
+                errors: Callable[[OpenAIError], HttpResponse] = openai_error_response):
     """Wrap an async view: method check, API-key auth, the key's quota (`tokens`: the view spends tokens, `stream`:
     it runs a generation, which holds a stream slot), OpenAIError (or a bug) as an error object, and the
     x-ratelimit headers on whatever the view answers. `session`: a request with no key may come from the admin
-    playground instead (a staff session with its CSRF token; no key, so no quota, as on the playground's socket)."""
+    playground instead (a staff session with its CSRF token; no key, so no quota, as on the playground's socket).
+    `errors`: how an OpenAIError is answered (another API's shape: Anthropic's on /v1/messages)."""
 
     def wrap(view: Callable[..., Awaitable[HttpResponse]]):
         @csrf_exempt
@@ -54,7 +56,8 @@ def openai_view(*methods: str, tokens: bool = False, stream: bool = False, sessi
         async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
             request.quota = None
             try:
-                response = await _serve_admitted(view, request, methods, (tokens, stream, session), *args, **kwargs)
+                response = await _serve_admitted(view, request, methods, (tokens, stream, session), errors, *args,
+                                                 **kwargs)
             finally:
                 if request.quota is not None and not request.quota.owned:  # no Run took it: free its slot now
                     await request.quota.settle()
@@ -68,7 +71,8 @@ def openai_view(*methods: str, tokens: bool = False, stream: bool = False, sessi
     return wrap
 
 
-async def _serve_admitted(view, request: HttpRequest, methods, wants: tuple[bool, bool, bool], *args, **kwargs):
+async def _serve_admitted(view, request: HttpRequest, methods, wants: tuple[bool, bool, bool], errors, *args,
+                          **kwargs):
     tokens, stream, session = wants
     try:
         if request.method not in methods:
@@ -79,10 +83,10 @@ async def _serve_admitted(view, request: HttpRequest, methods, wants: tuple[bool
             request.quota = await quota_admit(request.api_key, tokens=tokens, stream=stream)
         return await view(request, *args, **kwargs)
     except OpenAIError as exc:
-        return openai_error_response(exc)
+        return errors(exc)
     except Exception:
         log.exception("api: %s %s failed", request.method, request.path)
-        return openai_error_response(OpenAIError(500, "The head failed to serve this request; it has been "
+        return errors(OpenAIError(500, "The head failed to serve this request; it has been "
                                                  "logged.", code="internal_error"))
 
 
@@ -95,12 +99,20 @@ async def _authenticate(request: HttpRequest, session: bool = False):
         await v1_staff_session(request)
         return None, False
     if not credential:
-        return await v1_authenticate_async(request.headers.get("Authorization")), False
+        return await v1_authenticate_async(_authorization(request)), False
     key = await sync_to_async(batch_key_for)(credential)
     if key is None:
         raise OpenAIError(401, f"The {BATCH_HEADER} credential is wrong, or its batch is over or its key revoked; "
                           "only a Fleet worker sends it.", code="invalid_batch_credential")
     return key, True
+
+
+def _authorization(request: HttpRequest) -> str | None:
+    """The bearer header; else Anthropic's `x-api-key` as one (its clients send nothing else)."""
+    header = request.headers.get("Authorization")
+    if header is None and request.headers.get("x-api-key"):
+        return f"Bearer {request.headers['x-api-key']}"
+    return header
 
 
 def json_body(request: HttpRequest) -> dict[str, Any]:
