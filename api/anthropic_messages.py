@@ -66,18 +66,33 @@ def messages_request(body: Any, *, api_key=None, user=None, counting: bool = Fal
     if not counting and max_tokens is None:
         raise invalid("max_tokens: Field required.", param="max_tokens")
     messages = _system(body.get("system")) + _messages(body.get("messages"))
-    chat = {"model": body.get("model"), "messages": messages, "stream": body.get("stream"),
+    fmt = _output_format(body.get("output_config"))
+    chat = {"response_format": fmt, "model": body.get("model"), "messages": messages, "stream": body.get("stream"),
             "max_tokens": None if counting else max_tokens, "stop": body.get("stop_sequences") or None,
             "tools": _tools(body.get("tools")), "tool_choice": _tool_choice(body.get("tool_choice")),
             **{name: body.get(name) for name in ("temperature", "top_p", "top_k", "deadline_ms")}}
     try:
         gen = chat_request({k: v for k, v in chat.items() if v is not None}, api_key=api_key, user=user)
     except OpenAIError as exc:
-        if exc.param == "stop":
-            exc.param, exc.message = "stop_sequences", exc.message.replace("stop", "stop_sequences", 1)
+        if exc.param in ("stop", "response_format"):
+            name = {"stop": "stop_sequences", "response_format": "output_config.format"}[exc.param]
+            exc.param, exc.message = name, exc.message.replace(exc.param, name, 1)
         raise
     gen.api = "messages"
     return gen
+
+
+def _output_format(config: Any) -> dict[str, Any] | None:
+    """output_config.format (structured outputs) as the chat response_format; its `effort` is a hint, ignored."""
+    if config is None:
+        return None
+    fmt = config.get("format") if isinstance(config, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise invalid('output_config.format: must be {"type": "json_schema", "schema": {...}}.',
+                      param="output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 def _system(system: Any) -> list[dict[str, Any]]:

@@ -48,6 +48,7 @@ class Run:
         self.seq = 0
         self.over = False
         self.recorded = False
+        self._calls: Any = PENDING
 
     @property
     def text(self) -> str:
@@ -178,8 +179,14 @@ class Run:
 
     # --- the answer ---
     def tool_calls(self) -> list[dict[str, Any]] | None:
+        """The calls the answer makes, parsed once: each parse names its calls afresh, and the answer, its stream's
+        last events and the stored conversation must all name them alike."""
         plan = self.request.tools
-        return plan.parse(self.text) if plan is not None and self.finished is not None else None
+        if plan is None or self.finished is None:
+            return None
+        if self._calls is PENDING:
+            self._calls = plan.parse(self.text)
+        return self._calls
 
     def answer_message(self) -> dict[str, Any]:
         calls = self.tool_calls()
