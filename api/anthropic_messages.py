@@ -15,7 +15,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
-from api.errors import OpenAIError, invalid
+from api.errors import OpenAIError, anthropic_body, anthropic_status, invalid
 from api.generation import PENDING, Run
 from api.json_out import json_bytes
 from api.quotas import Ticket
@@ -27,18 +27,13 @@ from fleet.links import registry
 from nodes.agent.vocab import BUILTINS, BYTES
 from nodes.tokenizers import fingerprint_served, tokenizer_get
 
-# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); 529 is its "overloaded".
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-               529: "overloaded_error"}
 REFUSED = {"container": "containers are not supported.", "mcp_servers": "MCP servers are not supported."}
 
 
 def anthropic_error_response(exc: OpenAIError) -> HttpResponse:
     """An OpenAIError as Anthropic reports it: every lane busy until the deadline is its 529 "overloaded"."""
-    status = 529 if exc.status == 503 else exc.status
-    kind = ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
-    response = JsonResponse({"type": "error", "error": {"type": kind, "message": exc.message}}, status=status)
+    status = anthropic_status(exc.status)
+    response = JsonResponse(anthropic_body(status, exc.message), status=status)
     for name, value in exc.headers.items():
         response[name] = value
     return response
@@ -59,9 +54,13 @@ def messages_request(body: Any, *, api_key=None, user=None, counting: bool = Fal
         if body.get(name):
             raise invalid(f"{name}: {why}", param=name)
     thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+    if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") != "disabled"):
         raise invalid("thinking: extended thinking is not supported by the fleet's models; leave it out.",
                       param="thinking")
+    metadata = body.get("metadata")
+    if metadata is not None and (not isinstance(metadata, dict) or
+                                 not isinstance(metadata.get("user_id"), str | None)):
+        raise invalid("metadata: must be an object like {\"user_id\": \"...\"}.", param="metadata")
     max_tokens = body.get("max_tokens")
     if not counting and max_tokens is None:
         raise invalid("max_tokens: Field required.", param="max_tokens")
@@ -86,7 +85,9 @@ def _output_format(config: Any) -> dict[str, Any] | None:
     """output_config.format (structured outputs) as the chat response_format; its `effort` is a hint, ignored."""
     if config is None:
         return None
-    fmt = config.get("format") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or config.get("effort") not in (None, "low", "medium", "high", "xhigh", "max"):
+        raise invalid("output_config: must be an object with format and effort.", param="output_config")
+    fmt = config.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
@@ -137,10 +138,12 @@ def _blocks(role: str, blocks: list[Any], param: str) -> list[dict[str, Any]]:
             parts.append({"type": "text", "text": block["text"]})
         elif kind == "image" and role == "user":
             parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), where)}})
-        elif kind == "tool_use" and role == "assistant" and isinstance(block.get("name"), str):
-            calls.append({"id": str(block.get("id") or f"toolu_{j}"), "type": "function", "function": {
-                "name": block["name"], "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
-        elif kind == "tool_result" and role == "user" and isinstance(block.get("tool_use_id"), str):
+        elif kind == "tool_use" and role == "assistant" and _strings(block, "id", "name") and isinstance(
+                block.get("input"), dict):
+            calls.append({"id": block["id"], "type": "function", "function": {
+                "name": block["name"], "arguments": json.dumps(block["input"], ensure_ascii=False)}})
+        elif kind == "tool_result" and role == "user" and _strings(block, "tool_use_id") and isinstance(
+                block.get("is_error", False), bool):
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                         "content": _result_text(block.get("content"), where)})
         elif kind in ("thinking", "redacted_thinking"):
@@ -160,8 +163,13 @@ def _blocks(role: str, blocks: list[Any], param: str) -> list[dict[str, Any]]:
     return out
 
 
+def _strings(block: dict[str, Any], *names: str) -> bool:
+    return all(isinstance(block.get(name), str) for name in names)
+
+
 def _image_url(source: Any, where: str) -> str:
-    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
+    if isinstance(source, dict) and source.get("type") == "base64" and _strings(source, "data") and isinstance(
+            source.get("media_type", ""), str):
         return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
     if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
         return source["url"]
@@ -172,8 +180,9 @@ def _image_url(source: Any, where: str) -> str:
 def _result_text(content: Any, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list):
-        return "".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" and
+                                         isinstance(b.get("text"), str) for b in content):
+        return "".join(b["text"] for b in content)
     raise invalid(f"{where}.content: a tool result's content is a string or text blocks.", param=where)
 
 
@@ -188,8 +197,11 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
             kind = tool.get("type") if isinstance(tool, dict) else None
             raise invalid(f"tools.{i}: only client tools ({{name, description, input_schema}}) run on a fleet; "
                           f"server tools such as {kind!r} do not.", param=f"tools.{i}")
+        if not isinstance(tool.get("input_schema"), dict) or not isinstance(tool.get("description", ""), str):
+            raise invalid(f"tools.{i}: a tool needs an input_schema object (and its description is text).",
+                          param=f"tools.{i}")
         out.append({"type": "function", "function": {"name": tool.get("name"), "description": tool.get("description"),
-                                                     "parameters": tool.get("input_schema")}})
+                                                     "parameters": tool["input_schema"]}})
     return out
 
 

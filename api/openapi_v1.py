@@ -13,7 +13,7 @@ from django.conf import settings
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_GET
 
-from api import specs, v1
+from api import openapi_agents, specs, v1
 
 INT64 = 2**63 - 1
 
@@ -272,11 +272,13 @@ def v1_schema() -> dict[str, Any]:
                                                    GENERATION_ERRORS, completion_request(), stream=True)},
             "/v1/embeddings": {"post": _operation("Embeddings", EMBEDDINGS, EMBEDDING_ERRORS,
                                                   embedding_request())},
+            **openapi_agents.paths(_operation),
         },
         "components": {
-            "schemas": {"Error": ERROR},
+            "schemas": {"Error": ERROR, "AnthropicError": openapi_agents.ANTHROPIC_ERROR},
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer",
-                                           "description": "An API key: `Authorization: Bearer fk-...`."}},
+                                           "description": "An API key: `Authorization: Bearer fk-...` (on "
+                                                          "/v1/messages also `x-api-key: fk-...`)."}},
         },
     }
 

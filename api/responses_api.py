@@ -10,7 +10,6 @@ the next turn's prompt prefix (`previous_response_id`), so placement sends that 
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,22 +86,31 @@ def responses_request(body: Any, *, api_key=None, user=None) -> ResponsesRequest
     system = [{"role": "system", "content": instructions}] if instructions else []
     gen.spec.messages = _for_node(system + history + gen.new_messages, gen.tools)
     store = body.get("store", True)
-    if not isinstance(store, bool | None):
-        raise invalid("store must be true or false.", param="store")
     return ResponsesRequest(gen, body, history, _items(body.get("input"), gen.gen_id), previous, store is not False)
 
 
 def _refuse(body: dict[str, Any]) -> None:
     for name, why in REFUSED.items():
-        if body.get(name) not in (None, False):
+        if body.get(name) is not None and body[name] is not False:
             raise invalid(why, param=name, code="unsupported_parameter")
     reasoning = body.get("reasoning")
-    if isinstance(reasoning, dict) and reasoning.get("effort") not in (None, "none", "minimal"):
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise invalid("reasoning must be an object.", param="reasoning")
+    if reasoning and reasoning.get("effort") not in (None, "none", "minimal"):
         raise invalid("reasoning.effort is not supported: the fleet's models do not reason on request; leave it out.",
                       param="reasoning", code="unsupported_parameter")
     if body.get("truncation") not in (None, "disabled"):
         raise invalid('truncation must be "disabled": the head does not drop items from a conversation.',
                       param="truncation")
+    for name in ("parallel_tool_calls", "store"):
+        if not isinstance(body.get(name), bool | None):
+            raise invalid(f"{name} must be true or false.", param=name)
+    metadata = body.get("metadata")
+    if metadata is not None and (not isinstance(metadata, dict) or not all(
+            isinstance(v, str) for v in metadata.values())):
+        raise invalid("metadata must be an object of strings.", param="metadata")
+    if not isinstance(body.get("previous_response_id"), str | None):
+        raise invalid("previous_response_id must be a response's id.", param="previous_response_id")
 
 
 def _previous(response_id: Any, user) -> StoredResponse | None:
@@ -152,12 +160,13 @@ def _item_message(item: Any, param: str) -> dict[str, Any] | None:
              "function": {"name": item["name"], "arguments": item["arguments"]}}]}
     if kind == "function_call_output":
         output = item.get("output")
-        if not isinstance(item.get("call_id"), str) or output is None:
+        if not isinstance(item.get("call_id"), str):
             raise invalid(f"{param} needs the call_id it answers and its output.", param=param)
-        if isinstance(output, list):  # content parts: their text
-            output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
-        text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
-        return {"role": "tool", "tool_call_id": item["call_id"], "content": text}
+        if isinstance(output, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in output):
+            output = "".join(p["text"] for p in output)  # content parts: their text
+        if not isinstance(output, str):
+            raise invalid(f"{param}.output must be a string or a list of text parts.", param=f"{param}.output")
+        return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
     if kind == "reasoning":
         return None  # a reasoning model's own notes: nothing a fleet model reads
     raise invalid(f"{param}.type {kind!r} is not supported; items are message, function_call and "
@@ -196,6 +205,10 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
             raise invalid(f"tools[{i}].type {kind!r} is not supported: only function tools run on a fleet (no "
                           "built-in tools such as web search, file search or code interpreter).",
                           param=f"tools[{i}].type", code="unsupported_tool")
+        if not isinstance(tool.get("strict"), bool | None) or not isinstance(tool.get("description"), str | None) or \
+                not isinstance(tool.get("parameters"), dict | None):
+            raise invalid(f"tools[{i}]: parameters is a JSON schema object, strict true or false, description text.",
+                          param=f"tools[{i}]")
         out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
                                                      if tool.get(k) is not None}})
     return out
@@ -226,12 +239,12 @@ def _logprobs(body: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise invalid(f"include {unknown[0]!r} is not supported; {LOGPROBS_INCLUDE!r} is.", param="include")
     top = body.get("top_logprobs")
-    if LOGPROBS_INCLUDE not in include:
-        if top not in (None, 0):
-            raise invalid(f"top_logprobs needs include: [{LOGPROBS_INCLUDE!r}].", param="top_logprobs")
-        return {}
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
         raise invalid(f"top_logprobs must be a whole number from 0 to {MAX_TOP_LOGPROBS}.", param="top_logprobs")
+    if LOGPROBS_INCLUDE not in include:
+        if top:
+            raise invalid(f"top_logprobs needs include: [{LOGPROBS_INCLUDE!r}].", param="top_logprobs")
+        return {}
     return {"logprobs": True, "top_logprobs": top}
 
 
@@ -244,6 +257,9 @@ def _text_format(text: Any) -> dict[str, Any]:
             raise invalid("text must be an object like {\"format\": {\"type\": \"text\"}}.", param="text")
         return {}
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("name", ""), str) or not isinstance(fmt.get("strict"), bool | None):
+            raise invalid("text.format: a json_schema format's name is text and strict true or false.",
+                          param="text.format")
         return {"response_format": {"type": "json_schema", "json_schema": {
             "name": fmt.get("name"), "schema": fmt.get("schema"), "strict": fmt.get("strict")}}}
     return {"response_format": fmt}
