@@ -17,6 +17,7 @@ router.register("grammars", views.GrammarHandleViewSet, basename="grammar")
 router.register("logit-biases", views.LogitBiasHandleViewSet, basename="logit-bias")
 router.register("generations", views.GenerationViewSet, basename="generation")
 router.register("models", model_registry.ModelViewSet, basename="model")
+router.register("model-aliases", model_registry.ModelAliasViewSet, basename="model-alias")
 router.register("deployments", deployments.DeploymentViewSet, basename="deployment")
 
 v1_patterns = [

@@ -31,6 +31,7 @@ from api.responses import shape_for
 from api.specs import GenerationRequest, aparse, chat_request, completion_request
 from api.sse import first_event, sse_response
 from api.transcriptions import serve_transcription
+from fleet.aliases import aaliases
 from fleet.links import registry
 from fleet.remote import aremote_link
 from nodes import selectors as node_selectors
@@ -141,23 +142,36 @@ async def served_models() -> list[str]:
     return sorted(live | set(recorded))
 
 
-def _model_object(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "fleet"}
+def _model_object(name: str, alias_of: str | None = None) -> dict[str, Any]:
+    body = {"id": name, "object": "model", "created": 0, "owned_by": "fleet"}
+    return {**body, "alias_of": alias_of} if alias_of else body
+
+
+async def _listed() -> dict[str, str | None]:
+    """Each name a client may ask for -> the served model it is an alias of (None: it is that model). An alias is
+    listed while its target is served."""
+    served = await served_models()
+    names: dict[str, str | None] = dict.fromkeys(served)
+    for alias, target in (await aaliases()).items():
+        if target in names and alias not in names:
+            names[alias] = target
+    return names
 
 
 @openai_view("GET")
 async def models(request: HttpRequest) -> HttpResponse:
-    return JsonResponse({"object": "list", "data": [_model_object(m) for m in await served_models()]})
+    listed = await _listed()
+    return JsonResponse({"object": "list", "data": [_model_object(m, listed[m]) for m in sorted(listed)]})
 
 
 @openai_view("GET")
 async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
-    served = await served_models()
-    if model not in served:
-        names = ", ".join(served) or "none"
+    listed = await _listed()
+    if model not in listed:
+        names = ", ".join(sorted(listed)) or "none"
         raise OpenAIError(404, f"The model {model!r} is not served by any node (served: {names}).",
                           code="model_not_found", param="model")
-    return JsonResponse(_model_object(model))
+    return JsonResponse(_model_object(model, listed[model]))
 
 
 # --- generations ----------------------------------------------------------------------------------------------
@@ -212,6 +226,7 @@ async def audio_transcriptions(request: HttpRequest) -> HttpResponse:
 async def embeddings(request: HttpRequest) -> HttpResponse:
     body = json_body(request)
     model, texts, encoding = _embedding_input(body)
+    model = (await aaliases()).get(model, model)
     node, link = await _embedding_node(model)
     try:
         result = await link.state_op("embed", {"texts": texts, "model": model}, EMBED_TIMEOUT_S)

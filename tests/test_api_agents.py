@@ -306,3 +306,31 @@ async def test_count_tokens_reads_the_prompt_with_the_models_tokenizer_on_the_he
     missing = await request("POST", "/v1/messages/count_tokens", key=bearer, body={"model": "nope", "messages": [
         {"role": "user", "content": "Hi"}]})
     assert missing.status == 404 and missing.json()["error"]["type"] == "not_found_error"
+
+
+# --- model aliases ------------------------------------------------------------------------------------------------
+
+
+async def test_an_alias_names_a_served_model_in_every_api_and_an_unknown_name_stays_a_404(bearer, staff_bearer):
+    link = add_fake_node()
+    alias = {"name": "claude-haiku-4-5", "target": "smollm2"}
+    assert (await request("POST", "/api/model-aliases/", key=bearer, body=alias)).status == 403  # staff only
+    made = await request("POST", "/api/model-aliases/", key=staff_bearer, body=alias)
+    assert made.status == 201 and made.json()["target"] == "smollm2"
+    same = await request("POST", "/api/model-aliases/", key=staff_bearer, body={"name": "x", "target": "x"})
+    assert same.status == 400
+
+    listed = (await request("GET", "/v1/models", key=bearer)).json()["data"]
+    assert [(m["id"], m.get("alias_of")) for m in listed] == [("claude-haiku-4-5", "smollm2"), ("smollm2", None)]
+    assert (await request("GET", "/v1/models/claude-haiku-4-5", key=bearer)).json()["alias_of"] == "smollm2"
+    chat = {"model": "claude-haiku-4-5", "messages": [{"role": "user", "content": "Hi"}]}
+    assert (await request("POST", "/v1/chat/completions", key=bearer, body=chat)).status == 200
+    assert (await request("POST", "/v1/responses", key=bearer, body={"model": "claude-haiku-4-5",
+                                                                     "input": "Hi"})).status == 200
+    assert (await request("POST", "/v1/messages", key=bearer, body=msg(model="claude-haiku-4-5"))).status == 200
+    assert [spec["model"] for spec in link.specs] == ["smollm2"] * 3
+
+    await request("DELETE", f"/api/model-aliases/{made.json()['id']}/", key=staff_bearer)
+    gone = await request("POST", "/v1/chat/completions", key=bearer, body=chat)
+    assert gone.status == 404 and gone.json()["error"]["code"] == "model_not_found"
+    assert "smollm2" in gone.json()["error"]["message"]
