@@ -9,6 +9,7 @@ from asgiref.sync import sync_to_async
 
 from sessions.models import Generation, StoredResponse
 from tests.api_support import FakeLink, Script, add_fake_node, request
+from tests.test_metrics import fresh_store  # noqa: F401 - a metrics store of each test's own
 
 pytest_plugins = ["tests.api_fixtures"]
 
@@ -152,7 +153,7 @@ async def test_a_function_call_round_trip_continues_the_stored_conversation(bear
                          "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
 
 
-@pytest.mark.parametrize("extra, param", [
+REFUSED = [
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"background": True}, "background"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
@@ -161,11 +162,15 @@ async def test_a_function_call_round_trip_continues_the_stored_conversation(bear
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"previous_response_id": "resp_nope"}, "previous_response_id"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
-])
-async def test_what_a_fleet_cannot_honour_is_a_4xx_naming_the_field(bearer, extra, param):
-    add_fake_node()
-    ex = await request("POST", "/v1/responses", key=bearer, body={"model": "smollm2", "input": "Hi", **extra})
-    assert ex.status in (400, 404) and ex.json()["error"]["param"] == param
+]
+
+
+async def test_what_a_fleet_cannot_honour_is_a_4xx_naming_the_field(bearer):
+    link = add_fake_node()
+    for extra, param in REFUSED:
+        ex = await request("POST", "/v1/responses", key=bearer, body={"model": "smollm2", "input": "Hi", **extra})
+        assert ex.status in (400, 404) and ex.json()["error"]["param"] == param, (extra, ex.json())
+    assert not link.specs
 
 
 async def test_text_format_json_schema_is_the_node_grammar_and_a_length_cut_is_incomplete(bearer):
@@ -248,35 +253,41 @@ async def test_a_tool_use_round_trip_in_messages(bearer):
     assert messages[3] == {"role": "tool", "content": "18 C", "tool_call_id": use["id"]}
 
 
-@pytest.mark.parametrize("case, status, kind", [
+ERRORS = [  # in this order: the last one leaves the node's one lane busy
     ("no max_tokens", 400, "invalid_request_error"),
     ("bad key", 401, "authentication_error"),
     ("unknown model", 404, "not_found_error"),
     ("prompt over the window", 400, "invalid_request_error"),
     ("server tool", 400, "invalid_request_error"),
     ("no lane", 529, "overloaded_error"),
-])
-async def test_messages_errors_are_anthropic_errors_with_anthropic_statuses(bearer, fast_sse, case, status, kind):
-    script = Script(error=("context_length_exceeded", "The prompt is 9000 tokens; the context window is 2048."))
-    add_fake_node(FakeLink(script=script if case == "prompt over the window" else Script(hang=True)), lanes=1)
-    body, key = msg(), bearer
-    if case == "no max_tokens":
-        del body["max_tokens"]
-    elif case == "bad key":
-        key = "fk-wrong"
-    elif case == "unknown model":
-        body["model"] = "nope"
-    elif case == "server tool":
-        body["tools"] = [{"type": "web_search_20250305", "name": "web_search"}]
-    elif case == "no lane":
-        await start_hanging(bearer)
-        body["deadline_ms"] = 200
-    ex = await request("POST", "/v1/messages", headers={"x-api-key": key}, body=body)
-    assert ex.status == status
-    error = ex.json()
-    assert error["type"] == "error" and error["error"]["type"] == kind and error["error"]["message"]
-    if case == "prompt over the window":
-        assert "2048" in error["error"]["message"] and "9000" in error["error"]["message"]
+]
+
+
+async def test_messages_errors_are_anthropic_errors_with_anthropic_statuses(bearer, fast_sse):
+    too_long = Script(error=("context_length_exceeded", "The prompt is 9000 tokens; the context window is 2048."))
+    add_fake_node(FakeLink(script=lambda spec: too_long if spec["messages"][-1]["content"] == "LONG" else
+                           Script(hang=True)), lanes=1)
+    for case, status, kind in ERRORS:
+        body, key = msg(), bearer
+        if case == "no max_tokens":
+            del body["max_tokens"]
+        elif case == "bad key":
+            key = "fk-wrong"
+        elif case == "unknown model":
+            body["model"] = "nope"
+        elif case == "prompt over the window":
+            body["messages"] = [{"role": "user", "content": "LONG"}]
+        elif case == "server tool":
+            body["tools"] = [{"type": "web_search_20250305", "name": "web_search"}]
+        elif case == "no lane":
+            await start_hanging(bearer)
+            body["deadline_ms"] = 200
+        ex = await request("POST", "/v1/messages", headers={"x-api-key": key}, body=body)
+        error = ex.json()
+        assert ex.status == status and error["type"] == "error" and error["error"]["type"] == kind, (case, error)
+        assert error["error"]["message"]
+        if case == "prompt over the window":
+            assert "2048" in error["error"]["message"] and "9000" in error["error"]["message"]
 
 
 async def start_hanging(bearer):
@@ -334,3 +345,42 @@ async def test_an_alias_names_a_served_model_in_every_api_and_an_unknown_name_st
     gone = await request("POST", "/v1/chat/completions", key=bearer, body=chat)
     assert gone.status == 404 and gone.json()["error"]["code"] == "model_not_found"
     assert "smollm2" in gone.json()["error"]["message"]
+
+
+# --- one path underneath ------------------------------------------------------------------------------------------
+
+
+async def test_both_apis_are_counted_by_api_and_a_client_that_leaves_cancels_the_lane(bearer, fresh_store):  # noqa: F811
+    from fleet import metrics
+    from tests.api_support import start
+    from tests.test_metrics_events import counted
+
+    link = add_fake_node(FakeLink(script=Script(hang=True)))
+    for path, body in (("/v1/responses", {"model": "smollm2", "input": "Hi", "stream": True}),
+                       ("/v1/messages", msg(stream=True))):
+        ex = await start("POST", path, key=bearer, body=body)
+        await ex.wait(lambda e: b"delta" in e.body)
+        await ex.close()
+    assert len(link.cancelled) == 2  # each stream's lane was cancelled when its client hung up
+    link.script = Script()
+    await request("POST", "/v1/messages", key=bearer, body=msg())
+    assert counted(metrics.API_GENERATIONS, "responses", "cancelled") == 1
+    assert counted(metrics.API_GENERATIONS, "messages", "cancelled") == 1
+    assert counted(metrics.API_GENERATIONS, "messages", "done") == 1
+
+
+def test_stored_responses_expire_with_the_sessions_retention(settings, api_key_pair):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from sessions.services import stored_response_create
+    from sessions.tasks import session_expire_task
+
+    settings.FLEET_SESSION_TTL_DAYS = 30
+    for name, age in (("resp_old", 31), ("resp_new", 1)):
+        stored_response_create(response_id=name, model="smollm2", api_key=api_key_pair[0], messages=[],
+                               input_items=[], body={})
+        StoredResponse.objects.filter(pk=name).update(created_at=timezone.now() - timedelta(days=age))
+    assert session_expire_task() == 1
+    assert list(StoredResponse.objects.values_list("id", flat=True)) == ["resp_new"]
