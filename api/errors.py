@@ -113,6 +113,8 @@ def management_exception_handler(exc: Exception, context: dict) -> Response | No
 
 def not_found(request, exception=None) -> HttpResponse:
     """The 404 of a URL no route matches (handler404): the API's own error shape under /v1/ and /api/."""
+    if anthropic_path(request.path):
+        return JsonResponse(anthropic_body(404, f"There is nothing at {request.path!r}."), status=404)
     if request.path.startswith("/v1/"):
         return openai_error_response(OpenAIError(404, f"There is nothing at {request.path!r}; /v1/openapi.json "
                                                  "lists the paths of this API.", code="not_found"))
