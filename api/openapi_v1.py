@@ -252,8 +252,10 @@ def v1_schema() -> dict[str, Any]:
     return {
         "openapi": "3.0.3",
         "info": {"title": "Fleet OpenAI-compatible API", "version": "1",
-                 "description": "OpenAI's /v1 shapes, served by a llama.cpp fleet. Errors are OpenAI's error "
-                                "object. Extensions (session, grammar, logit_bias_handle, deadline_ms, top_k, min_p, "
+                 "description": "OpenAI's /v1 shapes (chat, completions, embeddings, the Responses API), and "
+                                "Anthropic's Messages API at /v1/messages, served by a llama.cpp fleet. Errors are "
+                                "OpenAI's error object (Anthropic's on /v1/messages). "
+                                "Extensions (session, grammar, logit_bias_handle, deadline_ms, top_k, min_p, "
                                 "repeat_penalty, ignore_eos, batch_invariant, lora) are described in docs/api.md."},
         "servers": [{"url": "/"}],
         "security": [{"apiKey": []}],
