@@ -28,12 +28,12 @@ def claude(live_head, live_node) -> anthropic.Anthropic:
 
 
 def test_responses_text_stream_stored_turns_tools_and_json_schema(oai):
-    first = oai.responses.create(model=MODEL, input="Say hello.", instructions="Be brief.", max_output_tokens=8,
+    first = oai.responses.create(model=MODEL, input="Say hello.", instructions="Be brief.", max_output_tokens=6,
                                  temperature=0)
     assert first.id.startswith("resp_") and first.output_text and first.status in ("completed", "incomplete")
     # The next turn continues the stored conversation: its prefix is on the node that answered it, and is reused.
     second = oai.responses.create(model=MODEL, input="Again.", instructions="Be brief.",
-                                  previous_response_id=first.id, max_output_tokens=4, temperature=0)
+                                  previous_response_id=first.id, max_output_tokens=2, temperature=0)
     assert second.previous_response_id == first.id and second.usage.input_tokens_details.cached_tokens > 0
     assert second.usage.input_tokens > first.usage.input_tokens
     assert oai.responses.retrieve(first.id).output_text == first.output_text
@@ -42,7 +42,7 @@ def test_responses_text_stream_stored_turns_tools_and_json_schema(oai):
     with pytest.raises(openai.NotFoundError):
         oai.responses.retrieve(first.id)
 
-    with oai.responses.stream(model=MODEL, input="Say hello.", max_output_tokens=8, temperature=0) as stream:
+    with oai.responses.stream(model=MODEL, input="Say hello.", max_output_tokens=6, temperature=0) as stream:
         events = list(stream)
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     # A cut at max_output_tokens ends in response.incomplete, as OpenAI's does (the client's get_final_response
@@ -54,7 +54,7 @@ def test_responses_text_stream_stored_turns_tools_and_json_schema(oai):
     call = oai.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER],
                                 tool_choice="required", max_output_tokens=40, temperature=0).output[0]
     assert call.type == "function_call" and call.name == "get_weather" and "city" in json.loads(call.arguments)
-    answer = oai.responses.create(model=MODEL, tools=[WEATHER], max_output_tokens=16, temperature=0, input=[
+    answer = oai.responses.create(model=MODEL, tools=[WEATHER], max_output_tokens=8, temperature=0, input=[
         {"role": "user", "content": "What is the weather in Paris?"}, call.model_dump(exclude_none=True),
         {"type": "function_call_output", "call_id": call.call_id, "output": "18 C and sunny"}])
     assert answer.output_text
@@ -73,16 +73,16 @@ GREEDY = {"extra_body": {"temperature": 0}}
 
 def test_messages_text_stream_tools_stop_sequences_count_and_errors(claude, live_head):
     hi = [{"role": "user", "content": "Say hello."}]
-    first = claude.messages.create(model=MODEL, max_tokens=8, messages=hi, **GREEDY)
+    first = claude.messages.create(model=MODEL, max_tokens=6, messages=hi, **GREEDY)
     assert first.id.startswith("msg_") and first.content[0].text and first.stop_reason in ("end_turn", "max_tokens")
-    again = claude.messages.create(model=MODEL, max_tokens=4, messages=hi, **GREEDY)
+    again = claude.messages.create(model=MODEL, max_tokens=2, messages=hi, **GREEDY)
     assert again.usage.cache_read_input_tokens > 0  # the same prompt: its prefix was kept on the node
 
     stops = [" ", ".", "\n", ","]
-    stopped = claude.messages.create(model=MODEL, max_tokens=30, messages=hi, stop_sequences=stops, **GREEDY)
+    stopped = claude.messages.create(model=MODEL, max_tokens=16, messages=hi, stop_sequences=stops, **GREEDY)
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence in stops
 
-    with claude.messages.stream(model=MODEL, max_tokens=8, messages=hi, **GREEDY) as stream:
+    with claude.messages.stream(model=MODEL, max_tokens=6, messages=hi, **GREEDY) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text and final.content[0].text == text and final.usage.output_tokens > 0
@@ -96,7 +96,7 @@ def test_messages_text_stream_tools_stop_sequences_count_and_errors(claude, live
     turn = [*asked, {"role": "assistant", "content": use.content},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.content[0].id,
                                           "content": "18 C and sunny"}]}]
-    answer = claude.messages.create(model=MODEL, max_tokens=16, messages=turn, tools=tools, **GREEDY)
+    answer = claude.messages.create(model=MODEL, max_tokens=8, messages=turn, tools=tools, **GREEDY)
     assert answer.content[0].type == "text" and answer.content[0].text
 
     assert claude.messages.count_tokens(model=MODEL, messages=asked).input_tokens > 0
@@ -108,7 +108,7 @@ def test_messages_text_stream_tools_stop_sequences_count_and_errors(claude, live
         claude.messages.create(model="no-such-model", max_tokens=4, messages=hi)
     assert "smollm2" in str(missing.value)
     with pytest.raises(anthropic.BadRequestError) as long:
-        claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "word " * 40_000}])
+        claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "word " * 12_000}])
     assert "window" in str(long.value)
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model=MODEL, max_tokens=4, messages=hi,
