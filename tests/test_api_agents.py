@@ -290,6 +290,17 @@ async def test_messages_errors_are_anthropic_errors_with_anthropic_statuses(bear
             assert "2048" in error["error"]["message"] and "9000" in error["error"]["message"]
 
 
+async def test_a_key_over_its_quota_is_anthropics_rate_limit_error_with_retry_after(api_user):
+    from api.services import api_key_create
+
+    add_fake_node()
+    _, key = await sync_to_async(api_key_create)(owner=api_user, name="slow", quotas={"requests_per_minute": 1})
+    assert (await request("POST", "/v1/messages", headers={"x-api-key": key}, body=msg())).status == 200
+    ex = await request("POST", "/v1/messages", headers={"x-api-key": key}, body=msg())
+    assert ex.status == 429 and int(ex.headers["retry-after"]) >= 1
+    assert ex.json()["error"]["type"] == "rate_limit_error"
+
+
 async def start_hanging(bearer):
     from tests.api_support import start
 
