@@ -87,8 +87,8 @@ async def _serve_admitted(view, request: HttpRequest, methods, wants: tuple[bool
         return errors(exc)
     except Exception:
         log.exception("api: %s %s failed", request.method, request.path)
-        return errors(OpenAIError(500, "The head failed to serve this request; it has been "
-                                                 "logged.", code="internal_error"))
+        return errors(OpenAIError(500, "The head failed to serve this request; it has been logged.",
+                                  code="internal_error"))
 
 
 async def _authenticate(request: HttpRequest, session: bool = False):
