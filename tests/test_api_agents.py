@@ -395,3 +395,30 @@ def test_stored_responses_expire_with_the_sessions_retention(settings, api_key_p
         StoredResponse.objects.filter(pk=name).update(created_at=timezone.now() - timedelta(days=age))
     assert session_expire_task() == 1
     assert list(StoredResponse.objects.values_list("id", flat=True)) == ["resp_new"]
+
+
+async def test_images_in_both_apis_reach_the_node_by_hash(bearer, settings, tmp_path):
+    import base64
+    import hashlib
+
+    from tests.vision_projector import png
+
+    settings.FLEET_HOME = tmp_path
+    link = add_fake_node(capabilities=["chat", "completion", "vision"])
+    image = png()
+    encoded = base64.b64encode(image).decode()
+    responses = {"model": "smollm2", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "What is it?"},
+        {"type": "input_image", "image_url": f"data:image/png;base64,{encoded}"}]}]}
+    messages = msg(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What is it?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": encoded}}]}])
+    assert (await request("POST", "/v1/responses", key=bearer, body=responses)).status == 200
+    assert (await request("POST", "/v1/messages", key=bearer, body=messages)).status == 200
+    for spec in link.specs:
+        text, part = spec["messages"][-1]["content"]
+        assert text == {"type": "text", "text": "What is it?"}
+        assert part["type"] == "image" and part["image"]["sha256"] == hashlib.sha256(image).hexdigest()
+    bad = msg(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "file", "id": "x"}}]}])
+    refused = await request("POST", "/v1/messages", key=bearer, body=bad)
+    assert refused.status == 400 and "source" in refused.json()["error"]["message"]
