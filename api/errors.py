@@ -48,6 +48,26 @@ def _type_for(status_code: int) -> str:
     return "invalid_request_error" if 400 <= status_code < 500 else "server_error"
 
 
+# Anthropic's error types by status (its Messages API's errors); 529 is its "overloaded".
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                         529: "overloaded_error"}
+
+
+def anthropic_status(status: int) -> int:
+    """Every lane busy until the deadline (503 on OpenAI's paths) is Anthropic's 529 "overloaded"."""
+    return 529 if status == 503 else status
+
+
+def anthropic_body(status: int, message: str) -> dict[str, Any]:
+    kind = ANTHROPIC_ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 def openai_error_response(exc: OpenAIError) -> HttpResponse:
     response = HttpResponse(json.dumps(exc.body()), status=exc.status, content_type="application/json")
     for name, value in exc.headers.items():
@@ -116,6 +136,8 @@ def management_exception_handler(exc: Exception, context: dict) -> Response | No
 
 def not_found(request, exception=None) -> HttpResponse:
     """The 404 of a URL no route matches (handler404): the API's own error shape under /v1/ and /api/."""
+    if anthropic_path(request.path):
+        return JsonResponse(anthropic_body(404, f"There is nothing at {request.path!r}."), status=404)
     if request.path.startswith("/v1/"):
         return openai_error_response(OpenAIError(404, f"There is nothing at {request.path!r}; /v1/openapi.json "
                                                  "lists the paths of this API.", code="not_found"))

@@ -48,6 +48,7 @@ class Run:
         self.seq = 0
         self.over = False
         self.recorded = False
+        self._calls: Any = PENDING
 
     @property
     def text(self) -> str:
@@ -159,15 +160,15 @@ class Run:
         if self.finished is None and not outcome.finish_reason:
             outcome.finish_reason = "cancelled" if status == Generation.Status.CANCELLED else ""
         trace = GenerationTrace(
-            gen_id=request.gen_id, kind=request.kind, model=request.spec.model, status=status, outcome=outcome,
-            parameters=request.parameters(), error=error, session_id=request.session_id,
+            gen_id=request.gen_id, kind=request.api or request.kind, model=request.spec.model, status=status,
+            outcome=outcome, parameters=request.parameters(), error=error, session_id=request.session_id,
             api_key_id=request.api_key.pk if request.api_key is not None else None,
             new_messages=request.new_messages + [self.answer_message()] if request.session_id else [],
             finished_at=time.time(),
         )
         code = self.error.code if self.error is not None else ""
         metrics.generation_ended(model=trace.model, status=status, code=code, outcome=outcome,
-                                 finished_at=trace.finished_at)
+                                 finished_at=trace.finished_at, api=trace.kind)
         log.info("api: generation %s %s on %s: %d prompt tokens (%d cached), %d completion tokens%s", request.gen_id,
                  status, outcome.node or "no node", outcome.prompt_tokens, outcome.cached_tokens,
                  outcome.completion_tokens, f" ({code})" if code else "")
@@ -178,8 +179,14 @@ class Run:
 
     # --- the answer ---
     def tool_calls(self) -> list[dict[str, Any]] | None:
+        """The calls the answer makes, parsed once: each parse names its calls afresh, and the answer, its stream's
+        last events and the stored conversation must all name them alike."""
         plan = self.request.tools
-        return plan.parse(self.text) if plan is not None and self.finished is not None else None
+        if plan is None or self.finished is None:
+            return None
+        if self._calls is PENDING:
+            self._calls = plan.parse(self.text)
+        return self._calls
 
     def answer_message(self) -> dict[str, Any]:
         calls = self.tool_calls()

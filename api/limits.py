@@ -12,12 +12,14 @@ import json
 
 from django.conf import settings
 
-from api.errors import body_too_large
+from api.errors import anthropic_body, anthropic_path, body_too_large
 
 
 def too_large_body(path: str, limit: int) -> bytes:
-    """OpenAI's error object on /v1, DRF's `{"detail": ...}` everywhere else."""
+    """OpenAI's error object on /v1 (Anthropic's on its Messages API), DRF's `{"detail": ...}` everywhere else."""
     error = body_too_large(limit)
+    if anthropic_path(path):
+        return json.dumps(anthropic_body(413, error.message)).encode()
     return json.dumps(error.body() if path.startswith("/v1/") else {"detail": error.message}).encode()
 
 

@@ -17,7 +17,7 @@ from rest_framework.response import Response
 
 from api.views import IsStaff
 from nodes import registry
-from nodes.models import Model
+from nodes.models import Model, ModelAlias
 
 
 class ModelSerializer(serializers.ModelSerializer):
@@ -116,3 +116,29 @@ class ModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Dest
         except registry.UploadOffset as exc:
             return Response({"detail": str(exc), **_upload_body(upload_id, exc.size)}, status=status.HTTP_409_CONFLICT)
         return Response(_upload_body(upload_id, size))
+
+
+class ModelAliasSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = ModelAlias
+        fields = ["id", "name", "target", "created_at"]
+        read_only_fields = ["id", "created_at"]
+
+    def validate(self, attrs):
+        name = attrs.get("name", getattr(self.instance, "name", "")).strip()
+        target = attrs.get("target", getattr(self.instance, "target", "")).strip()
+        if not name or not target or name == target:
+            raise ValidationError("An alias needs a name and another model's name as its target.")
+        return {**attrs, "name": name, "target": target}
+
+
+@extend_schema_view(list=extend_schema(summary="List the model aliases"),
+                    retrieve=extend_schema(summary="A model alias"),
+                    create=extend_schema(summary="Map a name clients send to a served model"))
+class ModelAliasViewSet(viewsets.ModelViewSet):
+    """Names a client may send for a served model, in every API (staff only). /v1/models lists an alias while its
+    target is served."""
+
+    queryset = ModelAlias.objects.all()
+    serializer_class = ModelAliasSerializer
+    permission_classes = [IsStaff]

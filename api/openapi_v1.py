@@ -13,7 +13,7 @@ from django.conf import settings
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_GET
 
-from api import specs, v1
+from api import openapi_agents, specs, v1
 
 INT64 = 2**63 - 1
 
@@ -252,8 +252,10 @@ def v1_schema() -> dict[str, Any]:
     return {
         "openapi": "3.0.3",
         "info": {"title": "Fleet OpenAI-compatible API", "version": "1",
-                 "description": "OpenAI's /v1 shapes, served by a llama.cpp fleet. Errors are OpenAI's error "
-                                "object. Extensions (session, grammar, logit_bias_handle, deadline_ms, top_k, min_p, "
+                 "description": "OpenAI's /v1 shapes (chat, completions, embeddings, the Responses API), and "
+                                "Anthropic's Messages API at /v1/messages, served by a llama.cpp fleet. Errors are "
+                                "OpenAI's error object (Anthropic's on /v1/messages). "
+                                "Extensions (session, grammar, logit_bias_handle, deadline_ms, top_k, min_p, "
                                 "repeat_penalty, ignore_eos, batch_invariant, lora) are described in docs/api.md."},
         "servers": [{"url": "/"}],
         "security": [{"apiKey": []}],
@@ -272,11 +274,13 @@ def v1_schema() -> dict[str, Any]:
                                                    GENERATION_ERRORS, completion_request(), stream=True)},
             "/v1/embeddings": {"post": _operation("Embeddings", EMBEDDINGS, EMBEDDING_ERRORS,
                                                   embedding_request())},
+            **openapi_agents.paths(_operation),
         },
         "components": {
-            "schemas": {"Error": ERROR},
+            "schemas": {"Error": ERROR, "AnthropicError": openapi_agents.ANTHROPIC_ERROR},
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer",
-                                           "description": "An API key: `Authorization: Bearer fk-...`."}},
+                                           "description": "An API key: `Authorization: Bearer fk-...` (on "
+                                                          "/v1/messages also `x-api-key: fk-...`)."}},
         },
     }
 

@@ -23,6 +23,7 @@ from api.constraints import apply_constraints
 from api.errors import OpenAIError, invalid
 from api.images import IMAGE_PART_TYPES, image_part
 from api.tools import ToolPlan, tool_plan
+from fleet.aliases import aaliases, alias_resolve
 from fleet.selectors import acontext_windows, model_context_window
 from nodes.link.spec import GenerateSpec
 from nodes.registry import media_ref
@@ -51,6 +52,7 @@ class GenerationRequest:
     new_messages: list[dict[str, Any]] = field(default_factory=list)
     api_key: Any = None
     batch: bool = False  # a batch line: placed below interactive generations (fleet.dispatch)
+    api: str = ""  # the interface that asked, where it is not `kind`'s own ("responses", "messages")
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -158,7 +160,7 @@ def _base_spec(body: dict[str, Any], windows: dict[str, int] | None) -> Generate
         raise invalid("You must provide a model: its name as /v1/models lists it.", param="model")
     if body.get("n") not in (None, 1):
         raise invalid("Only n=1 is supported; send several requests for several choices.", param="n")
-    spec = GenerateSpec(gen_id=uuid.uuid4().hex, model=model.strip())
+    spec = GenerateSpec(gen_id=uuid.uuid4().hex, model=alias_resolve(model.strip()))
     spec.max_tokens = _max_tokens(body, spec.model, windows)
     for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
                          ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
@@ -439,6 +441,7 @@ async def aparse(parse: Callable[..., GenerationRequest], body: Any, *, api_key=
     """
     if not parses_in_place(body):
         return await in_thread(parse)(body, api_key=api_key, user=user)
+    await aaliases()  # the model's name is resolved in place: the table is read first, off the event loop
     asks = "max_tokens" in body or "max_completion_tokens" in body
     windows = await acontext_windows() if asks else {}
     return parse(body, api_key=api_key, user=user, windows=windows)

@@ -45,17 +45,17 @@ class SSEBody:
     its own cleanup never runs, and the node would keep decoding for nobody.
     """
 
-    def __init__(self, run: Run, first: Any, shape: Any = None):
+    def __init__(self, run: Run, first: Any, shape: Any = None, events: Any = None):
         self.run = run
         self.started = False
-        self.body = self._body(first, shape)
+        self.body = self._body(first, shape, events or sse_body)
         pending = _bodies.get()
         if pending is not None:
             pending.append(self)
 
-    async def _body(self, first: Any, shape: Any):
+    async def _body(self, first: Any, shape: Any, events: Any):
         self.started = True
-        async for chunk in sse_body(self.run, first, shape):
+        async for chunk in events(self.run, first, shape):
             yield chunk
 
     def __aiter__(self):
@@ -83,10 +83,12 @@ def sse_guard(app):
     return guarded
 
 
-def sse_response(run: Run, first: Any, shape: Any = None) -> StreamingHttpResponse:
+def sse_response(run: Run, first: Any, shape: Any = None, events: Any = None) -> StreamingHttpResponse:
     """The stream of `run` from event `first` on; `shape` turns events into chunks (the run's completion or chat shape
-    unless given: a transcription has its own)."""
-    response = StreamingHttpResponse(SSEBody(run, first, shape), content_type="text/event-stream; charset=utf-8")
+    unless given: a transcription has its own). `events(run, first, shape)`: the body's bytes, where an API streams
+    other events than OpenAI's chunks (the Responses and Messages APIs); sse_body unless given."""
+    body = SSEBody(run, first, shape, events)
+    response = StreamingHttpResponse(body, content_type="text/event-stream; charset=utf-8")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     response["X-Fleet-Generation"] = run.request.gen_id

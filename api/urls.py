@@ -4,7 +4,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView
 from rest_framework.routers import DefaultRouter
 
-from api import deployments, docs, model_registry, openapi_v1, v1, v1_batches, views
+from api import anthropic_messages, deployments, docs, model_registry, openapi_v1, responses_api, v1, v1_batches, views
 
 # No `.json` suffix routes: `?format=` does the same, and the actions (drain, revoke, messages) take no `format`.
 router = DefaultRouter()
@@ -17,12 +17,19 @@ router.register("grammars", views.GrammarHandleViewSet, basename="grammar")
 router.register("logit-biases", views.LogitBiasHandleViewSet, basename="logit-bias")
 router.register("generations", views.GenerationViewSet, basename="generation")
 router.register("models", model_registry.ModelViewSet, basename="model")
+router.register("model-aliases", model_registry.ModelAliasViewSet, basename="model-alias")
 router.register("deployments", deployments.DeploymentViewSet, basename="deployment")
 
 v1_patterns = [
     # The generation routes first: a request keeps the patterns it tried for as long as it streams.
     path("chat/completions", v1.chat_completions, name="v1-chat-completions"),
     path("completions", v1.completions, name="v1-completions"),
+    path("responses", responses_api.responses, name="v1-responses"),
+    path("messages", anthropic_messages.messages, name="v1-messages"),
+    path("messages/count_tokens", anthropic_messages.count_tokens, name="v1-messages-count-tokens"),
+    path("responses/<str:response_id>", responses_api.response_detail, name="v1-response"),
+    path("responses/<str:response_id>/input_items", responses_api.response_input_items,
+         name="v1-response-input-items"),
     path("openapi.json", openapi_v1.openapi_v1, name="v1-openapi"),
 
     path("models", v1.models, name="v1-models"),

@@ -31,6 +31,7 @@ from api.responses import shape_for
 from api.specs import GenerationRequest, aparse, chat_request, completion_request
 from api.sse import first_event, sse_response
 from api.transcriptions import serve_transcription
+from fleet.aliases import aaliases
 from fleet.links import registry
 from fleet.reported import count_checked, embedding_tokens_bound
 from nodes import selectors as node_selectors
@@ -45,11 +46,13 @@ EMBED_BATCH_INPUTS = 32  # a node link frame (4 MiB) holds 32 vectors of 8,192 d
 EMBED_BATCH_CHARS = 1024 * 1024
 
 
-def openai_view(*methods: str, tokens: bool = False, stream: bool = False, session: bool = False):
+def openai_view(*methods: str, tokens: bool = False, stream: bool = False, session: bool = False,
+                errors: Callable[[OpenAIError], HttpResponse] = openai_error_response):
     """Wrap an async view: method check, API-key auth, the key's quota (`tokens`: the view spends tokens, `stream`:
     it runs a generation, which holds a stream slot), OpenAIError (or a bug) as an error object, and the
     x-ratelimit headers on whatever the view answers. `session`: a request with no key may come from the admin
-    playground instead (a staff session with its CSRF token; no key, so no quota, as on the playground's socket)."""
+    playground instead (a staff session with its CSRF token; no key, so no quota, as on the playground's socket).
+    `errors`: how an OpenAIError is answered (another API's shape: Anthropic's on /v1/messages)."""
 
     def wrap(view: Callable[..., Awaitable[HttpResponse]]):
         @csrf_exempt
@@ -57,7 +60,8 @@ def openai_view(*methods: str, tokens: bool = False, stream: bool = False, sessi
         async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
             request.quota = None
             try:
-                response = await _serve_admitted(view, request, methods, (tokens, stream, session), *args, **kwargs)
+                response = await _serve_admitted(view, request, methods, (tokens, stream, session), errors, *args,
+                                                 **kwargs)
             finally:
                 if request.quota is not None and not request.quota.owned:  # no Run took it: free its slot now
                     await request.quota.settle()
@@ -71,7 +75,8 @@ def openai_view(*methods: str, tokens: bool = False, stream: bool = False, sessi
     return wrap
 
 
-async def _serve_admitted(view, request: HttpRequest, methods, wants: tuple[bool, bool, bool], *args, **kwargs):
+async def _serve_admitted(view, request: HttpRequest, methods, wants: tuple[bool, bool, bool], errors, *args,
+                          **kwargs):
     tokens, stream, session = wants
     try:
         if request.method not in methods:
@@ -82,14 +87,14 @@ async def _serve_admitted(view, request: HttpRequest, methods, wants: tuple[bool
             request.quota = await quota_admit(request.api_key, tokens=tokens, stream=stream)
         return await view(request, *args, **kwargs)
     except OpenAIError as exc:
-        return openai_error_response(exc)
+        return errors(exc)
     except Exception as exc:
         if (unavailable := store_unavailable(exc)) is not None:
             log.warning("api: %s %s: %s (%s)", request.method, request.path, unavailable.message, exc)
-            return openai_error_response(unavailable)
+            return errors(unavailable)
         log.exception("api: %s %s failed", request.method, request.path)
-        return openai_error_response(OpenAIError(500, "The head failed to serve this request; it has been "
-                                                 "logged.", code="internal_error"))
+        return errors(OpenAIError(500, "The head failed to serve this request; it has been logged.",
+                                  code="internal_error"))
 
 
 async def _authenticate(request: HttpRequest, session: bool = False):
@@ -101,12 +106,20 @@ async def _authenticate(request: HttpRequest, session: bool = False):
         await v1_staff_session(request)
         return None, False
     if not credential:
-        return await v1_authenticate_async(request.headers.get("Authorization")), False
+        return await v1_authenticate_async(_authorization(request)), False
     key = await sync_to_async(batch_key_for)(credential)
     if key is None:
         raise OpenAIError(401, f"The {BATCH_HEADER} credential is wrong, or its batch is over or its key revoked; "
                           "only a Fleet worker sends it.", code="invalid_batch_credential")
     return key, True
+
+
+def _authorization(request: HttpRequest) -> str | None:
+    """The bearer header; else Anthropic's `x-api-key` as one (its clients send nothing else)."""
+    header = request.headers.get("Authorization")
+    if header is None and request.headers.get("x-api-key"):
+        return f"Bearer {request.headers['x-api-key']}"
+    return header
 
 
 def json_body(request: HttpRequest) -> dict[str, Any]:
@@ -137,23 +150,36 @@ async def served_models() -> list[str]:
     return sorted(live | set(recorded))
 
 
-def _model_object(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "fleet"}
+def _model_object(name: str, alias_of: str | None = None) -> dict[str, Any]:
+    body = {"id": name, "object": "model", "created": 0, "owned_by": "fleet"}
+    return {**body, "alias_of": alias_of} if alias_of else body
+
+
+async def _listed() -> dict[str, str | None]:
+    """Each name a client may ask for -> the served model it is an alias of (None: it is that model). An alias is
+    listed while its target is served."""
+    served = await served_models()
+    names: dict[str, str | None] = dict.fromkeys(served)
+    for alias, target in (await aaliases()).items():
+        if target in names and alias not in names:
+            names[alias] = target
+    return names
 
 
 @openai_view("GET")
 async def models(request: HttpRequest) -> HttpResponse:
-    return JsonResponse({"object": "list", "data": [_model_object(m) for m in await served_models()]})
+    listed = await _listed()
+    return JsonResponse({"object": "list", "data": [_model_object(m, listed[m]) for m in sorted(listed)]})
 
 
 @openai_view("GET")
 async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
-    served = await served_models()
-    if model not in served:
-        names = ", ".join(served) or "none"
+    listed = await _listed()
+    if model not in listed:
+        names = ", ".join(sorted(listed)) or "none"
         raise OpenAIError(404, f"The model {model!r} is not served by any node (served: {names}).",
                           code="model_not_found", param="model")
-    return JsonResponse(_model_object(model))
+    return JsonResponse(_model_object(model, listed[model]))
 
 
 # --- generations ----------------------------------------------------------------------------------------------
@@ -208,6 +234,7 @@ async def audio_transcriptions(request: HttpRequest) -> HttpResponse:
 async def embeddings(request: HttpRequest) -> HttpResponse:
     body = json_body(request)
     model, texts, encoding = _embedding_input(body)
+    model = (await aaliases()).get(model, model)
     node, vectors, prompt_tokens = "", [], 0
     for batch in _embedding_batches(texts):
         node, result = await _embedded(model, batch)

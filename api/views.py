@@ -271,7 +271,8 @@ class LogitBiasHandleViewSet(_HandleViewSet):
 GENERATION_FILTERS = [
     OpenApiParameter(name, OpenApiTypes.STR, description=text)
     for name, text in (("model", "model name"), ("node", "node id or identity"), ("status", "done, failed, "
-                       "cancelled or expired"), ("session", "session id"), ("kind", "chat or completion"))
+                       "cancelled or expired"), ("session", "session id"),
+                      ("kind", "chat, completion, responses, messages or transcription"))
 ]
 
 

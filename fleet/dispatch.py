@@ -497,6 +497,8 @@ class GenerationStream:
             "cached_tokens": self.outcome.cached_tokens,
         }
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if isinstance(event.usage.get("stop_index"), int):  # which stop string ended it (the Messages API says)
+            usage["stop_index"] = event.usage["stop_index"]
         return Finished(event.finish_reason, usage, self.outcome.timings, link.identity)
 
     def _finished_by_length(self, node: str) -> Finished:

@@ -42,6 +42,8 @@ class Family:
 MODEL_NODE = ("model", "node")
 GENERATIONS = Family("fleet_generations", "Generations that ended, by status (done, failed, cancelled, expired) and "
                      "error code (empty when none)", ("model", "node", "status", "code"))
+API_GENERATIONS = Family("fleet_api_generations", "Generations that ended, by the API that asked (chat, completion, "
+                         "responses, messages, ...) and status", ("api", "status"))
 PROMPT_TOKENS = Family("fleet_prompt_tokens", "Prompt tokens of ended generations, cached ones included", MODEL_NODE)
 CACHED_TOKENS = Family("fleet_cached_tokens", "Prompt tokens a node took from its cache instead of reading them",
                        MODEL_NODE)
@@ -61,8 +63,8 @@ LINK_DROPS = Family("fleet_link_drops", "Links of registered nodes that closed",
 LINK_REFUSALS = Family("fleet_link_refusals", "Node links the head refused, by close code", ("reason",))
 BLOB_BYTES = Family("fleet_blob_bytes_served", "Bytes of blobs (registry models, media such as audio) the head sent to "
                     "nodes; a node that holds a blob fetches nothing", ())
-COUNTED = (GENERATIONS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY,
-           PLACEMENTS, FAILOVERS, PREEMPTIONS, LINK_DROPS, LINK_REFUSALS, BLOB_BYTES)
+COUNTED = (GENERATIONS, API_GENERATIONS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, TIME_TO_FIRST_TOKEN,
+           INTER_TOKEN_LATENCY, PLACEMENTS, FAILOVERS, PREEMPTIONS, LINK_DROPS, LINK_REFUSALS, BLOB_BYTES)
 
 
 # --- counting, at the events -----------------------------------------------------------------------------------
@@ -97,11 +99,13 @@ class Counts:
         store().add(self.deltas)
 
 
-def generation_ended(*, model: str, status: str, code: str, outcome: Any, finished_at: float) -> None:
+def generation_ended(*, model: str, status: str, code: str, outcome: Any, finished_at: float, api: str = "") -> None:
     """A generation ended (any interface, any status): its status, tokens and latencies. `outcome` is the
-    dispatcher's Outcome; the tokens count for the node it ended on."""
+    dispatcher's Outcome; the tokens count for the node it ended on. `api`: the interface that asked for it."""
     labels = (model, outcome.node or "")
     counts = Counts().add(GENERATIONS, (*labels, status, code or ""))
+    if api:
+        counts.add(API_GENERATIONS, (api, status))
     counts.add(PROMPT_TOKENS, labels, outcome.prompt_tokens).add(CACHED_TOKENS, labels, outcome.cached_tokens)
     counts.add(COMPLETION_TOKENS, labels, outcome.completion_tokens)
     first = outcome.first_token_at

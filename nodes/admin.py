@@ -14,7 +14,7 @@ from nodes.deployments import (
     deployment_update,
     model_node_states,
 )
-from nodes.models import Deployment, FleetToken, Model, Node, RevokedNodeKey
+from nodes.models import Deployment, FleetToken, Model, ModelAlias, Node, RevokedNodeKey
 from nodes.registry import model_delete
 from nodes.services import fleet_token_create, fleet_token_revoke, node_release_key, node_revoke, node_set_hold
 
@@ -289,3 +289,11 @@ class DeploymentAdmin(admin.ModelAdmin):
     @admin.display(description="on the nodes")
     def states(self, deployment):
         return _pairs(deployment_states(deployment=deployment), empty="no node reported it yet")
+
+
+@admin.register(ModelAlias)
+class ModelAliasAdmin(admin.ModelAdmin):
+    """Names clients send (a hosted model's, an agent's background model's) for a served model, in every API."""
+
+    list_display = ("name", "target", "created_at")
+    search_fields = ("name", "target")

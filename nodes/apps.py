@@ -4,3 +4,12 @@ from django.apps import AppConfig
 class NodesConfig(AppConfig):
     name = "nodes"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from django.db.models.signals import post_delete, post_save
+
+        from fleet.aliases import aliases_changed
+
+        # This process sees an alias change at once; other head processes within fleet.aliases.ALIASES_TTL_S.
+        post_save.connect(aliases_changed, sender="nodes.ModelAlias", dispatch_uid="model-alias-saved")
+        post_delete.connect(aliases_changed, sender="nodes.ModelAlias", dispatch_uid="model-alias-deleted")

@@ -273,3 +273,27 @@ class NodeModel(models.Model):
         if self.state == self.State.FAILED:
             return f"failed: {self.detail}"
         return self.state
+
+
+class ModelAlias(models.Model):
+    """Another name for a served model: agents ask for hosted models' names (and some for a second, smaller one for
+    background work), which an operator maps here. Every API resolves it before placement (fleet.aliases)."""
+
+    name = models.CharField(max_length=200, unique=True, help_text="The name a client sends.")
+    target = models.CharField(max_length=200, help_text="The served model (or base:adapter) it stands for.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "model alias"
+        verbose_name_plural = "model aliases"
+
+    def __str__(self) -> str:
+        return f"{self.name} -> {self.target}"
+
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+
+        self.name, self.target = self.name.strip(), self.target.strip()
+        if not self.name or not self.target or self.name == self.target:
+            raise ValidationError("An alias needs a name and another model's name as its target.")

@@ -4,7 +4,7 @@ from django.conf import settings
 from django.contrib import admin, messages
 from django.utils import timezone
 
-from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message
+from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message, StoredResponse
 from sessions.selectors import expires_at
 
 
@@ -94,3 +94,19 @@ class LogitBiasHandleAdmin(FreeableAdmin):
     list_filter = ("freed_at",)
     search_fields = ("id", "name")
     list_select_related = ("api_key",)
+
+
+@admin.register(StoredResponse)
+class StoredResponseAdmin(ReadOnlyMixin, admin.ModelAdmin):
+    """The /v1/responses answers kept for previous_response_id; deleting one here is DELETE /v1/responses/{id}."""
+
+    list_display = ("id", "model", "owner", "api_key", "previous", "created_at", "expires")
+    list_filter = ("model",)
+    search_fields = ("id",)
+    list_select_related = ("owner", "api_key")
+    readonly_fields = ("id", "model", "owner", "api_key", "previous", "messages", "input_items", "body", "created_at",
+                       "expires")
+
+    @admin.display(description="expires")
+    def expires(self, row):
+        return expires_at(row.created_at, settings.FLEET_SESSION_TTL_DAYS) or "never"

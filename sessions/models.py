@@ -132,3 +132,26 @@ class LogitBiasHandle(Handle):
 
     class Meta(Handle.Meta):
         verbose_name = "logit-bias handle"
+
+
+class StoredResponse(models.Model):
+    """A /v1/responses answer kept for `previous_response_id`, GET and DELETE: the conversation through it (the
+    prompt's prefix of the next turn), the items its request sent and the response object as answered."""
+
+    id = models.CharField(primary_key=True, max_length=64, editable=False)  # "resp_" + the generation's id
+    model = models.CharField(max_length=200)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    api_key = models.ForeignKey("api.ApiKey", null=True, blank=True, on_delete=models.SET_NULL)
+    previous = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL)
+    messages = models.JSONField(default=list, blank=True, help_text="The conversation through this answer, as chat "
+                                                                    "messages (what the next turn continues).")
+    input_items = models.JSONField(default=list, blank=True)
+    body = models.JSONField(default=dict, blank=True, help_text="The response object as answered.")
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "stored response"
+
+    def __str__(self) -> str:
+        return self.id

@@ -13,7 +13,7 @@ from typing import Any
 from django.conf import settings
 from django.db.models import Q, QuerySet
 
-from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message
+from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message, StoredResponse
 
 
 class HandleUnavailable(LookupError):
@@ -185,3 +185,13 @@ def generation_timeline(*, generation: Generation) -> list[dict[str, Any]]:
 
 def _at(seconds: Any) -> datetime | None:
     return datetime.fromtimestamp(seconds, UTC) if isinstance(seconds, int | float) else None
+
+
+# --- stored responses (/v1/responses) --------------------------------------------------------------------------
+
+
+def stored_response_get(*, user, response_id: Any) -> StoredResponse | None:
+    """The caller's stored response (staff: anyone's); None for another owner's, as for one that never was."""
+    if not isinstance(response_id, str) or not response_id:
+        return None
+    return _owned(StoredResponse.objects.all(), user).filter(pk=response_id).first()

@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from nodes.link.gbnf import repetition_problem
 from nodes.models import Node
-from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message
+from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message, StoredResponse
 from sessions.writer import writers
 
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
@@ -290,6 +290,26 @@ def session_expire(*, ttl_days: int) -> int:
     if cutoff is None:
         return 0
     return InferenceSession.objects.filter(updated_at__lt=cutoff).delete()[1].get(InferenceSession._meta.label, 0)
+
+
+def stored_response_expire(*, ttl_days: int) -> int:
+    """Delete the stored /v1/responses answers older than `ttl_days` (0: keep them): they live as long as an
+    untouched conversation does. Returns how many went."""
+    cutoff = _cutoff(ttl_days)
+    if cutoff is None:
+        return 0
+    return StoredResponse.objects.filter(created_at__lt=cutoff).delete()[1].get(StoredResponse._meta.label, 0)
+
+
+def stored_response_create(*, response_id: str, model: str, api_key=None, previous: StoredResponse | None = None,
+                           messages: list[dict], input_items: list[dict], body: dict) -> StoredResponse:
+    return StoredResponse.objects.create(
+        id=response_id, model=model, api_key=api_key, owner=api_key.owner if api_key is not None else None,
+        previous=previous, messages=messages, input_items=input_items, body=body)
+
+
+def stored_response_delete(*, stored: StoredResponse) -> None:
+    stored.delete()
 
 
 def handle_expire(*, ttl_days: int) -> int:

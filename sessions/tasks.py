@@ -8,7 +8,7 @@ from celery import shared_task
 from django.conf import settings
 from django.db import OperationalError
 
-from sessions.services import generation_purge, handle_expire, session_expire
+from sessions.services import generation_purge, handle_expire, session_expire, stored_response_expire
 
 log = logging.getLogger("sessions")
 
@@ -25,8 +25,11 @@ def _run(job, days: int, done: str) -> int:
 
 @shared_task(name="sessions.tasks.session_expire", soft_time_limit=120, time_limit=180, **RETRY)
 def session_expire_task() -> int:
-    return _run(lambda days: session_expire(ttl_days=days), settings.FLEET_SESSION_TTL_DAYS,
-                "deleted %d session(s) untouched for %d days")
+    days = settings.FLEET_SESSION_TTL_DAYS
+    # Stored /v1/responses are conversations too: they keep the sessions' retention.
+    return (_run(lambda days: session_expire(ttl_days=days), days, "deleted %d session(s) untouched for %d days")
+            + _run(lambda days: stored_response_expire(ttl_days=days), days,
+                   "deleted %d stored response(s) older than %d days"))
 
 
 @shared_task(name="sessions.tasks.handle_expire", soft_time_limit=60, time_limit=90, **RETRY)

@@ -34,6 +34,7 @@ class Script:
     drop_seq: int | None = None  # this token batch is lost on its way to the head (the node goes on)
     first_id: int = 100  # token ids count up from here
     reported_completion: int | None = None  # what the done's usage claims (None: the tokens it sent)
+    stop_index: int | None = None  # the node reports that this stop string (by its place in spec.stop) ended it
 
 
 class FakeLink:
@@ -102,8 +103,11 @@ class FakeLink:
                 await asyncio.sleep(0.05)
             reason = "length" if len(tokens) < len(script.tokens) else script.finish_reason
             claimed = sent if script.reported_completion is None else script.reported_completion
+            usage = {"prompt_tokens": script.prompt_tokens, "completion_tokens": claimed}
+            if script.stop_index is not None:
+                usage["stop_index"] = script.stop_index
             self._end(gen_id, Done(gen_id=gen_id, seq=seq, finish_reason=reason, timings={"decode_ms": 1.0},
-                                   usage={"prompt_tokens": script.prompt_tokens, "completion_tokens": claimed}))
+                                   usage=usage))
         except asyncio.CancelledError:
             self._end(gen_id, Done(gen_id=gen_id, seq=seq, finish_reason="cancelled", timings={},
                                    usage={"prompt_tokens": script.prompt_tokens, "completion_tokens": sent}))

@@ -8,8 +8,9 @@ import pytest
 from django.urls import reverse
 
 from api.services import api_key_create
-from nodes.models import Node
+from nodes.models import ModelAlias, Node
 from nodes.services import fleet_token_create
+from sessions.services import stored_response_create
 from tests.factories import (
     GenerationFactory,
     GrammarHandleFactory,
@@ -30,6 +31,8 @@ CHANGELISTS = {
     "admin:inference_sessions_generation_changelist": 11,
     "admin:inference_sessions_grammarhandle_changelist": 5,
     "admin:inference_sessions_logitbiashandle_changelist": 5,
+    "admin:inference_sessions_storedresponse_changelist": 6,
+    "admin:nodes_modelalias_changelist": 5,
 }
 
 
@@ -46,6 +49,10 @@ def staff_client(client):
         GenerationFactory(node=node, session=session)
         GrammarHandleFactory()
         LogitBiasHandleFactory()
+        key, _ = api_key_create(owner=user, name=f"r-{node.identity}")
+        stored_response_create(response_id=f"resp_{node.identity}", model="smollm2", api_key=key, messages=[],
+                               input_items=[], body={})
+        ModelAlias.objects.create(name=f"alias-{node.identity}", target="smollm2")
     return client
 
 

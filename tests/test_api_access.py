@@ -107,6 +107,13 @@ class World:
     def session_fresh(self):
         return SessionFactory(owner=self.owner, api_key=self.owner_key)
 
+    def stored_fresh(self):
+        """A stored /v1/responses answer of the owner's key."""
+        from sessions.services import stored_response_create
+
+        return stored_response_create(response_id=f"resp_{uuid.uuid4().hex}", model="smollm2", api_key=self.owner_key,
+                                      messages=[{"role": "user", "content": "Hi"}], input_items=[], body={})
+
     def object_of(self, model) -> Any:
         label = model._meta.label_lower
         built = {
@@ -120,6 +127,8 @@ class World:
             "api.batchfile": lambda: self.batch_file, "api.batch": lambda: self.batch,
             "nodes.model": lambda: registry_model("walk-model"),
             "nodes.deployment": lambda: deployment(),
+            "inference_sessions.storedresponse": lambda: self.stored_fresh(),
+            "nodes.modelalias": lambda: alias(),
         }.get(label)
         if built is None:
             pytest.fail(f"the URL walk has no object of {label}: add one to World.object_of")
@@ -133,6 +142,12 @@ def registry_model(name: str):
     return Model.objects.get_or_create(name=name, defaults={
         "sha256": "ab" * 32, "size": 1, "architecture": "llama", "quantization": "Q4_1", "context_length": 8,
         "kv_bytes_per_token": 1})[0]
+
+
+def alias():
+    from nodes.models import ModelAlias
+
+    return ModelAlias.objects.create(name=f"alias-{uuid.uuid4().hex[:8]}", target="smollm2")
 
 
 def deployment():
@@ -200,7 +215,7 @@ API_OBJECTS: dict[str, Callable[[World], Any]] = {
     "node": lambda w: w.node, "fleet-token": lambda w: w.token, "api-key": lambda w: w.owner_key,
     "session": lambda w: w.session, "grammar": lambda w: w.grammar, "logit-bias": lambda w: w.bias,
     "generation": lambda w: w.generation, "model": lambda w: registry_model("walk-model"),
-    "deployment": lambda w: deployment(),
+    "deployment": lambda w: deployment(), "model-alias": lambda w: alias(),
 }
 API_FRESH: dict[str, Callable[[World], Any]] = {
     "fleet-token": lambda w: fleet_token_create(name="spare")[0],
@@ -210,7 +225,17 @@ API_FRESH: dict[str, Callable[[World], Any]] = {
     "logit-bias": lambda w: LogitBiasHandleFactory(owner=w.owner, api_key=w.owner_key),
     "model": lambda w: registry_model(f"walk-{uuid.uuid4().hex[:8]}"),
     "deployment": lambda w: deployment(),
+    "model-alias": lambda w: alias(),
 }
+
+
+def message(**extra) -> Callable[[World], dict[str, Any]]:
+    return lambda w: {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **extra}
+
+
+def stored(w: World) -> dict[str, Any]:
+    return {"response_id": w.stored_fresh().id}
+
 
 NAMED: dict[str, list[Case]] = {
     "healthz": [Case("GET", PUBLIC)],
@@ -235,6 +260,17 @@ NAMED: dict[str, list[Case]] = {
     # a staff session, which the playground uses (its CSRF token is checked, which Django's test client skips: the
     # refusal without it is tests/test_transcriptions.py's)
     "v1-audio-transcriptions": [Case("POST", statuses(401, 415, 415, 415), body=lambda w: {"model": "whisper"})],
+    "v1-responses": [
+        Case("POST", KEYS_ONLY, body=lambda w: {"model": "smollm2", "input": "Hi", "max_output_tokens": 2}),
+        # another owner's stored response is one that does not exist
+        Case("POST", statuses(401, 200, 404, 401), body=lambda w: {
+            "model": "smollm2", "input": "Hi", "max_output_tokens": 2, "previous_response_id": w.stored_fresh().id}),
+    ],
+    "v1-response": [Case("GET", statuses(401, 200, 404, 401), kwargs=stored),
+                    Case("DELETE", statuses(401, 200, 404, 401), kwargs=stored)],
+    "v1-response-input-items": [Case("GET", statuses(401, 200, 404, 401), kwargs=stored)],
+    "v1-messages": [Case("POST", KEYS_ONLY, body=message())],
+    "v1-messages-count-tokens": [Case("POST", KEYS_ONLY, body=message())],
     "v1-files": [Case("GET", KEYS_ONLY)],
     "v1-file": [Case("GET", statuses(401, 200, 404, 401), kwargs=lambda w: {"file_id": file_ref(w.batch_file)})],
     "v1-file-content": [Case("GET", statuses(401, 200, 404, 401),
@@ -270,6 +306,8 @@ NAMED: dict[str, list[Case]] = {
     "model-upload-start": [Case("POST", statuses(401, 403, 403, 201))],
     # staff: a part with no ?offset is a 400 that says to give one
     "model-upload-part": [Case("PUT", statuses(401, 403, 403, 400), kwargs=lambda w: {"upload_id": "0" * 32})],
+    "model-alias-list": [Case("GET", STAFF_ONLY)],
+    "model-alias-detail": [Case("GET", STAFF_ONLY), Case("DELETE", statuses(401, 403, 403, 204))],
     "deployment-list": [Case("GET", STAFF_ONLY)],
     "deployment-detail": [Case("GET", STAFF_ONLY), Case("DELETE", statuses(401, 403, 403, 204))],
     # the registry's files answer only to a node's pull grant: no API key or staff session opens them
@@ -289,7 +327,8 @@ NAMED: dict[str, list[Case]] = {
 }
 ADMIN_MODEL_VIEWS = ("changelist", "add", "history", "delete", "change")
 # Admin pages a staff user may not open: the records that are written by the fleet, never by hand.
-ADMIN_READ_ONLY = {"inference_sessions_generation_add": 403, "nodes_node_add": 403, "nodes_revokednodekey_add": 403}
+ADMIN_READ_ONLY = {"inference_sessions_generation_add": 403, "nodes_node_add": 403, "nodes_revokednodekey_add": 403,
+                   "inference_sessions_storedresponse_add": 403}
 
 
 def _admin_model(name: str):

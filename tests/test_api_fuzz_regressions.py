@@ -102,7 +102,9 @@ async def test_the_v1_description_is_served_without_a_key():
     assert ex.status == 200
     document = ex.json()
     assert document["openapi"].startswith("3.") and set(document["paths"]) == {
-        "/v1/models", "/v1/models/{model}", "/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
+        "/v1/models", "/v1/models/{model}", "/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+        "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items", "/v1/messages",
+        "/v1/messages/count_tokens"}
 
 
 def test_a_bug_outside_the_views_is_a_500_in_each_apis_shape():

@@ -289,11 +289,13 @@ def test_stop_string_ends_the_generation_and_is_never_emitted():
     engine = mock(words=["alpha", "beta", "gamma", "delta"])
     full = run_local(engine, [GenerateSpec(gen_id="a", prompt="x", max_tokens=8)])["a"].text
     stop = full.split()[2]
-    stopped = run_local(engine, [GenerateSpec(gen_id="b", prompt="x", max_tokens=8, stop=[" " + stop])])["b"]
+    stopped = run_local(engine, [GenerateSpec(gen_id="b", prompt="x", max_tokens=8, stop=["zzz", " " + stop])])["b"]
 
     assert stopped.finish_reason == "stop"
     assert stopped.text == full[: full.index(" " + stop)]
     assert stop not in stopped.text
+    assert stopped.done.usage["stop_index"] == 1  # which one (Anthropic's stop_sequence); none when none ended it
+    assert "stop_index" not in run_local(engine, [GenerateSpec(gen_id="c", prompt="x", max_tokens=8)])["c"].done.usage
 
 
 @pytest.mark.parametrize(

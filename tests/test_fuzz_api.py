@@ -94,13 +94,15 @@ def _servable(document: dict) -> dict:
     handles) or need another one set (top_logprobs, tool_choice). Otherwise nearly every generated request is a
     400 or 404, and the generation path is never fuzzed."""
     document = copy.deepcopy(document)
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages",
+                 "/v1/messages/count_tokens"):
         body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         body["properties"]["model"] = {"type": "string", "enum": [MODEL]}
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if name in body["properties"]:
                 body["properties"][name]["maximum"] = WINDOW
-        for name in ("session", "logit_bias_handle", "grammar", "top_logprobs", "tool_choice"):
+        for name in ("session", "logit_bias_handle", "grammar", "top_logprobs", "tool_choice",
+                     "previous_response_id"):
             body["properties"].pop(name, None)
     document["paths"]["/v1/models/{model}"]["get"]["parameters"][0]["schema"] = {"type": "string", "enum": [MODEL]}
     return document
@@ -122,7 +124,10 @@ def error_shape(ctx, response, case):
     except ValueError:
         raise Failure(operation=case.operation.label, title="An error body is not JSON",
                       message=f"{response.status_code}: {response.content[:200].decode(errors='replace')!r}") from None
-    problem = openai_problem(body) if case.path.startswith("/v1") else drf_problem(body)
+    if case.path.startswith("/v1/messages"):
+        problem = anthropic_problem(body)
+    else:
+        problem = openai_problem(body) if case.path.startswith("/v1") else drf_problem(body)
     if problem:
         raise Failure(operation=case.operation.label, title="An error body has the wrong shape",
                       message=f"{problem}: {body!r}"[:500])
@@ -151,6 +156,15 @@ def openai_problem(body) -> str | None:
         return "not {error: {message, type, param, code}}"
     if not isinstance(error["message"], str) or not error["message"] or not isinstance(error["type"], str):
         return "no message or type"
+    return None
+
+
+def anthropic_problem(body) -> str | None:
+    """Anthropic's error object, on its Messages API's paths."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if set(body) != {"type", "error"} or body["type"] != "error" or not isinstance(error, dict) or \
+            set(error) != {"type", "message"} or not error["message"] or not isinstance(error["type"], str):
+        return "not {type: error, error: {type, message}}"
     return None
 
 

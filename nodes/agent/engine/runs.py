@@ -58,6 +58,7 @@ class Run:
     next_token: int | None = None  # sampled, not yet read into the KV cache
     seq: int = 1
     finished: bool = False
+    stop_index: int | None = None  # the stop string that ended it, by its place in spec.stop
     adapters: tuple = ()  # its LoRA adapter set (an AdapterKey); lanes of other sets never share its steps
     _held: list[Token] = field(default_factory=list)  # may still become a stop string
     _out: list[Token] = field(default_factory=list)  # settled, waiting for the next flush
@@ -87,7 +88,10 @@ class Run:
             self._settle([(token_id, text, logprob)], now)
             return False
         self._held.append((token_id, text, logprob))
-        cut, safe = stop_cut("".join(t[1] for t in self._held), self.spec.stop)
+        held = "".join(t[1] for t in self._held)
+        cut, safe = stop_cut(held, self.spec.stop)
+        if cut is not None:  # which one: Anthropic's Messages API answers with it (stop_sequence)
+            self.stop_index = next(i for i, stop in enumerate(self.spec.stop) if held.find(stop) == cut)
         self._release_upto(cut if cut is not None else safe, now, truncate=cut is not None)
         return cut is not None
 
@@ -161,6 +165,7 @@ class Run:
                 "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_tokens,
                 "completion_tokens": self.completion_tokens,
+                **({"stop_index": self.stop_index} if self.stop_index is not None else {}),
             },
             timings={
                 "ttft_ms": round((first - self.submitted_at) * 1000, 3) if first is not None else None,

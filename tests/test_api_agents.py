@@ -1,0 +1,424 @@
+"""The agents' APIs through the head with a fake node link: OpenAI's Responses API and Anthropic's Messages API
+(validation, shapes, event order, stored responses, errors). The official clients against a real node:
+test_agents_e2e."""
+
+import json
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from sessions.models import Generation, StoredResponse
+from tests.api_support import FakeLink, Script, add_fake_node, request
+from tests.test_metrics import fresh_store  # noqa: F401 - a metrics store of each test's own
+
+pytest_plugins = ["tests.api_fixtures"]
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+CALL = ['{"name": "get_weather", ', '"arguments": {"city": "Paris"}}']
+
+
+@sync_to_async
+def generations():
+    return list(Generation.objects.order_by("created_at").values("kind", "status"))
+
+
+@pytest.fixture
+def fast_sse(monkeypatch):
+    monkeypatch.setattr("api.sse.HEADER_WAIT_S", 0.05)
+    monkeypatch.setattr("api.sse.KEEPALIVE_S", 0.05)
+
+
+def sse(ex) -> list[tuple[str, dict]]:
+    """(event name, data) of each server-sent event."""
+    out = []
+    for block in ex.events():
+        lines = dict(line.split(": ", 1) for line in block.split("\n") if ": " in line and not line.startswith(":"))
+        if "event" in lines:
+            out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
+@pytest.fixture
+def other_bearer():
+    from api.services import api_key_create
+    from tests.factories import UserFactory
+
+    return api_key_create(owner=UserFactory(is_staff=False, is_superuser=False), name="other")[1]
+
+
+@pytest.fixture
+def staff_bearer():
+    from api.services import api_key_create
+    from tests.factories import UserFactory
+
+    return api_key_create(owner=UserFactory(is_staff=True), name="staff")[1]
+
+
+# --- /v1/responses ------------------------------------------------------------------------------------------------
+
+
+async def test_a_response_is_answered_stored_listed_and_deleted_by_its_owner_only(bearer, other_bearer, staff_bearer):
+    link = add_fake_node()
+    ex = await request("POST", "/v1/responses", key=bearer, body={
+        "model": "smollm2", "input": "Hi", "instructions": "Be brief.", "max_output_tokens": 30, "temperature": 0.5,
+        "metadata": {"run": "1"}, "include": ["message.output_text.logprobs"], "top_logprobs": 1})
+    assert ex.status == 200
+    body = ex.json()
+    assert body["id"] == "resp_" + ex.headers["x-fleet-generation"] and body["object"] == "response"
+    assert body["status"] == "completed" and body["metadata"] == {"run": "1"} and body["max_output_tokens"] == 30
+    (item,) = body["output"]
+    assert item["type"] == "message" and item["role"] == "assistant" and item["status"] == "completed"
+    (part,) = item["content"]
+    assert part["type"] == "output_text" and part["text"] == "Hello, world!"
+    assert [t["token"] for t in part["logprobs"]] == ["Hello", ",", " world", "!"]
+    assert len(part["logprobs"][0]["top_logprobs"]) == 1
+    assert body["usage"] == {"input_tokens": 11, "input_tokens_details": {"cached_tokens": 3}, "output_tokens": 4,
+                             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 15}
+    spec = link.specs[0]
+    assert spec["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert (spec["max_tokens"], spec["temperature"], spec["logprobs"], spec["top_logprobs"]) == (30, 0.5, True, 1)
+    assert await generations() == [{"kind": "responses", "status": "done"}]
+
+    path = f"/v1/responses/{body['id']}"
+    assert (await request("GET", path, key=bearer)).json() == body
+    assert (await request("GET", path, key=staff_bearer)).status == 200  # staff see every owner's
+    items = (await request("GET", path + "/input_items", key=bearer)).json()
+    assert items["object"] == "list" and items["has_more"] is False
+    assert items["data"][0]["content"] == [{"type": "input_text", "text": "Hi"}]
+    for method in ("GET", "DELETE"):
+        theirs = await request(method, path, key=other_bearer)
+        assert theirs.status == 404 and theirs.json()["error"]["code"] == "not_found"
+    assert (await request("DELETE", path, key=bearer)).json() == {"id": body["id"], "object": "response",
+                                                                 "deleted": True}
+    assert (await request("GET", path, key=bearer)).status == 404
+
+    unstored = await request("POST", "/v1/responses", key=bearer, body={"model": "smollm2", "input": "Hi",
+                                                                        "store": False})
+    assert unstored.status == 200 and not await sync_to_async(StoredResponse.objects.exists)()
+
+
+async def test_a_response_streams_the_whole_event_sequence_numbered(bearer):
+    add_fake_node()
+    ex = await request("POST", "/v1/responses", key=bearer, body={"model": "smollm2", "input": "Hi", "stream": True})
+    assert ex.status == 200 and ex.headers["content-type"].startswith("text/event-stream")
+    events = sse(ex)
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.completed"]
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    assert all(data["type"] == kind for kind, data in events)
+    assert "".join(d["delta"] for k, d in events if k == "response.output_text.delta") == "Hello, world!"
+    final = events[-1][1]["response"]
+    assert final["status"] == "completed" and final["output"][0]["content"][0]["text"] == "Hello, world!"
+    stored = await request("GET", f"/v1/responses/{final['id']}", key=bearer)
+    assert stored.json()["output"] == final["output"]
+
+
+async def test_a_function_call_round_trip_continues_the_stored_conversation(bearer, other_bearer):
+    link = add_fake_node(FakeLink(script=lambda spec: Script(tokens=CALL if spec["json_schema"] else ["18 C."])))
+    first = await request("POST", "/v1/responses", key=bearer, body={
+        "model": "smollm2", "input": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER],
+        "tool_choice": "required"})
+    body = first.json()
+    (call,) = body["output"]
+    assert call["type"] == "function_call" and call["name"] == "get_weather" and body["status"] == "completed"
+    assert json.loads(call["arguments"]) == {"city": "Paris"} and call["call_id"].startswith("call_")
+    assert json.loads(link.specs[0]["json_schema"])["properties"]["name"]["enum"] == ["get_weather"]
+    stored = await sync_to_async(StoredResponse.objects.get)(pk=body["id"])
+    assert stored.messages[-1]["tool_calls"][0]["id"] == call["call_id"]  # what the next turn's output answers
+
+    turn = {"model": "smollm2", "previous_response_id": body["id"], "tools": [WEATHER],
+            "input": [{"type": "function_call_output", "call_id": call["call_id"], "output": "18 C"}]}
+    assert (await request("POST", "/v1/responses", key=other_bearer, body=turn)).status == 404
+    ex = await request("POST", "/v1/responses", key=bearer, body={**turn, "stream": True})
+    final = sse(ex)[-1][1]["response"]
+    assert final["previous_response_id"] == body["id"] and final["output"][0]["content"][0]["text"] == "18 C."
+    messages = link.specs[-1]["messages"]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
+    assert json.loads(messages[2]["content"]) == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    assert messages[3] == {"role": "tool", "content": "18 C", "tool_call_id": call["call_id"]}
+
+    # a streamed call: its arguments in one delta, then done
+    ex = await request("POST", "/v1/responses", key=bearer, body={
+        "model": "smollm2", "input": "Weather?", "tools": [WEATHER], "tool_choice": {"type": "function",
+                                                                                   "name": "get_weather"},
+        "stream": True})
+    kinds = [kind for kind, _ in sse(ex)]
+    assert kinds[2:] == ["response.output_item.added", "response.function_call_arguments.delta",
+                         "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+
+
+REFUSED = [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"background": True}, "background"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"include": ["file_search_call.results"]}, "include"),
+    ({"max_output_tokens": 999_999}, "max_output_tokens"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ({"previous_response_id": "resp_nope"}, "previous_response_id"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+]
+
+
+async def test_what_a_fleet_cannot_honour_is_a_4xx_naming_the_field(bearer):
+    link = add_fake_node()
+    for extra, param in REFUSED:
+        ex = await request("POST", "/v1/responses", key=bearer, body={"model": "smollm2", "input": "Hi", **extra})
+        assert ex.status in (400, 404) and ex.json()["error"]["param"] == param, (extra, ex.json())
+    assert not link.specs
+
+
+async def test_text_format_json_schema_is_the_node_grammar_and_a_length_cut_is_incomplete(bearer):
+    link = add_fake_node()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    body = (await request("POST", "/v1/responses", key=bearer, body={
+        "model": "smollm2", "input": "Hi", "max_output_tokens": 2,
+        "text": {"format": {"type": "json_schema", "name": "n", "schema": schema, "strict": True}}})).json()
+    assert json.loads(link.specs[0]["json_schema"]) == schema
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["text"]["format"]["type"] == "json_schema"
+
+
+# --- /v1/messages -------------------------------------------------------------------------------------------------
+
+
+def msg(**extra):
+    return {"model": "smollm2", "max_tokens": 50, "messages": [{"role": "user", "content": "Hi"}], **extra}
+
+
+async def test_a_message_with_x_api_key_answers_in_anthropic_shape_and_names_its_stop_sequence(bearer):
+    link = add_fake_node(FakeLink(script=Script(stop_index=1)))
+    headers = {"x-api-key": bearer, "anthropic-version": "2023-06-01", "anthropic-beta": "tools-2024-05-16"}
+    ex = await request("POST", "/v1/messages?beta=true", headers=headers, body=msg(
+        system=[{"type": "text", "text": "Be brief."}], stop_sequences=["END", "STOP"], top_k=5, temperature=0.3,
+        metadata={"user_id": "u1"}))
+    assert ex.status == 200
+    body = ex.json()
+    assert body == {"id": "msg_" + ex.headers["x-fleet-generation"], "type": "message", "role": "assistant",
+                    "model": "smollm2", "content": [{"type": "text", "text": "Hello, world!"}],
+                    "stop_reason": "stop_sequence", "stop_sequence": "STOP",
+                    "usage": {"input_tokens": 8, "output_tokens": 4, "cache_read_input_tokens": 3,
+                              "cache_creation_input_tokens": 0}}
+    spec = link.specs[0]
+    assert spec["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert (spec["stop"], spec["top_k"], spec["max_tokens"]) == (["END", "STOP"], 5, 50)
+    link.script = Script()
+    assert (await request("POST", "/v1/messages", key=bearer, body=msg())).json()["stop_reason"] == "end_turn"
+    assert (await request("POST", "/v1/messages", key=bearer, body=msg(max_tokens=2))).json()["stop_reason"] == \
+        "max_tokens"
+    assert [g["kind"] for g in await generations()] == ["messages"] * 3
+
+
+async def test_a_message_streams_anthropic_events_with_pings_while_it_waits(bearer, fast_sse):
+    add_fake_node(FakeLink(script=Script(start_delay=0.2)))
+    ex = await request("POST", "/v1/messages", key=bearer, body=msg(stream=True))
+    events = sse(ex)
+    kinds = [k for k, _ in events if k != "ping"]
+    assert kinds == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
+                     "content_block_stop", "message_delta", "message_stop"]
+    assert "ping" in [k for k, _ in events]
+    assert "".join(d["delta"]["text"] for k, d in events if k == "content_block_delta") == "Hello, world!"
+    delta = next(d for k, d in events if k == "message_delta")
+    assert delta["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+    assert delta["usage"]["output_tokens"] == 4 and delta["usage"]["cache_read_input_tokens"] == 3
+
+
+async def test_a_tool_use_round_trip_in_messages(bearer):
+    link = add_fake_node(FakeLink(script=lambda spec: Script(tokens=CALL if spec["json_schema"] else ["18 C."])))
+    tools = [{"name": "get_weather", "description": "Weather", "input_schema": WEATHER["parameters"]}]
+    forced = msg(tools=tools, tool_choice={"type": "any"})
+    body = (await request("POST", "/v1/messages", key=bearer, body=forced)).json()
+    assert body["stop_reason"] == "tool_use"
+    (use,) = body["content"]
+    assert use["type"] == "tool_use" and use["name"] == "get_weather" and use["input"] == {"city": "Paris"}
+    ex = await request("POST", "/v1/messages", key=bearer, body=msg(tools=tools, tool_choice={"type": "any"},
+                                                                     stream=True))
+    events = sse(ex)
+    block = events[1][1]["content_block"]
+    assert block["type"] == "tool_use" and block["name"] == "get_weather" and block["input"] == {}
+    assert json.loads(events[2][1]["delta"]["partial_json"]) == {"city": "Paris"}
+    assert next(d for k, d in events if k == "message_delta")["delta"]["stop_reason"] == "tool_use"
+
+    turn = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": body["content"]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "18 C"}]}]
+    answer = (await request("POST", "/v1/messages", key=bearer, body=msg(tools=tools, messages=turn))).json()
+    assert answer["content"] == [{"type": "text", "text": "18 C."}] and answer["stop_reason"] == "end_turn"
+    messages = link.specs[-1]["messages"]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
+    assert messages[3] == {"role": "tool", "content": "18 C", "tool_call_id": use["id"]}
+
+
+ERRORS = [  # in this order: the last one leaves the node's one lane busy
+    ("no max_tokens", 400, "invalid_request_error"),
+    ("bad key", 401, "authentication_error"),
+    ("unknown model", 404, "not_found_error"),
+    ("prompt over the window", 400, "invalid_request_error"),
+    ("server tool", 400, "invalid_request_error"),
+    ("no lane", 529, "overloaded_error"),
+]
+
+
+async def test_messages_errors_are_anthropic_errors_with_anthropic_statuses(bearer, fast_sse):
+    too_long = Script(error=("context_length_exceeded", "The prompt is 9000 tokens; the context window is 2048."))
+    add_fake_node(FakeLink(script=lambda spec: too_long if spec["messages"][-1]["content"] == "LONG" else
+                           Script(hang=True)), lanes=1)
+    for case, status, kind in ERRORS:
+        body, key = msg(), bearer
+        if case == "no max_tokens":
+            del body["max_tokens"]
+        elif case == "bad key":
+            key = "fk-wrong"
+        elif case == "unknown model":
+            body["model"] = "nope"
+        elif case == "prompt over the window":
+            body["messages"] = [{"role": "user", "content": "LONG"}]
+        elif case == "server tool":
+            body["tools"] = [{"type": "web_search_20250305", "name": "web_search"}]
+        elif case == "no lane":
+            await start_hanging(bearer)
+            body["deadline_ms"] = 200
+        ex = await request("POST", "/v1/messages", headers={"x-api-key": key}, body=body)
+        error = ex.json()
+        assert ex.status == status and error["type"] == "error" and error["error"]["type"] == kind, (case, error)
+        assert error["error"]["message"]
+        if case == "prompt over the window":
+            assert "2048" in error["error"]["message"] and "9000" in error["error"]["message"]
+
+
+async def test_a_key_over_its_quota_is_anthropics_rate_limit_error_with_retry_after(api_user):
+    from api.services import api_key_create
+
+    add_fake_node()
+    _, key = await sync_to_async(api_key_create)(owner=api_user, name="slow", quotas={"requests_per_minute": 1})
+    assert (await request("POST", "/v1/messages", headers={"x-api-key": key}, body=msg())).status == 200
+    ex = await request("POST", "/v1/messages", headers={"x-api-key": key}, body=msg())
+    assert ex.status == 429 and int(ex.headers["retry-after"]) >= 1
+    assert ex.json()["error"]["type"] == "rate_limit_error"
+
+
+async def start_hanging(bearer):
+    from tests.api_support import start
+
+    ex = await start("POST", "/v1/messages", key=bearer, body=msg())
+    from fleet.links import registry
+
+    for _ in range(100):
+        if any(s.running for s in registry().placement.nodes()):
+            return ex
+        import asyncio
+
+        await asyncio.sleep(0.02)
+    raise AssertionError("the first message never took the lane")
+
+
+async def test_count_tokens_reads_the_prompt_with_the_models_tokenizer_on_the_head(bearer):
+    link = add_fake_node()
+    short = await request("POST", "/v1/messages/count_tokens", key=bearer, body={
+        "model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]})
+    longer = await request("POST", "/v1/messages/count_tokens", key=bearer, body={
+        "model": "smollm2", "system": "Be brief.", "messages": [{"role": "user", "content": "Hi there"}]})
+    assert short.status == 200 and short.json()["input_tokens"] > 0
+    assert longer.json()["input_tokens"] > short.json()["input_tokens"]
+    assert not link.specs  # no node was asked
+    missing = await request("POST", "/v1/messages/count_tokens", key=bearer, body={"model": "nope", "messages": [
+        {"role": "user", "content": "Hi"}]})
+    assert missing.status == 404 and missing.json()["error"]["type"] == "not_found_error"
+
+
+# --- model aliases ------------------------------------------------------------------------------------------------
+
+
+async def test_an_alias_names_a_served_model_in_every_api_and_an_unknown_name_stays_a_404(bearer, staff_bearer):
+    link = add_fake_node()
+    alias = {"name": "claude-haiku-4-5", "target": "smollm2"}
+    assert (await request("POST", "/api/model-aliases/", key=bearer, body=alias)).status == 403  # staff only
+    made = await request("POST", "/api/model-aliases/", key=staff_bearer, body=alias)
+    assert made.status == 201 and made.json()["target"] == "smollm2"
+    same = await request("POST", "/api/model-aliases/", key=staff_bearer, body={"name": "x", "target": "x"})
+    assert same.status == 400
+
+    listed = (await request("GET", "/v1/models", key=bearer)).json()["data"]
+    assert [(m["id"], m.get("alias_of")) for m in listed] == [("claude-haiku-4-5", "smollm2"), ("smollm2", None)]
+    assert (await request("GET", "/v1/models/claude-haiku-4-5", key=bearer)).json()["alias_of"] == "smollm2"
+    chat = {"model": "claude-haiku-4-5", "messages": [{"role": "user", "content": "Hi"}]}
+    assert (await request("POST", "/v1/chat/completions", key=bearer, body=chat)).status == 200
+    assert (await request("POST", "/v1/responses", key=bearer, body={"model": "claude-haiku-4-5",
+                                                                     "input": "Hi"})).status == 200
+    assert (await request("POST", "/v1/messages", key=bearer, body=msg(model="claude-haiku-4-5"))).status == 200
+    assert [spec["model"] for spec in link.specs] == ["smollm2"] * 3
+
+    await request("DELETE", f"/api/model-aliases/{made.json()['id']}/", key=staff_bearer)
+    gone = await request("POST", "/v1/chat/completions", key=bearer, body=chat)
+    assert gone.status == 404 and gone.json()["error"]["code"] == "model_not_found"
+    assert "smollm2" in gone.json()["error"]["message"]
+
+
+# --- one path underneath ------------------------------------------------------------------------------------------
+
+
+async def test_both_apis_are_counted_by_api_and_a_client_that_leaves_cancels_the_lane(bearer, fresh_store):  # noqa: F811
+    from fleet import metrics
+    from tests.api_support import start
+    from tests.test_metrics_events import counted
+
+    link = add_fake_node(FakeLink(script=Script(hang=True)))
+    for path, body in (("/v1/responses", {"model": "smollm2", "input": "Hi", "stream": True}),
+                       ("/v1/messages", msg(stream=True))):
+        ex = await start("POST", path, key=bearer, body=body)
+        await ex.wait(lambda e: b"delta" in e.body)
+        await ex.close()
+    assert len(link.cancelled) == 2  # each stream's lane was cancelled when its client hung up
+    link.script = Script()
+    await request("POST", "/v1/messages", key=bearer, body=msg())
+    assert counted(metrics.API_GENERATIONS, "responses", "cancelled") == 1
+    assert counted(metrics.API_GENERATIONS, "messages", "cancelled") == 1
+    assert counted(metrics.API_GENERATIONS, "messages", "done") == 1
+
+
+def test_stored_responses_expire_with_the_sessions_retention(settings, api_key_pair):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from sessions.services import stored_response_create
+    from sessions.tasks import session_expire_task
+
+    settings.FLEET_SESSION_TTL_DAYS = 30
+    for name, age in (("resp_old", 31), ("resp_new", 1)):
+        stored_response_create(response_id=name, model="smollm2", api_key=api_key_pair[0], messages=[],
+                               input_items=[], body={})
+        StoredResponse.objects.filter(pk=name).update(created_at=timezone.now() - timedelta(days=age))
+    assert session_expire_task() == 1
+    assert list(StoredResponse.objects.values_list("id", flat=True)) == ["resp_new"]
+
+
+async def test_images_in_both_apis_reach_the_node_by_hash(bearer, settings, tmp_path):
+    import base64
+    import hashlib
+
+    from tests.vision_projector import png
+
+    settings.FLEET_HOME = tmp_path
+    link = add_fake_node(capabilities=["chat", "completion", "vision"])
+    image = png()
+    encoded = base64.b64encode(image).decode()
+    responses = {"model": "smollm2", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "What is it?"},
+        {"type": "input_image", "image_url": f"data:image/png;base64,{encoded}"}]}]}
+    messages = msg(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What is it?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": encoded}}]}])
+    assert (await request("POST", "/v1/responses", key=bearer, body=responses)).status == 200
+    assert (await request("POST", "/v1/messages", key=bearer, body=messages)).status == 200
+    for spec in link.specs:
+        text, part = spec["messages"][-1]["content"]
+        assert text == {"type": "text", "text": "What is it?"}
+        assert part["type"] == "image" and part["image"]["sha256"] == hashlib.sha256(image).hexdigest()
+    bad = msg(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "file", "id": "x"}}]}])
+    refused = await request("POST", "/v1/messages", key=bearer, body=bad)
+    assert refused.status == 400 and "source" in refused.json()["error"]["message"]
