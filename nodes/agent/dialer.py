@@ -22,11 +22,12 @@ from typing import Any
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-from nodes.agent import keys
+from nodes.agent import keys, tracing
 from nodes.agent.engine.base import ENDS, Event
 from nodes.agent.media import MediaCache, media_ready
 from nodes.agent.pull import http_base
 from nodes.agent.vocab import vocab_gguf
+from nodes.link import trace
 from nodes.link.channel import MAX_FRAME, SecureChannel
 from nodes.link.codes import ErrorCode, refusal
 from nodes.link.handshake import HeadKeyChanged, Initiator, fingerprint, parse_token
@@ -119,6 +120,8 @@ class NodeAgent:
 
     def on_engine_event(self, event: Event) -> None:
         """Engine callback (on the loop): the event is the link's message; forward it while a link is up."""
+        if trace.ENABLED:
+            tracing.event(event)
         if isinstance(event, ENDS):
             self.running.discard(event.gen_id)
             _log_end(event)
@@ -274,11 +277,16 @@ class NodeAgent:
             self.outbox.put_nowait(Error(gen_id=msg.gen_id, code=ErrorCode.INVALID_REQUEST, message=str(exc)))
             return
         self.running.add(msg.gen_id)
+        if trace.ENABLED:
+            tracing.received(spec, self.config.identity)
         has_media = spec.audio is not None or bool(spec.images())
         if has_media and (problem := await media_ready(self.media, self.head_url, spec)):
             self.running.discard(msg.gen_id)
+            error = Error(gen_id=msg.gen_id, code=ErrorCode.MEDIA_UNAVAILABLE, message=problem)
+            if trace.ENABLED:
+                tracing.event(error)
             if self.outbox is not None:
-                self.outbox.put_nowait(Error(gen_id=msg.gen_id, code=ErrorCode.MEDIA_UNAVAILABLE, message=problem))
+                self.outbox.put_nowait(error)
             return
         # A worker that is restarting answers engine_unavailable at once, and the head places the generation on
         # another node (it stopped sending here when the heartbeat said the engine was not ready).
