@@ -1,4 +1,4 @@
-"""The fleet app: the ASGI request path's signal receivers, and tracing when the environment asks for it."""
+"""The fleet app: the ASGI request path's signal receivers."""
 
 from django.apps import AppConfig
 
@@ -8,9 +8,6 @@ class FleetConfig(AppConfig):
 
     def ready(self) -> None:
         wire_request_started()
-        from fleet import tracing
-
-        tracing.setup()  # OTEL_EXPORTER_OTLP_ENDPOINT set: spans exported (head, Celery worker); else nothing
 
 
 def wire_request_started() -> None:

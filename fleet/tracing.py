@@ -34,9 +34,10 @@ class GenTrace:
         self.gen_id = ""
 
 
-def setup() -> None:
-    """At the head's start (fleet.apps): spans exported when the environment asks for them; Celery's tasks traced."""
-    if trace.setup("fleet-head"):
+def setup(service: str) -> None:
+    """At a head's or Celery worker's start (fleet.asgi, fleet.celery): spans exported when the environment asks
+    for them (OTEL_SERVICE_NAME names the service, else `service`); Celery's tasks traced."""
+    if trace.setup(service):
         _trace_celery()
 
 
