@@ -234,6 +234,8 @@ def _trace_celery() -> None:
     from opentelemetry import context
 
     def prerun(task_id=None, task=None, **_):
+        if not trace.ENABLED:
+            return
         span = trace.tracer().start_span(f"celery.task {task.name}", kind=trace.otel.SpanKind.CONSUMER,
                                          attributes={"celery.task_name": task.name, "celery.task_id": task_id})
         _tasks[task_id] = (span, context.attach(trace.under(span)))
@@ -249,6 +251,6 @@ def _trace_celery() -> None:
             context.detach(token)
             span.end()
 
-    signals.task_prerun.connect(prerun, weak=False)
-    signals.task_failure.connect(failure, weak=False)
-    signals.task_postrun.connect(postrun, weak=False)
+    signals.task_prerun.connect(prerun, weak=False, dispatch_uid="fleet.tracing.prerun")
+    signals.task_failure.connect(failure, weak=False, dispatch_uid="fleet.tracing.failure")
+    signals.task_postrun.connect(postrun, weak=False, dispatch_uid="fleet.tracing.postrun")
