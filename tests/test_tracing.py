@@ -16,6 +16,8 @@ from nodes.link.messages import Accepted, Done, Error, TokenBatch
 from nodes.link.spec import GenerateSpec
 from tests.factories import GenerationFactory, UserFactory
 
+pytest_plugins = ["tests.api_fixtures"]
+
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
@@ -116,3 +118,41 @@ def test_the_generations_admin_page_shows_its_trace_id(client):
     generation = GenerationFactory(trace_id="4bf92f3577b34da6a3ce929d0e0e4736")
     response = client.get(reverse("admin:inference_sessions_generation_change", args=[generation.pk]))
     assert "4bf92f3577b34da6a3ce929d0e0e4736" in response.content.decode()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_generate_frames_trace_goes_to_each_node_tried_with_the_failover_named(exported, bearer):
+    """The websocket's frame carries the client's traceparent; each attempt's context reaches its node in the spec,
+    and the lost node's attempt ends with a failover event."""
+    from channels.routing import URLRouter
+    from channels.testing import WebsocketCommunicator
+
+    from fleet.routing import websocket_urlpatterns
+    from tests.api_support import FakeLink, Script, add_fake_node
+
+    def script(spec):  # the first node is lost after two tokens; the second finishes
+        return Script(per_batch=1, lose_after=None if spec.get("resume_ids") else 2)
+
+    nodes = [add_fake_node(FakeLink(node_id=f"{n}" * 8 + "-1111-1111-1111-111111111111", identity=f"fake-{n}",
+                                    script=script)) for n in (1, 2)]
+    comm = WebsocketCommunicator(URLRouter(websocket_urlpatterns), "/ws/v1/generate",
+                                 headers=[(b"authorization", f"Bearer {bearer}".encode())])
+    assert (await comm.connect())[0]
+    await comm.send_json_to({"type": "generate", "id": "a", "model": "smollm2", "traceparent": PARENT,
+                             "messages": [{"role": "user", "content": "Hi"}]})
+    while (frame := await comm.receive_json_from(timeout=5))["type"] not in ("done", "error"):
+        pass
+    await comm.disconnect()
+    assert frame["type"] == "done", frame
+    spans = exported.get_finished_spans()
+    request = next(s for s in spans if s.name == "fleet.request")
+    assert request.parent.span_id == 0x00f067aa0ba902b7 and request.attributes["fleet.api"] == "/ws/v1/generate"
+    attempts = sorted((s for s in spans if s.name == "fleet.attempt"), key=lambda s: s.attributes["fleet.attempt"])
+    lost, took_over = attempts
+    assert [e.name for e in lost.events] == ["first_token", "fleet.failover"]
+    assert lost.events[1].attributes["error.type"] == "node_lost" and lost.status.status_code.name == "ERROR"
+    assert [e.name for e in request.events] == ["fleet.failover"]
+    sent = {link.identity: link.specs[0]["traceparent"] for link in nodes}  # each node got its attempt's context
+    assert sent[lost.attributes["fleet.node"]].split("-")[2] == f"{lost.context.span_id:016x}"
+    assert sent[took_over.attributes["fleet.node"]].split("-")[2] == f"{took_over.context.span_id:016x}"
+    assert request.attributes["gen_ai.usage.output_tokens"] == frame["usage"]["completion_tokens"] > 2
