@@ -1,6 +1,7 @@
 """Tracing in process: off without an endpoint, log lines in their trace, the node's spans from its events, Celery's
 tasks and a batch line's link, the trace id on the generation's admin page (the real path: test_tracing_e2e.py)."""
 
+import asyncio
 import io
 import json
 import logging
@@ -142,9 +143,13 @@ async def test_a_generate_frames_trace_goes_to_each_node_tried_with_the_failover
                              "messages": [{"role": "user", "content": "Hi"}]})
     while (frame := await comm.receive_json_from(timeout=5))["type"] not in ("done", "error"):
         pass
-    await comm.disconnect()
     assert frame["type"] == "done", frame
-    spans = exported.get_finished_spans()
+    for _ in range(100):  # the request span ends once the generation is recorded, just after its done frame
+        spans = exported.get_finished_spans()
+        if any(s.name == "fleet.request" for s in spans):
+            break
+        await asyncio.sleep(0.05)
+    await comm.disconnect()
     request = next(s for s in spans if s.name == "fleet.request")
     assert request.parent.span_id == 0x00f067aa0ba902b7 and request.attributes["fleet.api"] == "/ws/v1/generate"
     attempts = sorted((s for s in spans if s.name == "fleet.attempt"), key=lambda s: s.attributes["fleet.attempt"])
