@@ -72,8 +72,8 @@ def test_a_generation_is_one_trace_under_the_clients_from_head_to_node(traced):
         assert one(spans, name).parent_span_id == request.span_id
     placement = dict(one(spans, "fleet.queue").events)["fleet.placement"]
     candidates = json.loads(placement["fleet.placement.candidates"])
-    assert placement["fleet.node"] in ("node-a", "node-b") and len(candidates) == 2
-    assert {c["node"] for c in candidates} == {"node-a", "node-b"} and all("cost" in c for c in candidates)
+    assert placement["fleet.node"] in ("node-a", "node-b") and placement["fleet.node"] == candidates[0]["node"]
+    assert {c["node"] for c in candidates} <= {"node-a", "node-b"} and all("cost" in c for c in candidates)
     attempt = one(spans, "fleet.attempt")
     assert attempt.attributes["fleet.node"] == placement["fleet.node"]
     assert "first_token" in dict(attempt.events)
@@ -98,14 +98,17 @@ def test_failover_adds_the_second_nodes_spans_to_the_same_trace(traced):
     client = OpenAI(base_url=f"{head.url}/v1", api_key=head.api_key, max_retries=0, timeout=120,
                     default_headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
     stream = client.chat.completions.create(
-        model="smollm2", max_tokens=120, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        model="smollm2", max_tokens=32, temperature=0, stream=True, extra_body={"ignore_eos": True},
         messages=[{"role": "user", "content": "Count from one to one hundred, in words, one per line."}])
     text, victim = "", None
     for chunk in stream:
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
-        if victim is None and len(text) > 40:
+        if victim is None and len(text) > 10:
             victim = chunk.system_fingerprint.removeprefix("fleet:")
+            # killed once its ended spans are out (they leave a schedule delay after they end)
+            receiver.wait(lambda v=victim: any(s.service == v and s.name == "node.prefill" for s in receiver.trace(
+                trace_id)), timeout=10)
             nodes[victim].stop(signal.SIGKILL)
     assert victim is not None
     survivor = ({"node-a", "node-b"} - {victim}).pop()
@@ -122,7 +125,7 @@ def test_failover_adds_the_second_nodes_spans_to_the_same_trace(traced):
     assert second.attributes["fleet.resumed_tokens"] > 0
     assert request.attributes["fleet.nodes_used"] == [victim, survivor]
     # the killed node exported what had ended before the kill: its admission and prefill, under one parent (its
-    # node.generation, cut short by the kill)
+    # node.generation, cut short by the kill, never exported)
     cut = [s for s in spans if s.service == victim]
     assert {s.name for s in cut} >= {"node.admission", "node.prefill"}
     assert len({s.parent_span_id for s in cut if s.name.startswith("node.")}) == 1
