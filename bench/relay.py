@@ -145,8 +145,10 @@ async def main() -> None:
             for h, _ in fleets.values():  # warm every side: caches, first-call costs
                 through_head(client, h.url, h.api_key, 8)
             await direct(worker, queue, 8)
-            for _ in range(args.runs):
-                for name, (h, _) in reversed(fleets.items()):
+            for run in range(args.runs):
+                # the heads swap places each round: neither always follows the direct run (whose engine threads
+                # may still hold the cores a moment)
+                for name, (h, _) in (list(fleets.items()) if run % 2 else list(reversed(fleets.items()))):
                     rows[name].append(await asyncio.to_thread(through_head, client, h.url, h.api_key, args.tokens))
                 rows["direct"].append(await direct(worker, queue, args.tokens))
     finally:
