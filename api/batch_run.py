@@ -30,6 +30,7 @@ from django.utils import timezone
 
 from api.batches import BATCH_HEADER, batch_credential
 from api.models import Batch, BatchFile, BatchLine
+from fleet import tracing
 
 log = logging.getLogger("api")
 
@@ -139,6 +140,7 @@ class BatchRunner:
         self.credential = batch_credential(str(batch.pk))
         self.stop = threading.Event()
         self.client = httpx.Client(base_url=settings.FLEET_HEAD_URL, timeout=settings.FLEET_BATCH_LINE_TIMEOUT_S)
+        self.trace = tracing.current()  # the batch run task's span: each line's trace links to it
 
     def run(self, until: float) -> None:
         """Send lines until none is left, the batch is cancelled or expires, or `until` (a slice's end) passes."""
@@ -195,7 +197,8 @@ class BatchRunner:
     def _send(self, line: BatchLine) -> tuple[int, Any, str]:
         body = {**line.body, "stream": False} if line.url != "/v1/embeddings" else line.body
         try:
-            response = self.client.post(line.url, json=body, headers={BATCH_HEADER: self.credential})
+            with tracing.batch_line(self.trace, line.index) as context:
+                response = self.client.post(line.url, json=body, headers={BATCH_HEADER: self.credential, **context})
         except httpx.HTTPError as exc:
             log.warning("batch %s line %d: the head did not answer (%s); it goes again", self.batch.pk, line.index,
                         exc)

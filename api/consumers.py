@@ -31,6 +31,7 @@ from api.json_out import json_text
 from api.quotas import Ticket, quota_admit
 from api.services import api_key_authenticate, api_key_verified
 from api.specs import aparse, request_for
+from fleet import tracing
 from fleet.dbsweep import FramesSkipSweep
 from fleet.dispatch import Finished, Tokens
 
@@ -137,7 +138,7 @@ class ClientStreamConsumer(FramesSkipSweep, AsyncJsonWebsocketConsumer):
             ticket = await self._admit(client_id)
         except _Refused:
             return
-        body = {k: v for k, v in frame.items() if k not in ("type", "id")}
+        body = {k: v for k, v in frame.items() if k not in ("type", "id", "traceparent", "tracestate")}
         try:
             gen = await aparse(request_for, body, api_key=self.api_key, user=self.user,
                                in_thread=database_sync_to_async)
@@ -146,7 +147,7 @@ class ClientStreamConsumer(FramesSkipSweep, AsyncJsonWebsocketConsumer):
                 await ticket.settle()
             await self.send_json(_error(client_id, 1, exc.code or "invalid_request", exc.message, exc.param))
             return
-        run = Run(gen, ticket)
+        run = Run(gen, ticket, tracing.request_begin(frame, "/ws/v1/generate"))  # the frame's traceparent
         task = asyncio.ensure_future(self._relay(client_id, run))
         self.running[client_id] = (run, task)
 

@@ -18,7 +18,7 @@ from typing import Any
 from api.errors import OpenAIError
 from api.quotas import Ticket, tokens_spent
 from api.specs import GenerationRequest
-from fleet import metrics
+from fleet import metrics, tracing
 from fleet.dispatch import Finished, GenerationError, Started, Tokens, generation_stream
 from fleet.timers import wait_done
 from nodes.link.logs import generation_context
@@ -33,12 +33,14 @@ PENDING = object()  # next_event timed out; the stream goes on
 class Run:
     """Iterate with `next_event`; end with `abandon()` when the client leaves. Records itself exactly once."""
 
-    def __init__(self, request: GenerationRequest, ticket: Ticket | None = None):
+    def __init__(self, request: GenerationRequest, ticket: Ticket | None = None, trace: tracing.GenTrace | None = None):
         self.request = request
         self.ticket = ticket  # the key's quota: settled with the tokens spent when the generation ends
         if ticket is not None:
             ticket.owned = True
         self.stream = generation_stream(request.spec, deadline=request.deadline, batch=request.batch)
+        # its spans: those of the request that made it (the /v1 wrapper's, or `trace`), ended when it is recorded
+        self.trace = tracing.generation_begin(self, trace)
         self._events = self.stream.__aiter__()
         self._next: asyncio.Future | None = None
         self.started: Started | None = None
@@ -169,6 +171,7 @@ class Run:
         code = self.error.code if self.error is not None else ""
         metrics.generation_ended(model=trace.model, status=status, code=code, outcome=outcome,
                                  finished_at=trace.finished_at, api=trace.kind)
+        tracing.generation_end(self.trace, outcome, status, code, error)
         log.info("api: generation %s %s on %s: %d prompt tokens (%d cached), %d completion tokens%s", request.gen_id,
                  status, outcome.node or "no node", outcome.prompt_tokens, outcome.cached_tokens,
                  outcome.completion_tokens, f" ({code})" if code else "")

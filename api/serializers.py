@@ -185,7 +185,7 @@ class GenerationSerializer(serializers.ModelSerializer):
         model = Generation
         fields = ["id", "kind", "model", "status", "finish_reason", "session", "node", "node_identity", "nodes_used",
                   "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "duration_ms", "decode_tps",
-                  "parameters", "placement", "error", "created_at", "finished_at"]
+                  "parameters", "placement", "trace_id", "error", "created_at", "finished_at"]
         read_only_fields = fields
 
 

@@ -31,6 +31,7 @@ from api.responses import shape_for
 from api.specs import GenerationRequest, aparse, chat_request, completion_request
 from api.sse import first_event, sse_response
 from api.transcriptions import serve_transcription
+from fleet import tracing
 from fleet.aliases import aaliases
 from fleet.links import registry
 from fleet.reported import count_checked, embedding_tokens_bound
@@ -59,12 +60,14 @@ def openai_view(*methods: str, tokens: bool = False, stream: bool = False, sessi
         @wraps(view)
         async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
             request.quota = None
+            request.trace = tracing.request_begin(request.headers, request.path)  # a Run takes it over
             try:
                 response = await _serve_admitted(view, request, methods, (tokens, stream, session), errors, *args,
                                                  **kwargs)
             finally:
                 if request.quota is not None and not request.quota.owned:  # no Run took it: free its slot now
                     await request.quota.settle()
+            tracing.request_end(request.trace, response.status_code)
             if request.quota is not None:
                 for name, value in request.quota.headers().items():
                     response[name] = value
@@ -83,8 +86,10 @@ async def _serve_admitted(view, request: HttpRequest, methods, wants: tuple[bool
             raise OpenAIError(405, f"{request.method} is not allowed here; use {' or '.join(methods)}.",
                               code="method_not_allowed", headers={"Allow": ", ".join(methods)})
         request.api_key, request.batch_line = await _authenticate(request, session)
+        tracing.request_key(request.trace, request.api_key, request.batch_line)
         if request.api_key is not None:
-            request.quota = await quota_admit(request.api_key, tokens=tokens, stream=stream)
+            with tracing.admission(request.trace):
+                request.quota = await quota_admit(request.api_key, tokens=tokens, stream=stream)
         return await view(request, *args, **kwargs)
     except OpenAIError as exc:
         return errors(exc)

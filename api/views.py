@@ -22,6 +22,7 @@ from api.quotas import quota_admit
 from api.specs import chat_request
 from api.sse import first_event, sse_response
 from api.status import fleet_status
+from fleet import tracing
 from fleet.links import registry
 from nodes import services as node_services
 from nodes.models import FleetToken, Node
@@ -194,7 +195,7 @@ class SessionViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retr
             gen = chat_request(body, api_key=key, user=self.request.user)
             # The throttle counted the request; a generation also checks the key's tokens and takes a stream slot.
             ticket = async_to_sync(quota_admit)(key, request=False, tokens=True, stream=True) if key else None
-            run = Run(gen, ticket)
+            run = Run(gen, ticket, tracing.request_begin(self.request.headers, self.request.path))
             if gen.stream:
                 return sse_response(run, async_to_sync(first_event)(run))
             async_to_sync(_drain)(run)

@@ -8,6 +8,10 @@ import django
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fleet.settings")
 django.setup(set_prefix=False)  # as django.core.asgi.get_asgi_application
 
+from fleet import tracing  # noqa: E402
+
+tracing.setup("fleet-head")  # OTEL_EXPORTER_OTLP_ENDPOINT set: spans exported; else nothing
+
 from fleet.threads import PooledThreadsHandler  # noqa: E402
 
 django_app = PooledThreadsHandler()  # Django's handler, each request's sync parts on a pooled thread

@@ -15,7 +15,7 @@ from typing import Any
 
 from django.conf import settings
 
-from fleet import heads, metrics
+from fleet import heads, metrics, tracing
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
 from fleet.reported import count_checked, prompt_tokens_bound
@@ -104,6 +104,7 @@ class Outcome:
     started_at: float = field(default_factory=time.time)
     first_token_at: float | None = None
     error: GenerationError | None = None
+    trace_id: str = ""  # its OpenTelemetry trace (fleet.tracing), when tracing is on
 
 
 class _Waiters:
@@ -164,6 +165,7 @@ class GenerationStream:
         self._preempting = False  # its lane was handed to an interactive generation; its cancel is on the way
         self._preempted_at = 0.0
         self._evicted: list[str] = []  # what the node's lane choice evicted (its accepted), forgotten at the end
+        self.trace: tracing.GenTrace | None = None  # its spans (set by api.generation.Run while tracing is on)
 
     def ready(self) -> bool:
         """Whether the next step only hands on a token batch that is here already: the node's next frame is the
@@ -209,6 +211,7 @@ class GenerationStream:
                 await reg.lifecycle.alost(choice.node_id, self.spec.gen_id)
                 excluded.add(choice.node_id)
                 self._failure = {"code": failed.code, "message": failed.message, "at": time.time()}
+                tracing.failover(self.trace, choice.identity, failed.code, failed.message)
                 if self.outcome.completion_tokens >= self.spec.max_tokens:
                     # every token the client asked for had arrived when the node was lost: nothing to resume
                     yield self._finished_by_length(choice.identity)
@@ -227,6 +230,7 @@ class GenerationStream:
         # written once at the end with the rest.
         evidence = {**choice.evidence(), "placed_at": time.time()}
         metrics.placement_made(model=self.spec.model, evidence=evidence)
+        tracing.placed(self.trace, evidence)
         if not self.outcome.placement:
             self.outcome.placement = evidence
         else:
@@ -239,6 +243,7 @@ class GenerationStream:
         entry, key = (self.deadline, self.spec.gen_id, model, self.batch), (self.batch, self.deadline, self.spec.gen_id)
         _waiters.entries.append(entry)
         reg.lanes.join(model, key)
+        tracing.queue_begin(self.trace)
         fleet_changed()
         try:
             while True:
@@ -367,6 +372,7 @@ class GenerationStream:
                                "resume_ids": self.spec.resume_ids + self.outcome.ids})
         spec.max_tokens = max(self.spec.max_tokens - self.outcome.completion_tokens, 1)
         self._streamed_before = self.outcome.completion_tokens
+        tracing.attempt_begin(self.trace, spec, link.identity)  # its trace context goes to the node in the spec
         self._expected_seq = 1
         self._evicted = []
         finished = False
@@ -471,6 +477,7 @@ class GenerationStream:
     def _on_tokens(self, event: TokenBatch) -> Tokens:
         if self.outcome.first_token_at is None:
             self.outcome.first_token_at = time.time()
+            tracing.first_token(self.trace)
         self._seq += 1
         text = "".join(event.text)
         self.outcome.text += text

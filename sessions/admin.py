@@ -43,12 +43,12 @@ class GenerationAdmin(ReadOnlyMixin, admin.ModelAdmin):
     list_display = ("id", "model", "node", "status", "finish_reason", "prompt_tokens", "cached_tokens",
                     "completion_tokens", "ttft_ms", "decode_tps", "created_at", "purged")
     list_filter = ("status", "finish_reason", "model", "kind", "node")
-    search_fields = ("id", "error")
+    search_fields = ("id", "error", "trace_id")
     list_select_related = ("node",)
     date_hierarchy = "created_at"
     readonly_fields = ("id", "session", "api_key", "kind", "model", "node", "nodes_used", "status", "finish_reason",
                        "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "duration_ms", "decode_tps",
-                       "parameters", "placement", "error", "created_at", "finished_at", "purged")
+                       "parameters", "placement", "trace_id", "error", "created_at", "finished_at", "purged")
 
     @admin.display(description="purged at")
     def purged(self, row):

@@ -81,6 +81,7 @@ class Generation(models.Model):
     decode_tps = models.FloatField(null=True, blank=True)
     parameters = models.JSONField(default=dict, blank=True)
     placement = models.JSONField(default=dict, blank=True)
+    trace_id = models.CharField(max_length=32, blank=True, help_text="Its OpenTelemetry trace, when tracing was on.")
     error = models.TextField(blank=True)
     created_at = models.DateTimeField(db_index=True)
     finished_at = models.DateTimeField(null=True, blank=True)

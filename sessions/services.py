@@ -139,6 +139,7 @@ def _generation_write(trace: GenerationTrace, node_id: str | None) -> Generation
             ttft_ms=(first - started) * 1000 if first else None, duration_ms=(finished - started) * 1000,
             decode_tps=(out.completion_tokens / decode_s) if decode_s > 0 and out.completion_tokens else None,
             parameters=_jsonable(trace.parameters), placement=_jsonable(out.placement), error=trace.error,
+            trace_id=getattr(out, "trace_id", ""),
             created_at=datetime.fromtimestamp(started, UTC), finished_at=datetime.fromtimestamp(finished, UTC),
         )
         if trace.session_id and trace.new_messages and trace.status == Generation.Status.DONE:

@@ -26,11 +26,12 @@ from typing import Any
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-from nodes.agent import keys
+from nodes.agent import keys, tracing
 from nodes.agent.engine.base import ENDS, Event
 from nodes.agent.media import MediaCache, media_ready
 from nodes.agent.pull import http_base
 from nodes.agent.vocab import vocab_gguf
+from nodes.link import trace
 from nodes.link.channel import MAX_FRAME, SecureChannel
 from nodes.link.codes import ErrorCode, refusal
 from nodes.link.handshake import HeadKeyChanged, Initiator, fingerprint, parse_token
@@ -160,6 +161,8 @@ class NodeAgent:
     def on_engine_event(self, event: Event) -> None:
         """Engine callback (on the loop): the event goes back on the link its generation came on, while it is up."""
         link = self.owner.pop(event.gen_id, None) if isinstance(event, ENDS) else self.owner.get(event.gen_id)
+        if trace.ENABLED:
+            tracing.event(event)
         if isinstance(event, ENDS):
             _log_end(event)
         if link is None:
@@ -429,12 +432,17 @@ class NodeAgent:
             return
         link.running.add(msg.gen_id)
         self.owner[msg.gen_id] = link
+        if trace.ENABLED:
+            tracing.received(spec, self.config.identity)
         has_media = spec.audio is not None or bool(spec.images())
         if has_media and (problem := await media_ready(self.media, link.head_url, spec)):
             link.running.discard(msg.gen_id)
             self.owner.pop(msg.gen_id, None)
+            error = Error(gen_id=msg.gen_id, code=ErrorCode.MEDIA_UNAVAILABLE, message=problem)
+            if trace.ENABLED:
+                tracing.event(error)
             if link.outbox is not None:
-                link.outbox.put_nowait(Error(gen_id=msg.gen_id, code=ErrorCode.MEDIA_UNAVAILABLE, message=problem))
+                link.outbox.put_nowait(error)
             return
         # A worker that is restarting answers engine_unavailable at once, and the head places the generation on
         # another node (it stopped sending here when the heartbeat said the engine was not ready).

@@ -20,7 +20,7 @@ from nodes.agent.model_set import ModelSet
 from nodes.agent.models import ModelNotFound, is_registry_name, resolve_model, resolve_speech_model
 from nodes.agent.replicas import ReplicaConfigError, ReplicaSet, cpu_groups, gpu_groups
 from nodes.agent.window import Window, WindowError, device_memory, size_window
-from nodes.link import logs
+from nodes.link import logs, trace
 from nodes.link.handshake import BadToken, parse_token
 from nodes.link.messages import PullGrant
 
@@ -251,6 +251,7 @@ def run_node(options: NodeOptions) -> int:
     except ValueError as exc:
         sys.stderr.write(f"node_join: {exc}\n")
         return 2
+    trace.setup("fleet-node")
 
     def resolve_head() -> str | list[str] | None:
         if options.head:
@@ -274,4 +275,5 @@ def run_node(options: NodeOptions) -> int:
         return 2
     finally:
         loop.close()
+        trace.shutdown()  # the last spans out before the process goes
     return 0

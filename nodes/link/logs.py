@@ -2,8 +2,9 @@
 
 A line about a generation carries its id as `gen_id`: given with `extra={"gen_id": ...}`, or taken from
 `current_gen_id`, which the head sets while it serves a generation, so a line logged anywhere under it (placement,
-quotas, the record) carries the id without it being passed along. Shared by the head's settings and a node, so it
-imports nothing from Django.
+quotas, the record) carries the id without it being passed along. While tracing is on (nodes.link.trace), a line
+also carries `trace_id` and `span_id`: those of its generation's span, else of the current span. Shared by the
+head's settings and a node, so it imports nothing from Django.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import logging
 from contextvars import ContextVar
 
 from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
+
+from nodes.link import trace
 
 FORMATS = ("plain", "json")
 PLAIN = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -51,6 +54,11 @@ class GenIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "gen_id", None) is None and (gen_id := current_gen_id.get()) is not None:
             record.gen_id = gen_id
+        if trace.ENABLED and getattr(record, "trace_id", None) is None:
+            # the generation's span on this side (or the current one, in a Celery task): the line sits in its trace
+            trace_id, span_id = trace.log_ids(getattr(record, "gen_id", None))
+            if trace_id:
+                record.trace_id, record.span_id = trace_id, span_id
         return True
 
 

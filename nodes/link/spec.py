@@ -54,6 +54,10 @@ class GenerateSpec:
     # LoRA adapters to run with, as [name, scale] pairs (names the node loaded); generations with different sets
     # never share a decode step.
     lora: list[list[Any]] = field(default_factory=list)
+    # The W3C trace context of the head's attempt span (nodes.link.trace): the node's spans join the client's trace.
+    # Empty when the head does not trace; a node that predates them ignores both (unknown fields are dropped).
+    traceparent: str = ""
+    tracestate: str = ""
 
     def needs(self) -> list[str]:
         """The node capabilities this generation cannot run without (placement filters on them)."""

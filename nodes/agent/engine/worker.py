@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from nodes.agent import tracing
 from nodes.agent.engine.base import (
     ENDS,
     EngineConfig,
@@ -28,6 +29,7 @@ from nodes.agent.engine.base import (
     error_event,
 )
 from nodes.agent.engine.child import child_main
+from nodes.link import trace
 from nodes.link.codes import ErrorCode
 from nodes.link.spec import GenerateSpec
 
@@ -123,6 +125,8 @@ class EngineWorker:
             return
         # Counted before sending: if the child dies meanwhile, the exit handler reports this generation too.
         self._in_flight.add(spec.gen_id)
+        if trace.ENABLED:
+            tracing.submitted(spec.gen_id, self.pid)
         await self._send(("submit", spec.to_dict()))
 
     async def cancel(self, gen_id: str) -> None:
