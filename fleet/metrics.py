@@ -187,6 +187,7 @@ def exposed(family: Family, series: dict[str, float]) -> Metric:
 
 def live_gauges(waiting: dict[str, int]) -> Iterator[Metric]:
     """Nodes and lanes from placement (every head process's nodes with Redis), load from the heartbeats."""
+    from fleet.selectors import node_model_figures
     from nodes.consumers import liveness_key
     from nodes.models import Node
 
@@ -214,7 +215,12 @@ def live_gauges(waiting: dict[str, int]) -> Iterator[Metric]:
                   "fleet_node_kv_cache_capacity_tokens": beat.get("kv_total"),
                   "fleet_node_decode_tokens_per_second": beat.get("tokens_per_s")}
         for model in slot.models:
-            for name, value in values.items():
+            figures = node_model_figures(beat, model, lanes=slot.lanes)
+            own = {**values, "fleet_lanes": figures["lanes"], "fleet_lanes_busy": figures["lanes_busy"],
+                   "fleet_node_kv_cache_used_tokens": figures["kv_used"],
+                   "fleet_node_kv_cache_capacity_tokens": figures["kv_total"],
+                   "fleet_node_decode_tokens_per_second": figures["tokens_per_s"]}
+            for name, value in own.items():
                 if value is not None:
                     gauges[name].add_metric([model, slot.identity], float(value))
     yield from gauges.values()

@@ -38,13 +38,15 @@ class NodeAdmin(admin.ModelAdmin):
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
         """The node's page: its models and replicas with their states, recent generations and link history."""
+        from fleet.selectors import node_model_figures
         from nodes.selectors import node_link_history, node_replicas
         from sessions.selectors import generation_list_recent
 
         node = self.get_object(request, object_id)
         if node is not None:
             beat, replicas = node_replicas(node=node)
-            extra_context = {**(extra_context or {}), "beat": beat, "replicas": replicas,
+            figures = [(name, node_model_figures(beat or {}, name, lanes=node.lanes)) for name in node.models_served]
+            extra_context = {**(extra_context or {}), "beat": beat, "replicas": replicas, "model_figures": figures,
                              "generations": generation_list_recent(node_id=node.pk),
                              "link_events": node_link_history(node=node)}
         return super().change_view(request, object_id, form_url, extra_context)

@@ -468,6 +468,8 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
             raise LinkError("heartbeat before register")
         if not all(isinstance(r, dict) for r in msg.replicas) or _json_problem(replicas=msg.replicas):
             raise LinkError("heartbeat: every replica must be a map of plain JSON")
+        if not all(isinstance(f, dict) for f in msg.models.values()) or _json_problem(models=msg.models):
+            raise LinkError("heartbeat: each model's figures must be a map of plain JSON")
         placement = registry().aplacement
         await placement.node_alive(self.node_id)
         await registry().lifecycle.ameasured(self.node_id, {"prefill_tps": msg.prefill_tps,
@@ -484,7 +486,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         stats = {"lanes_busy": msg.lanes_busy, "lanes": msg.lanes, "kv_used": msg.kv_used, "kv_total": msg.kv_total,
                  "tokens_per_s": msg.tokens_per_s, "replicas": msg.replicas, "at": now_s,
                  "prefill_tps": msg.prefill_tps, "decode_slowdown_ms": msg.decode_slowdown_ms,
-                 "history": list(self.tokens_history)}
+                 "history": list(self.tokens_history), "models": msg.models}
         await database_sync_to_async(cache.set)(liveness_key(self.node_id), stats, settings.FLEET_NODE_TIMEOUT_S)
         fleet_changed()
         now = time.monotonic()

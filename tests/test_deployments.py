@@ -231,3 +231,24 @@ def test_placement_follows_a_nodes_new_model_list_and_keeps_the_lanes_it_placed(
     assert (placement.nodes()[0].lanes, placement.nodes()[0].running) == (4, 2)
     placement.node_models("n1", ["smollm2"], 2)
     assert placement.choose(NAME, [], gen_id="g3") is None and placement.models() == ["smollm2"]
+
+
+def test_the_heartbeat_carries_each_models_own_engine_figures_and_an_older_one_still_decodes():
+    import msgpack
+
+    from nodes.agent.dialer import heartbeat_of
+    from nodes.link.messages import PROTOCOL_VERSION, Heartbeat, decode, encode
+
+    class Busy(FakeWorker):
+        def stats(self):
+            return {"lanes": self.lanes, "lanes_busy": self.lanes, "kv_used": 10, "kv_total": 100 * self.lanes,
+                    "tokens_per_s": 7.5}
+
+    models = ModelSet(Busy("own", lanes=4))
+    models.add("deployed", FakeWorker("deployed", lanes=8))
+    beat = decode(encode(heartbeat_of(models.stats(), engine_ready=True)))
+    assert (beat.lanes, beat.lanes_busy, beat.kv_total) == (12, 4, 400)  # the node's totals, as before
+    assert beat.models == {"own": {"lanes": 4, "lanes_busy": 4, "kv_used": 10, "kv_total": 400, "tokens_per_s": 7.5},
+                           "deployed": {"lanes": 8, "lanes_busy": 0, "kv_used": 0, "kv_total": 0, "tokens_per_s": 0}}
+    older = msgpack.packb({"t": "heartbeat", "v": PROTOCOL_VERSION, "lanes_busy": 1, "lanes": 4})
+    assert decode(older) == Heartbeat(lanes_busy=1, lanes=4)

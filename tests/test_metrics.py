@@ -229,3 +229,34 @@ def test_the_grafana_dashboard_queries_only_what_metrics_shows(scraper):
     queries += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     used = set(re.findall(r"\bfleet_[a-z_]+", " ".join(queries)))
     assert len(used) >= 15 and used <= shown, used - shown
+
+
+def test_a_node_serving_several_models_shows_each_models_own_lanes_and_kv(scraper, client):
+    """The heartbeat's per-model figures (each engine worker's): not the node's totals repeated for every model."""
+    NodeFactory(id="00000000-0000-0000-0000-0000000000a1", identity="multi", models_served=["small", "big", "ear"],
+                lanes=12, state="online")
+    registry().placement.node_up(NodeSlot("00000000-0000-0000-0000-0000000000a1", "multi", ["small", "big", "ear"],
+                                          12, 2048))
+    cache.set(liveness_key("00000000-0000-0000-0000-0000000000a1"), {
+        "lanes_busy": 4, "lanes": 12, "kv_used": 900, "kv_total": 98304, "tokens_per_s": 30.0,
+        "models": {"small": {"lanes": 4, "lanes_busy": 4, "kv_used": 900, "kv_total": 32768, "tokens_per_s": 30.0},
+                   "big": {"lanes": 8, "lanes_busy": 0, "kv_used": 0, "kv_total": 65536, "tokens_per_s": 0.0}}}, 30)
+    got = scraper()
+    small, big, ear = ({"model": m, "node": "multi"} for m in ("small", "big", "ear"))
+    assert (value(got, "fleet_lanes", **small), value(got, "fleet_lanes", **big), value(got, "fleet_lanes", **ear)) \
+        == (4, 8, 0)
+    assert (value(got, "fleet_lanes_busy", **small), value(got, "fleet_lanes_busy", **big)) == (4, 0)
+    assert value(got, "fleet_node_kv_cache_capacity_tokens", **small) == 32768
+    assert value(got, "fleet_node_kv_cache_capacity_tokens", **big) == 65536
+    assert value(got, "fleet_node_decode_tokens_per_second", **big) == 0
+    # the fleet page and the node page read the same figures
+    from fleet.selectors import fleet_overview
+
+    served = {m["name"]: (m["lanes"], m["lanes_busy"]) for m in fleet_overview()["models"]}
+    assert served == {"small": (4, 4), "big": (8, 0), "ear": (0, 0)}
+    from tests.factories import UserFactory as Users
+
+    client.force_login(Users(is_staff=True, is_superuser=True))
+    page = client.get("/admin/nodes/node/00000000-0000-0000-0000-0000000000a1/change/").content.decode()
+    assert "<td>big</td>" in page and "0 / 65536" in page and "900 / 32768" in page and "98304" not in page.split(
+        "node-replicas")[0].split("node-models")[1]

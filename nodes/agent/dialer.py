@@ -347,7 +347,7 @@ def heartbeat_of(stats: dict, *, engine_ready: bool) -> Heartbeat:
         tokens_per_s=float(stats.get("tokens_per_s", 0.0)), replicas=list(stats.get("replicas", [])),
         cache_cleared=bool(stats.get("cache_cleared", False)), engine_ready=engine_ready,
         prefill_tps=float(stats.get("prefill_tps", 0.0)),
-        decode_slowdown_ms=float(stats.get("decode_slowdown_ms", 0.0)),
+        decode_slowdown_ms=float(stats.get("decode_slowdown_ms", 0.0)), models=dict(stats.get("models") or {}),
     )
 
 
