@@ -47,8 +47,15 @@ class ApiKeyAdmin(admin.ModelAdmin):
         self.message_user(request, f"{count} key(s) revoked.", messages.SUCCESS)
 
 
+class NoAddMixin:
+    """Made through the API only (an upload, a batch): the admin offers no "Add" it could not save."""
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
 @admin.register(BatchFile)
-class BatchFileAdmin(admin.ModelAdmin):
+class BatchFileAdmin(NoAddMixin, admin.ModelAdmin):
     list_display = ("file_id", "filename", "purpose", "owner", "bytes", "created_at", "purged")
     list_filter = ("purpose",)
     search_fields = ("filename", "owner__username")
@@ -66,7 +73,7 @@ class BatchFileAdmin(admin.ModelAdmin):
 
 
 @admin.register(Batch)
-class BatchAdmin(admin.ModelAdmin):
+class BatchAdmin(NoAddMixin, admin.ModelAdmin):
     """Batches with their progress: lines answered of the total, and where they stand."""
 
     list_display = ("batch_id", "owner", "endpoint", "status", "progress", "completed", "failed", "total",

@@ -289,7 +289,8 @@ NAMED: dict[str, list[Case]] = {
 }
 ADMIN_MODEL_VIEWS = ("changelist", "add", "history", "delete", "change")
 # Admin pages a staff user may not open: the records that are written by the fleet, never by hand.
-ADMIN_READ_ONLY = {"inference_sessions_generation_add": 403, "nodes_node_add": 403, "nodes_revokednodekey_add": 403}
+ADMIN_READ_ONLY = {"inference_sessions_generation_add": 403, "nodes_node_add": 403, "nodes_revokednodekey_add": 403,
+                   "api_batch_add": 403, "api_batchfile_add": 403}
 
 
 def _admin_model(name: str):
