@@ -242,6 +242,7 @@ async def _embedding_node(model: str) -> tuple[str, Any]:
     this head process before one linked to another (which the request then reaches through the channel layer)."""
     reg = registry()
     nodes = await reg.aplacement.nodes()
+    await _refuse_speech_model(model, nodes)
     slots = [s for s in nodes if model in s.models and "embeddings" in s.capabilities]
     if not slots:
         served = ", ".join(sorted({m for s in nodes for m in s.models})) or "none"
@@ -253,6 +254,17 @@ async def _embedding_node(model: str) -> tuple[str, Any]:
         if link is not None:
             return slot.identity, link
     raise OpenAIError(503, f"No node serving {model!r} can be reached now; retry shortly.", code="node_unavailable")
+
+
+async def _refuse_speech_model(model: str, nodes) -> None:
+    """A 400 for a speech model (`node_join --transcribe`): its node would embed with its text model instead, under
+    the speech model's name."""
+    speech = await sync_to_async(node_selectors.node_speech_models)()
+    if model in speech:
+        text = ", ".join(sorted({m for s in nodes for m in s.models if "embeddings" in s.capabilities} - speech))
+        raise OpenAIError(400, f"The model {model!r} is a speech model: it transcribes audio "
+                          f"(/v1/audio/transcriptions) and makes no embeddings; name a text model (serving now: "
+                          f"{text or 'none'}).", code="model_not_supported", param="model")
 
 
 def _encode(vector: list[float], encoding: str) -> list[float] | str:

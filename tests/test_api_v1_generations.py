@@ -583,3 +583,24 @@ async def test_placement_counts_the_prompt_in_the_tokens_of_the_model_its_nodes_
     vocab = Vocab(path, fingerprint)
     [record] = await generations()
     assert record["placement"]["prompt_tokens_estimate"] == sum(len(vocab.tokenize(_message_text(m))) for m in messages)
+
+
+async def test_embeddings_with_a_speech_model_are_a_400_naming_the_text_models(bearer):
+    """A node serving a speech model beside its text model embeds with the text model: never under the speech
+    model's name."""
+    from fleet.links import registry
+    from nodes.link.placement import NodeSlot
+    from tests.factories import NodeFactory
+
+    link = FakeLink(embeddings=[[0.5]])
+    registry().links[link.node_id] = link
+    registry().placement.node_up(NodeSlot(link.node_id, link.identity, ["smollm2", "whisper-tiny.en"], 2, 2048,
+                                          capabilities=["chat", "completion", "embeddings", "transcribe"]))
+    await sync_to_async(NodeFactory)(models_served=["smollm2", "whisper-tiny.en"],
+                                     capabilities={"transcribe": True, "speech_models": ["whisper-tiny.en"]})
+    refused = await request("POST", "/v1/embeddings", key=bearer, body={"model": "whisper-tiny.en", "input": "a"})
+    error = refused.json()["error"]
+    assert refused.status == 400 and error["param"] == "model" and error["code"] == "model_not_supported"
+    assert "speech model" in error["message"] and "smollm2" in error["message"] and not link.state_ops
+    answer = await request("POST", "/v1/embeddings", key=bearer, body={"model": "smollm2", "input": "a"})
+    assert answer.status == 200
