@@ -123,8 +123,9 @@ def json_body(request: HttpRequest) -> dict[str, Any]:
 
 
 async def served_models() -> list[str]:
-    """Models served by a node linked to this head, and by online nodes anywhere in the fleet."""
-    live = set(await registry().aplacement.models())
+    """Models a node can take a generation of now: those of schedulable linked nodes (not drained, cordoned or
+    restarting) and of online nodes anywhere in the fleet."""
+    live = {m for s in await registry().aplacement.nodes() if s.schedulable for m in s.models}
     recorded = await sync_to_async(node_selectors.node_models_served)()
     return sorted(live | set(recorded))
 

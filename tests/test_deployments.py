@@ -195,6 +195,10 @@ def test_the_admin_adds_a_deployment_and_lists_each_pairs_state(client):
                                                               "context": 0}]
     deployments.node_model_record(node_id=node.pk, model=NAME, state="pulling", progress=0.43)
     assert "gpu-1: pulling 43%" in client.get("/admin/nodes/deployment/").content.decode()
+    deployments.node_model_record(node_id=node.pk, model=NAME, state="serving")
+    node.state = "offline"
+    node.save()
+    assert "gpu-1: serving (node offline)" in client.get("/admin/nodes/deployment/").content.decode()
     refused = client.post("/admin/nodes/deployment/add/", {"model": model.pk, "nodes": "[]", "labels": "{}",
                                                            "lanes": "2", "context": "0"})
     assert "choose the nodes" in refused.content.decode()
