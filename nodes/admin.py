@@ -15,7 +15,15 @@ from nodes.deployments import (
 )
 from nodes.models import Deployment, FleetToken, Model, Node, RevokedNodeKey
 from nodes.registry import model_delete
-from nodes.services import fleet_token_create, fleet_token_revoke, node_release_key, node_revoke, node_set_hold
+from nodes.services import (
+    fleet_token_create,
+    fleet_token_head_address,
+    fleet_token_join_lines,
+    fleet_token_revoke,
+    node_release_key,
+    node_revoke,
+    node_set_hold,
+)
 
 
 @admin.register(Node)
@@ -154,11 +162,13 @@ class FleetTokenAdmin(admin.ModelAdmin):
         token, secret = fleet_token_create(name=obj.name, expires_at=obj.expires_at)
         obj.pk, obj.public_id, obj.secret_encrypted = token.pk, token.public_id, token.secret_encrypted
         obj._state.adding = False
+        head, warning = fleet_token_head_address(request_host=request.get_host())
+        lines = fleet_token_join_lines(head=head, secret=secret)
         self.message_user(
             request,
-            format_html("Token created; it is shown only this once: <code>{}</code><br>On a node run: "
-                        "<code>python manage.py node_join {} --model &lt;path|smollm2&gt; --token {}</code>",
-                        secret, request.get_host(), secret),
+            format_html("Token created; it is shown only this once: <code>{}</code><br>{}{}", secret,
+                        format_html_join("", "{}<br>", ((line,) for line in lines)),
+                        f"Warning: {warning}" if warning else ""),
             messages.WARNING,
         )
 

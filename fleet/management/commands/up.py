@@ -20,6 +20,7 @@ from django.core.management.base import BaseCommand, CommandError
 from api.services import api_key_create
 from fleet.discovery import Announcer
 from nodes.link.handshake import LOCAL_TOKEN_ID, format_token, make_secret
+from nodes.services import head_served_address_path
 
 
 class Command(BaseCommand):
@@ -37,6 +38,7 @@ class Command(BaseCommand):
         parser.add_argument("--no-celery", action="store_true", help="do not start the Celery worker")
 
     def handle(self, *args, **options):
+        _refuse_taken_port(options["host"], options["port"])
         call_command("migrate", interactive=False, verbosity=0)
         self._first_run(options)
         children = self._start(options)
@@ -100,6 +102,8 @@ class Command(BaseCommand):
             children[name] = subprocess.Popen(argv, env=env, cwd=settings.BASE_DIR, start_new_session=True)
             if name == "daphne":
                 self._wait_listening(children[name], options["host"], options["port"])
+                # what `fleet_token` prints for nodes to dial (nodes.services.fleet_token_head_address)
+                head_served_address_path().write_text(f"{options['host']}:{options['port']}\n")
         return children
 
     def _wait_listening(self, proc: subprocess.Popen, host: str, port: int) -> None:
@@ -142,4 +146,18 @@ class Command(BaseCommand):
                 proc.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 proc.kill()
+        head_served_address_path().unlink(missing_ok=True)
         self.stdout.write("Fleet stopped.\n")
+
+
+def _refuse_taken_port(host: str, port: int) -> None:
+    """One line and exit status 2 when something else holds the port: otherwise `up` would take that other
+    server's answer for its own head's."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise CommandError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another head or server "
+                               "holds the port?); stop it or pass --port", returncode=2) from None
