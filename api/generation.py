@@ -166,8 +166,8 @@ class Run:
             finished_at=time.time(),
         )
         code = self.error.code if self.error is not None else ""
-        metrics.generation_ended(model=trace.model, status=status, code=code, outcome=outcome,
-                                 finished_at=trace.finished_at)
+        label = await metrics.amodel_label(trace.model)  # a made-up name is counted as "other"
+        metrics.generation_ended(model=label, status=status, code=code, outcome=outcome, finished_at=trace.finished_at)
         log.info("api: generation %s %s on %s: %d prompt tokens (%d cached), %d completion tokens%s", request.gen_id,
                  status, outcome.node or "no node", outcome.prompt_tokens, outcome.cached_tokens,
                  outcome.completion_tokens, f" ({code})" if code else "")
