@@ -194,6 +194,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         self.tokens_history: deque = deque(maxlen=TOKENS_HISTORY_S // max(settings.FLEET_HEARTBEAT_S, 1) + 1)
         self.in_handshake = False
         self.closing = False
+        self.said_bye = False
         self.watchdog: asyncio.Task | None = None
         if _handshakes_in_progress >= settings.FLEET_MAX_HANDSHAKES:
             log.warning("fleet refused a node from %s: %d handshakes already in progress", self.peer,
@@ -323,6 +324,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         elif isinstance(msg, Pull) and not self.node_id:
             await self._on_pull(msg)
         elif isinstance(msg, Bye):
+            self.said_bye = True  # stopped on purpose: logged as left, not lost
             await self.close(code=1000)
         else:
             raise LinkError(f"unexpected message {type(msg).__name__} from a node")
@@ -534,8 +536,12 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
                 kind=LinkEvent.Kind.DROPPED, node_id=self.node_id, identity=self.identity, peer=self.peer or "",
                 code=code, detail=f"{len(self.running)} generation(s) running there")
             metrics.link_dropped(node=self.identity)
-            log.warning("fleet node %r lost (link closed, code %s); %d generation(s) running there", self.identity,
-                        code, len(self.running))
+            if self.said_bye:
+                log.info("fleet node %r left (it said goodbye); %d generation(s) running there", self.identity,
+                         len(self.running))
+            else:
+                log.warning("fleet node %r lost (link closed, code %s); %d generation(s) running there",
+                            self.identity, code, len(self.running))
             fleet_changed()
         for gen_id in list(self.running):
             reason = f"link closed (code {code})"

@@ -105,3 +105,33 @@ async def test_what_the_outbox_holds_at_once_goes_as_one_bundle_to_a_head_that_t
         assert [msg for msg, _ in unbundle(opened[0])] == sent
     else:
         assert opened == sent  # an older head: one message a frame
+
+
+class ClosingSink(FrameSink):
+    def __init__(self):
+        super().__init__()
+        self.closed = None
+
+    async def close(self, code, reason=""):
+        self.closed = code
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(3600)  # a head with nothing to say
+
+
+async def test_a_node_stopped_on_purpose_says_goodbye_and_closes_normally(tmp_path):
+    from nodes.link.messages import Bye
+
+    node = agent(tmp_path)
+    node.heartbeat_s = 60.0
+    ws, (node_channel, head_channel) = ClosingSink(), _connect()
+    task = asyncio.ensure_future(node._serve(ws, node_channel))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    opened = [head_channel.open(frame) for frame in ws.frames]
+    assert isinstance(opened[-1], Bye) and ws.closed == 1000

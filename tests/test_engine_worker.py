@@ -189,3 +189,11 @@ async def test_real_model_worker_generates_and_survives_kill_9():
         assert worker.stats().get("cache_cleared") is True
     finally:
         await worker.stop()
+
+
+def test_an_idle_engine_reports_no_tokens_a_second_whatever_its_last_report_said():
+    worker = EngineWorker(mock_config(), on_event=lambda event: None)
+    worker._on_message(0, ("stats", {"lanes_busy": 1, "lanes": 2, "queued": 0, "tokens_per_s": 7.8}))
+    assert worker.stats()["tokens_per_s"] == 7.8
+    worker._on_message(0, ("stats", {"lanes_busy": 0, "lanes": 2, "queued": 0, "tokens_per_s": 7.8}))  # as it went idle
+    assert worker.stats()["tokens_per_s"] == 0.0

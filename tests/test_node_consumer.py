@@ -787,3 +787,24 @@ async def test_a_dropped_link_tells_every_other_head_process_it_can_even_when_on
     assert told["type"] == "relay.lost" and told["gen_id"] == placed[reading]
     assert not holder.running and not holder.remote
     assert "was not told its node was lost" in caplog.text
+
+
+async def test_a_node_that_says_goodbye_is_logged_as_left_at_info_and_one_that_drops_as_lost(caplog):
+    import logging
+
+    from nodes.link.messages import Bye
+
+    caplog.set_level(logging.INFO)
+    for bye in (True, False):
+        caplog.clear()
+        comm, channel = await joined()
+        if bye:
+            await comm.send_to(bytes_data=channel.seal(Bye(reason="the node is stopping")))
+            assert (await comm.receive_output(timeout=5))["type"] == "websocket.close"
+        await comm.disconnect(code=1000 if bye else 1011)
+        said = [(r.levelno, r.getMessage()) for r in caplog.records if "gpu-7" in r.getMessage()]
+        if bye:
+            assert any(level == logging.INFO and "'gpu-7' left" in text for level, text in said), said
+            assert not any("lost" in text for _, text in said)
+        else:
+            assert any(level == logging.WARNING and "'gpu-7' lost" in text for level, text in said), said

@@ -239,6 +239,12 @@ class NodeAgent:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # re-raise what ended the link
+        except asyncio.CancelledError:  # stopped on purpose (Ctrl-C, SIGTERM): the head logs it as left, not lost
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await _goodbye(ws, channel)
+            raise
         finally:
             for task in tasks:
                 task.cancel()
@@ -315,6 +321,13 @@ class NodeAgent:
             due = time.monotonic() + self.heartbeat_s
             while time.monotonic() < due and self.engine.alive == ready:
                 await asyncio.sleep(READY_POLL_S)
+
+
+async def _goodbye(ws, channel: SecureChannel) -> None:
+    """A bye and a normal close, within a second each; a link already gone is left as it is."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(ws.send(channel.seal(Bye(reason="the node is stopping"))), 1.0)
+        await asyncio.wait_for(ws.close(1000, "bye"), 1.0)
 
 
 def refused(msg: Refusal) -> Refused:
