@@ -83,8 +83,10 @@ class Command(BaseCommand):
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "FLEET_LOCAL_NODE_TOKEN": local_token,
                "FLEET_HEAD_URL": os.environ.get("FLEET_HEAD_URL") or f"http://{head_host}:{options['port']}"}
         commands = {
+            # No access line per request (every static file, every poll): Fleet logs each generation itself;
+            # FLEET_ACCESS_LOG=- (or a path) brings daphne's access log back.
             "daphne": [python, "-m", "daphne", "-b", options["host"], "-p", str(options["port"]),
-                       "fleet.asgi:application"],
+                       "--access-log", os.environ.get("FLEET_ACCESS_LOG") or os.devnull, "fleet.asgi:application"],
         }
         if not options["no_celery"]:
             commands["celery"] = [python, "-m", "celery", "-A", "fleet", "worker", "-B", "--pool=solo",
