@@ -63,6 +63,7 @@ def openai_view(*methods: str, tokens: bool = False, stream: bool = False, sessi
                     response[name] = value
             return response
 
+        wrapper.methods = methods  # what /v1/openapi.json must document (tests compare them)
         return wrapper
 
     return wrap

@@ -101,8 +101,38 @@ async def test_the_v1_description_is_served_without_a_key():
     ex = await request("GET", "/v1/openapi.json")
     assert ex.status == 200
     document = ex.json()
-    assert document["openapi"].startswith("3.") and set(document["paths"]) == {
-        "/v1/models", "/v1/models/{model}", "/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
+    assert document["openapi"].startswith("3.") and set(document["paths"]) == set(_v1_routes())
+
+
+def _v1_routes() -> dict[str, set[str]]:
+    """Every /v1 route the head serves, as an OpenAPI path (`<str:file_id>` -> `{file_id}`), with its methods."""
+    import re
+
+    from django.urls import URLPattern, URLResolver
+
+    def walk(resolver, prefix=""):
+        for pattern in resolver.url_patterns:
+            if isinstance(pattern, URLResolver):
+                yield from walk(pattern, prefix + str(pattern.pattern))
+            elif isinstance(pattern, URLPattern):
+                yield "/" + prefix + str(pattern.pattern), pattern.callback
+
+    routes = {}
+    for route, view in walk(get_resolver()):
+        if route.startswith("/v1/"):
+            path = re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", route)
+            routes[path] = set(getattr(view, "methods", None) or ("GET",))
+    return routes
+
+
+def test_the_v1_description_lists_every_v1_route_with_methods_it_allows():
+    """Every /v1 route is described (a 404 points clients at the description), and nothing it does not serve."""
+    from api.openapi_v1 import v1_document
+
+    routes, described = _v1_routes(), v1_document()["paths"]
+    assert len(routes) >= 13 and set(described) == set(routes), set(routes) ^ set(described)
+    for path, operations in described.items():
+        assert {m.upper() for m in operations} <= routes[path], (path, set(operations), routes[path])
 
 
 def test_a_bug_outside_the_views_is_a_500_in_each_apis_shape():
