@@ -248,9 +248,33 @@ class ModelAdmin(admin.ModelAdmin):
 
 
 class DeploymentForm(forms.ModelForm):
+    """Nodes chosen from those the fleet knows, labels written as key=value pairs: no JSON to type."""
+
+    nodes = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple,
+                                      help_text="Nodes to put the model on; or choose them by labels below.")
+    labels = forms.CharField(required=False, help_text="Every node whose labels include all of these (node_join "
+                             "--label), including nodes that join later: gpu=a100, zone=eu-1")
+
     class Meta:
         model = Deployment
         fields = ("model", "nodes", "labels", "lanes", "context")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        chosen = list(self.instance.nodes or []) if self.instance.pk else []
+        known = sorted(set(Node.objects.values_list("identity", flat=True)) | set(chosen))
+        self.fields["nodes"].choices = [(name, name) for name in known]
+        if self.instance.pk:
+            self.initial["labels"] = ", ".join(f"{k}={v}" for k, v in (self.instance.labels or {}).items())
+
+    def clean_labels(self) -> dict[str, str]:
+        pairs = {}
+        for part in filter(None, (p.strip() for p in (self.cleaned_data.get("labels") or "").split(","))):
+            key, sep, value = part.partition("=")
+            if not sep or not key.strip():
+                raise forms.ValidationError(f"{part!r}: write each label as key=value, separated by commas")
+            pairs[key.strip()] = value.strip()
+        return pairs
 
     def clean(self):
         data = super().clean()

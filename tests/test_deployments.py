@@ -188,7 +188,9 @@ def test_the_admin_adds_a_deployment_and_lists_each_pairs_state(client):
     model = registry_model()
     node = NodeFactory(identity="gpu-1", labels={"gpu": "a100"})
     client.force_login(UserFactory(username="operator"))
-    added = client.post("/admin/nodes/deployment/add/", {"model": model.pk, "nodes": "[]", "labels": '{"gpu": "a100"}',
+    form = client.get("/admin/nodes/deployment/add/").content.decode()
+    assert 'type="checkbox" name="nodes" value="gpu-1"' in form  # the nodes are choices, not JSON to type
+    added = client.post("/admin/nodes/deployment/add/", {"model": model.pk, "labels": "gpu=a100",
                                                          "lanes": "2", "context": "0"})
     assert added.status_code == 302, added.content.decode()[-2000:]
     assert deployments.node_deployments(node_id=node.pk) == [{"name": NAME, "sha256": "ab" * 32, "lanes": 2,
@@ -199,9 +201,15 @@ def test_the_admin_adds_a_deployment_and_lists_each_pairs_state(client):
     node.state = "offline"
     node.save()
     assert "gpu-1: serving (node offline)" in client.get("/admin/nodes/deployment/").content.decode()
-    refused = client.post("/admin/nodes/deployment/add/", {"model": model.pk, "nodes": "[]", "labels": "{}",
-                                                           "lanes": "2", "context": "0"})
+    refused = client.post("/admin/nodes/deployment/add/", {"model": model.pk, "labels": "", "lanes": "2",
+                                                           "context": "0"})
     assert "choose the nodes" in refused.content.decode()
+    garbled = client.post("/admin/nodes/deployment/add/", {"model": model.pk, "labels": "gpu", "lanes": "2",
+                                                           "context": "0"})
+    assert "write each label as key=value" in garbled.content.decode()
+    by_name = client.post("/admin/nodes/deployment/add/", {"model": registry_model("other").pk, "nodes": ["gpu-1"],
+                                                           "labels": "", "lanes": "2", "context": "0"})
+    assert by_name.status_code == 302 and deployments.Deployment.objects.get(model__name="other").nodes == ["gpu-1"]
 
 
 @pytest.mark.django_db
