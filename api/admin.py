@@ -2,6 +2,10 @@
 
 from django.conf import settings
 from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.http import HttpResponse
+from django.shortcuts import get_object_or_404
+from django.urls import path, reverse
 from django.utils.html import format_html
 
 from api.batches import batch_ref, file_ref
@@ -54,14 +58,38 @@ class NoAddMixin:
         return False
 
 
+def _download_link(row) -> str:
+    if row is None:
+        return "–"
+    url = reverse("admin:api_batchfile_download", args=[row.pk])
+    return format_html('<a href="{}">{}</a> ({} bytes)', url, row.filename, row.bytes)
+
+
 @admin.register(BatchFile)
 class BatchFileAdmin(NoAddMixin, admin.ModelAdmin):
-    list_display = ("file_id", "filename", "purpose", "owner", "bytes", "created_at", "purged")
+    list_display = ("file_id", "filename", "purpose", "owner", "bytes", "created_at", "purged", "download")
     list_filter = ("purpose",)
     search_fields = ("filename", "owner__username")
     list_select_related = ("owner",)
-    readonly_fields = ("owner", "filename", "purpose", "bytes", "created_at", "purged")
+    readonly_fields = ("owner", "filename", "purpose", "bytes", "created_at", "purged", "download")
     exclude = ("content",)
+
+    def get_urls(self):
+        download = self.admin_site.admin_view(self.download_view)
+        return [path("<uuid:pk>/download/", download, name="api_batchfile_download"), *super().get_urls()]
+
+    def download_view(self, request, pk):
+        """The file's bytes, for staff who may see it (a batch's output or errors, an uploaded input)."""
+        row = get_object_or_404(BatchFile, pk=pk)
+        if not self.has_view_permission(request, row):
+            raise PermissionDenied
+        response = HttpResponse(bytes(row.content), content_type="application/jsonl")
+        response["Content-Disposition"] = f'attachment; filename="{file_ref(row)}.jsonl"'
+        return response
+
+    @admin.display(description="download")
+    def download(self, row):
+        return _download_link(row)
 
     @admin.display(description="purged at (later while a batch uses it)")
     def purged(self, row):
@@ -81,7 +109,20 @@ class BatchAdmin(NoAddMixin, admin.ModelAdmin):
     list_filter = ("status", "endpoint")
     search_fields = ("owner__username", "input_file_ref")
     list_select_related = ("owner",)
-    readonly_fields = [f.name for f in Batch._meta.fields]
+    readonly_fields = [*(f.name for f in Batch._meta.fields), "input_download", "output_download",
+                       "error_download"]
+
+    @admin.display(description="input file")
+    def input_download(self, row):
+        return _download_link(row.input_file)
+
+    @admin.display(description="output file (answers)")
+    def output_download(self, row):
+        return _download_link(row.output_file)
+
+    @admin.display(description="error file")
+    def error_download(self, row):
+        return _download_link(row.error_file)
 
     @admin.display(description="id")
     def batch_id(self, row):

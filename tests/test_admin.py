@@ -208,3 +208,27 @@ def test_every_add_the_admin_offers_saves_or_says_why_and_none_answers_5xx(staff
         data = _add_form_data(page)
         saved = staff_client.post(add_url, data or {})
         assert saved.status_code in (200, 302), f"{meta.label}: {saved.status_code}"
+
+
+def test_a_batch_page_offers_its_files_for_download_to_staff_only(staff_client, client):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from api.batches import file_create, file_ref
+    from api.models import Batch
+
+    owner = UserFactory(username="batcher", is_staff=False, is_superuser=False)
+    source = file_create(owner=owner, filename="in.jsonl", purpose="batch", content=b'{"custom_id": "a"}\n')
+    answers = file_create(owner=owner, filename="out.jsonl", purpose="batch", content=b'{"id": "answer"}\n')
+    batch = Batch.objects.create(owner=owner, endpoint="/v1/chat/completions", input_file=source,
+                                 input_file_ref=file_ref(source), output_file=answers, completion_window="24h",
+                                 expires_at=timezone.now() + timedelta(days=1))
+    page = staff_client.get(reverse("admin:api_batch_change", args=[batch.pk])).content.decode()
+    url = reverse("admin:api_batchfile_download", args=[answers.pk])
+    assert url in page
+    got = staff_client.get(url)
+    assert got.status_code == 200 and b"".join(got) == b'{"id": "answer"}\n'
+    assert file_ref(answers) in got["Content-Disposition"]
+    client.force_login(owner)  # not staff: the admin's login page
+    assert client.get(url).status_code == 302

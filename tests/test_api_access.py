@@ -282,6 +282,7 @@ NAMED: dict[str, list[Case]] = {
     "admin:password_change_done": [Case("GET", ADMIN)],
     "admin:autocomplete": [Case("GET", statuses(302, 302, 302, 403))],  # staff: no such autocomplete field
     "admin:jsi18n": [Case("GET", ADMIN)],
+    "admin:api_batchfile_download": [Case("GET", ADMIN, kwargs=lambda w: {"pk": w.batch_file.pk})],
     "admin:view_on_site": [Case("GET", statuses(302, 302, 302, 404), kwargs=lambda w: {  # nodes have no page
         "content_type_id": ContentType.objects.get_for_model(w.node).pk, "object_id": w.node.pk})],
     "admin:app_list": [Case("GET", ADMIN, kwargs=lambda w: {"app_label": "api"})],
