@@ -144,3 +144,19 @@ def test_a_5xx_fleet_chose_is_a_warning_and_a_500_stays_an_error():
     finally:
         logger.removeHandler(keep)
     assert seen == [logging.WARNING, logging.ERROR]
+
+
+def test_progress_in_json_mode_is_log_records_not_plain_lines(monkeypatch, caplog):
+    import io
+    import logging
+
+    from nodes.agent.pull import Progress
+
+    monkeypatch.setenv("FLEET_LOG_FORMAT", "json")
+    caplog.set_level(logging.INFO, logger="nodes.agent")
+    stream = io.StringIO()
+    bar = Progress("pulling m", 100, stream)
+    for done in (0, 55, 100):
+        bar(done)
+    assert stream.getvalue() == ""
+    assert [r.progress for r in caplog.records if r.name == "nodes.agent"] == [0, 50, 100]
