@@ -16,6 +16,8 @@ from sessions.selectors import expires_at
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
+    empty_hint = ("No API key. Add one and choose its owner: the key is shown once; clients send it as `Authorization: "
+                  "Bearer …`.")
     list_display = ("name", "prefix", "owner", "active", "requests_per_minute", "tokens_per_minute", "tokens_per_day",
                     "concurrent_streams", "created_at", "last_used_at", "revoked_at")
     list_filter = ("revoked_at",)
@@ -67,6 +69,7 @@ def _download_link(row) -> str:
 
 @admin.register(BatchFile)
 class BatchFileAdmin(NoAddMixin, admin.ModelAdmin):
+    empty_hint = ("No file. Clients upload batch inputs with POST /v1/files (purpose batch).")
     list_display = ("file_id", "filename", "purpose", "owner", "bytes", "created_at", "purged", "download")
     list_filter = ("purpose",)
     search_fields = ("filename", "owner__username")
@@ -103,6 +106,7 @@ class BatchFileAdmin(NoAddMixin, admin.ModelAdmin):
 @admin.register(Batch)
 class BatchAdmin(NoAddMixin, admin.ModelAdmin):
     """Batches with their progress: lines answered of the total, and where they stand."""
+    empty_hint = ("No batch. Clients create them with POST /v1/batches from an uploaded file (docs/api.md, Batches).")
 
     list_display = ("batch_id", "owner", "endpoint", "status", "progress", "completed", "failed", "total",
                     "created_at", "expires_at")

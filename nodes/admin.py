@@ -28,6 +28,8 @@ from nodes.services import (
 
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
+    empty_hint = ("No node has joined yet. Make a fleet token (Fleet tokens, Add; or `manage.py fleet_token`) and run "
+                  "the line it prints on a node host: `FLEET_TOKEN=… make node HEAD=…`.")
     list_display = ("identity", "state_badge", "models_list", "lanes", "context_window", "address", "key_fingerprint",
                     "last_seen_at")
     list_filter = ("state", "hold", "engine")
@@ -144,6 +146,7 @@ class NodeAdmin(admin.ModelAdmin):
 
 @admin.register(FleetToken)
 class FleetTokenAdmin(admin.ModelAdmin):
+    empty_hint = ("No fleet token yet. Add one: it is shown once, with the line a node host runs to join.")
     list_display = ("name", "public_id", "active", "created_at", "expires_at", "last_used_at", "revoked_at")
     list_filter = ("revoked_at",)
     search_fields = ("name", "public_id")
@@ -208,6 +211,8 @@ def _pairs(pairs, *, empty: str) -> str:
 class ModelAdmin(admin.ModelAdmin):
     """The model registry. Adding uploads the file in parts through /api/models/ (see the add page's script), so the
     head never holds more than one part in memory; every figure comes from the file's own metadata."""
+    empty_hint = ("The registry is empty. Add a model to upload a GGUF file nodes can pull (the bundled smollm2 is "
+                  "served by nodes without being here); then deploy it (Deployments).")
 
     list_display = ("name", "kind", "base", "architecture", "quantization", "size_mb", "context_length",
                     "kv_bytes_per_token", "sha256_short", "created_at")
@@ -289,6 +294,7 @@ class DeploymentForm(forms.ModelForm):
 @admin.register(Deployment)
 class DeploymentAdmin(admin.ModelAdmin):
     """Put a registry model on nodes by name or label; each node-model pair's state as the nodes report it."""
+    empty_hint = ("No deployment. Add one to put a registry model on nodes, chosen by name or by label.")
 
     form = DeploymentForm
     list_display = ("model", "nodes", "labels", "lanes", "context", "states")

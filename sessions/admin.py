@@ -26,6 +26,7 @@ class MessageInline(ReadOnlyMixin, admin.TabularInline):
 
 @admin.register(InferenceSession)
 class InferenceSessionAdmin(admin.ModelAdmin):
+    empty_hint = ("No session. A client makes one with POST /api/sessions/ and names it in its requests (docs/api.md).")
     list_display = ("__str__", "model", "owner", "api_key", "created_at", "updated_at", "expires")
     list_filter = ("model",)
     search_fields = ("id", "title", "system_prompt")
@@ -40,6 +41,7 @@ class InferenceSessionAdmin(admin.ModelAdmin):
 
 @admin.register(Generation)
 class GenerationAdmin(ReadOnlyMixin, admin.ModelAdmin):
+    empty_hint = ("No generation yet. Try the playground, or send one with an API key to /v1/chat/completions.")
     list_display = ("id", "model", "node", "status", "finish_reason", "prompt_tokens", "cached_tokens",
                     "completion_tokens", "ttft_ms", "decode_tps", "created_at", "purged")
     list_filter = ("status", "finish_reason", "model", "kind", "node")

@@ -232,3 +232,16 @@ def test_a_batch_page_offers_its_files_for_download_to_staff_only(staff_client, 
     assert file_ref(answers) in got["Content-Disposition"]
     client.force_login(owner)  # not staff: the admin's login page
     assert client.get(url).status_code == 302
+
+
+def test_an_empty_list_says_what_to_do_next(client):
+    from django.contrib import admin
+
+    client.force_login(UserFactory(username="first-day"))
+    hinted = [(model, model_admin.empty_hint) for model, model_admin in admin.site._registry.items()
+              if getattr(model_admin, "empty_hint", "")]
+    assert len(hinted) >= 9
+    for model, hint in hinted:
+        meta = model._meta
+        page = client.get(reverse(f"admin:{meta.app_label}_{meta.model_name}_changelist")).content.decode()
+        assert "fleet-empty-hint" in page and hint.split(".")[0] in page, meta.label
