@@ -245,3 +245,15 @@ def test_an_empty_list_says_what_to_do_next(client):
         meta = model._meta
         page = client.get(reverse(f"admin:{meta.app_label}_{meta.model_name}_changelist")).content.decode()
         assert "fleet-empty-hint" in page and hint.split(".")[0] in page, meta.label
+
+
+def test_a_generations_figures_have_units_and_its_parameters_are_a_table(staff_client):
+    generation = GenerationFactory(ttft_ms=123.4, duration_ms=2500.0, decode_tps=41.26,
+                                   parameters={"temperature": 0.2, "max_tokens": 64},
+                                   placement={"node": "gpu-a", "cost": 40})
+    listed = staff_client.get(reverse("admin:inference_sessions_generation_changelist")).content.decode()
+    assert "123 ms" in listed and "41.3 tokens/s" in listed
+    page = staff_client.get(reverse("admin:inference_sessions_generation_change", args=[generation.pk]))
+    body = page.content.decode()
+    assert "2.50 s" in body and "<tr><th>temperature</th><td>0.2</td></tr>" in body
+    assert '{"temperature": 0.2' not in body and "&quot;temperature&quot;" not in body  # no JSON blob
