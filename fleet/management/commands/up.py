@@ -80,7 +80,8 @@ class Command(BaseCommand):
         local_token = format_token(LOCAL_TOKEN_ID, make_secret())
         # The Celery worker sends batch lines to this head's /v1 (api.batch_run).
         head_host = "127.0.0.1" if options["host"] in {"0.0.0.0", "::"} else options["host"]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "FLEET_LOCAL_NODE_TOKEN": local_token,
+        outside = {k: v for k, v in os.environ.items() if k != "FLEET_TOKEN"}  # the local node joins with its own
+        env = {**outside, "PYTHONUNBUFFERED": "1", "FLEET_LOCAL_NODE_TOKEN": local_token,
                "FLEET_HEAD_URL": os.environ.get("FLEET_HEAD_URL") or f"http://{head_host}:{options['port']}"}
         commands = {
             # No access line per request (every static file, every poll): Fleet logs each generation itself;
