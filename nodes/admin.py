@@ -228,6 +228,17 @@ class ModelAdmin(admin.ModelAdmin):
                    "part_bytes": settings.FLEET_MAX_BODY_BYTES, "has_view_permission": True}
         return TemplateResponse(request, "admin/nodes/model/upload.html", context)
 
+    def changelist_view(self, request, extra_context=None):
+        """With the registry's entries, the models nodes serve from their own files (the bundled smollm2, a
+        --model path): served, but not in the registry, so an operator does not read "0 models" as "none"."""
+        from nodes.selectors import node_models_served
+
+        registered = set(Model.objects.values_list("name", flat=True))
+        own = [name for name in node_models_served() if name not in registered and ":" not in name]
+        note = (f"Also served now by nodes from their own files (no registry entry, nothing to pull): "
+                f"{', '.join(own)}.") if own else ""
+        return super().changelist_view(request, {**(extra_context or {}), "fleet_note": note})
+
     def has_change_permission(self, request, obj=None):
         return False  # nothing to edit: every field is read from the file
 

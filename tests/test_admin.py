@@ -257,3 +257,9 @@ def test_a_generations_figures_have_units_and_its_parameters_are_a_table(staff_c
     body = page.content.decode()
     assert "2.50 s" in body and "<tr><th>temperature</th><td>0.2</td></tr>" in body
     assert '{"temperature": 0.2' not in body and "&quot;temperature&quot;" not in body  # no JSON blob
+
+
+def test_the_registry_list_names_the_models_nodes_serve_from_their_own_files(staff_client):
+    NodeFactory(identity="bundled", models_served=["smollm2", "whisper-tiny.en", "smollm2:style"])
+    page = staff_client.get(reverse("admin:nodes_model_changelist")).content.decode()
+    assert "Also served now by nodes from their own files" in page and "smollm2, whisper-tiny.en." in page
