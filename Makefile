@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint bench clean browser
+.PHONY: install run node test lint bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,8 +16,18 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# make run HOST=0.0.0.0 PORT=8000: where the head listens (default 127.0.0.1:8000; 0.0.0.0 for nodes elsewhere)
 run: install
-	$(BIN)/python manage.py up
+	$(BIN)/python manage.py up $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
+
+# On a node host (a clone of this repository): install what a node needs, then join the head at HEAD.
+#   FLEET_TOKEN=<id>.<secret> make node HEAD=head.example:8000 [MODEL=smollm2] [TOKEN_FILE=path]
+# The token goes in the environment or a file (TOKEN=... works too, but `ps` shows a command line to everyone).
+MODEL ?= smollm2
+node: install
+	@test -n "$(HEAD)" || { echo "make node: give the head's address: make node HEAD=host:port" >&2; exit 2; }
+	$(if $(TOKEN),FLEET_TOKEN=$(TOKEN)) $(BIN)/python manage.py node_join $(HEAD) --model $(MODEL) \
+	  $(if $(TOKEN_FILE),--token-file $(TOKEN_FILE))
 
 lint: install
 	$(BIN)/ruff check .

@@ -2,6 +2,10 @@
 
 from django.conf import settings
 from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.http import HttpResponse
+from django.shortcuts import get_object_or_404
+from django.urls import path, reverse
 from django.utils.html import format_html
 
 from api.batches import batch_ref, file_ref
@@ -12,6 +16,8 @@ from sessions.selectors import expires_at
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
+    empty_hint = ("No API key. Add one and choose its owner: the key is shown once; clients send it as `Authorization: "
+                  "Bearer …`.")
     list_display = ("name", "prefix", "owner", "active", "requests_per_minute", "tokens_per_minute", "tokens_per_day",
                     "concurrent_streams", "created_at", "last_used_at", "revoked_at")
     list_filter = ("revoked_at",)
@@ -47,14 +53,46 @@ class ApiKeyAdmin(admin.ModelAdmin):
         self.message_user(request, f"{count} key(s) revoked.", messages.SUCCESS)
 
 
+class NoAddMixin:
+    """Made through the API only (an upload, a batch): the admin offers no "Add" it could not save."""
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+def _download_link(row) -> str:
+    if row is None:
+        return "–"
+    url = reverse("admin:api_batchfile_download", args=[row.pk])
+    return format_html('<a href="{}">{}</a> ({} bytes)', url, row.filename, row.bytes)
+
+
 @admin.register(BatchFile)
-class BatchFileAdmin(admin.ModelAdmin):
-    list_display = ("file_id", "filename", "purpose", "owner", "bytes", "created_at", "purged")
+class BatchFileAdmin(NoAddMixin, admin.ModelAdmin):
+    empty_hint = ("No file. Clients upload batch inputs with POST /v1/files (purpose batch).")
+    list_display = ("file_id", "filename", "purpose", "owner", "bytes", "created_at", "purged", "download")
     list_filter = ("purpose",)
     search_fields = ("filename", "owner__username")
     list_select_related = ("owner",)
-    readonly_fields = ("owner", "filename", "purpose", "bytes", "created_at", "purged")
+    readonly_fields = ("owner", "filename", "purpose", "bytes", "created_at", "purged", "download")
     exclude = ("content",)
+
+    def get_urls(self):
+        download = self.admin_site.admin_view(self.download_view)
+        return [path("<uuid:pk>/download/", download, name="api_batchfile_download"), *super().get_urls()]
+
+    def download_view(self, request, pk):
+        """The file's bytes, for staff who may see it (a batch's output or errors, an uploaded input)."""
+        row = get_object_or_404(BatchFile, pk=pk)
+        if not self.has_view_permission(request, row):
+            raise PermissionDenied
+        response = HttpResponse(bytes(row.content), content_type="application/jsonl")
+        response["Content-Disposition"] = f'attachment; filename="{file_ref(row)}.jsonl"'
+        return response
+
+    @admin.display(description="download")
+    def download(self, row):
+        return _download_link(row)
 
     @admin.display(description="purged at (later while a batch uses it)")
     def purged(self, row):
@@ -66,15 +104,29 @@ class BatchFileAdmin(admin.ModelAdmin):
 
 
 @admin.register(Batch)
-class BatchAdmin(admin.ModelAdmin):
+class BatchAdmin(NoAddMixin, admin.ModelAdmin):
     """Batches with their progress: lines answered of the total, and where they stand."""
+    empty_hint = ("No batch. Clients create them with POST /v1/batches from an uploaded file (docs/api.md, Batches).")
 
     list_display = ("batch_id", "owner", "endpoint", "status", "progress", "completed", "failed", "total",
                     "created_at", "expires_at")
     list_filter = ("status", "endpoint")
     search_fields = ("owner__username", "input_file_ref")
     list_select_related = ("owner",)
-    readonly_fields = [f.name for f in Batch._meta.fields]
+    readonly_fields = [*(f.name for f in Batch._meta.fields), "input_download", "output_download",
+                       "error_download"]
+
+    @admin.display(description="input file")
+    def input_download(self, row):
+        return _download_link(row.input_file)
+
+    @admin.display(description="output file (answers)")
+    def output_download(self, row):
+        return _download_link(row.output_file)
+
+    @admin.display(description="error file")
+    def error_download(self, row):
+        return _download_link(row.error_file)
 
     @admin.display(description="id")
     def batch_id(self, row):

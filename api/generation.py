@@ -169,7 +169,8 @@ class Run:
             finished_at=time.time(),
         )
         code = self.error.code if self.error is not None else ""
-        metrics.generation_ended(model=trace.model, status=status, code=code, outcome=outcome,
+        label = await metrics.amodel_label(trace.model)  # a made-up name is counted as "other"
+        metrics.generation_ended(model=label, status=status, code=code, outcome=outcome,
                                  finished_at=trace.finished_at, api=trace.kind)
         tracing.generation_end(self.trace, outcome, status, code, error)
         log.info("api: generation %s %s on %s: %d prompt tokens (%d cached), %d completion tokens%s", request.gen_id,

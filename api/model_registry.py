@@ -101,7 +101,9 @@ class ModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Dest
 
     @extend_schema(request={"application/octet-stream": bytes}, responses={200: UploadSerializer},
                    parameters=[OpenApiParameter("offset", int, required=True,
-                                                description="Where this part goes: the bytes received so far.")],
+                                                description="Where this part goes: the bytes received so far."),
+                               OpenApiParameter("upload_id", str, OpenApiParameter.PATH,
+                                                description="The upload's id, from POST /api/models/uploads/.")],
                    summary="Append a part")
     @action(detail=False, methods=["put"], url_path=r"uploads/(?P<upload_id>[^/.]+)", parser_classes=[PartParser])
     def upload_part(self, request, upload_id=None):

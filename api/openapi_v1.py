@@ -285,6 +285,102 @@ def v1_schema() -> dict[str, Any]:
     }
 
 
+# --- transcriptions, files and batches (kept apart from the generation paths above) -------------------------------
+
+TRANSCRIPTION = {"type": "object", "required": ["text"], "properties": {
+    "text": {"type": "string"}, "language": {"type": "string"}, "duration": {"type": "number"},
+    "segments": {"type": "array", "items": {"type": "object"}}, "words": {"type": "array", "items": {"type": "object"}},
+    "usage": {"type": "object"}}}
+
+FILE = {"type": "object", "required": ["id", "object", "bytes", "created_at", "filename", "purpose"], "properties": {
+    "id": {"type": "string"}, "object": {"type": "string", "enum": ["file"]}, "bytes": {"type": "integer"},
+    "created_at": {"type": "integer"}, "filename": {"type": "string"}, "purpose": {"type": "string"},
+    "status": {"type": "string"}, "expires_at": {"type": "integer", "nullable": True},
+    "status_details": {"nullable": True}}}
+
+BATCH = {"type": "object", "required": ["id", "object", "endpoint", "input_file_id", "completion_window", "status",
+                                        "request_counts"], "properties": {
+    "id": {"type": "string"}, "object": {"type": "string", "enum": ["batch"]}, "endpoint": {"type": "string"},
+    "input_file_id": {"type": "string"}, "completion_window": {"type": "string"}, "status": {"type": "string"},
+    "output_file_id": {"type": "string", "nullable": True}, "error_file_id": {"type": "string", "nullable": True},
+    "errors": {"nullable": True}, "metadata": {"type": "object", "nullable": True},
+    "request_counts": {"type": "object", "properties": {"total": {"type": "integer"},
+                                                         "completed": {"type": "integer"},
+                                                         "failed": {"type": "integer"}}}}}
+
+REQUEST_ERRORS = ["400", "401", "404", "405", "413", "415", "429"]
+READ_ERRORS = ["401", "404", "405", "429"]
+
+
+def _list_of(item: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "required": ["object", "data"], "properties": {
+        "object": {"type": "string", "enum": ["list"]}, "data": {"type": "array", "items": item},
+        "has_more": {"type": "boolean"}, "first_id": {"type": "string", "nullable": True},
+        "last_id": {"type": "string", "nullable": True}}}
+
+
+def _form(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {"required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "required": required, "properties": properties}}}}
+
+
+def _in_path(name: str) -> list[dict[str, Any]]:
+    return [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}]
+
+
+def _in_query(*names: str) -> list[dict[str, Any]]:
+    kinds = {"limit": {"type": "integer", "minimum": 1, "maximum": 10000}}
+    return [{"name": n, "in": "query", "required": False, "schema": kinds.get(n, {"type": "string"})} for n in names]
+
+
+def more_paths() -> dict[str, Any]:
+    """Transcriptions, the Batch API's files and batches, and this description itself: what /v1 serves besides
+    the generation paths (tests/test_api_fuzz_regressions.py compares every /v1 route with the description)."""
+    transcribe = _operation("Transcription (multipart form; stream=true: server-sent transcript events)",
+                            TRANSCRIPTION, GENERATION_ERRORS, stream=True)
+    transcribe["requestBody"] = _form({
+        "file": {"type": "string", "format": "binary"}, "model": {"type": "string"},
+        "response_format": {"type": "string", "enum": ["json", "text", "srt", "vtt", "verbose_json"]},
+        "language": {"type": "string", "maxLength": 8}, "prompt": {"type": "string"},
+        "temperature": _number(0, 1), "stream": {"type": "boolean"},
+        "timestamp_granularities[]": {"type": "array", "items": {"type": "string", "enum": ["word", "segment"]}}},
+        ["file", "model"])
+    upload = _operation("Upload a file (purpose batch: a JSONL of requests)", FILE, REQUEST_ERRORS)
+    upload["requestBody"] = _form({"file": {"type": "string", "format": "binary"},
+                                   "purpose": {"type": "string", "enum": ["batch"]}}, ["file", "purpose"])
+    listed = _operation("The key owner's files", _list_of(FILE), ["400", *READ_ERRORS])
+    create_batch = _operation("Create a batch", BATCH, REQUEST_ERRORS, {
+        "type": "object", "required": ["input_file_id", "endpoint", "completion_window"], "properties": {
+            "input_file_id": {"type": "string"}, "endpoint": {"type": "string"},
+            "completion_window": {"type": "string"}, "metadata": {"type": "object", "nullable": True}}})
+    content = _operation("A file's content", {"type": "string"}, READ_ERRORS)
+    content["responses"]["200"]["content"] = {"application/jsonl": {"schema": {"type": "string"}}}
+    document = _operation("This description (no key needed)", {"type": "object"}, ["405"])
+    document["security"] = []
+    return {
+        "/v1/audio/transcriptions": {"post": transcribe},
+        "/v1/files": {"get": {**listed, "parameters": _in_query("purpose", "limit", "after")}, "post": upload},
+        "/v1/files/{file_id}": {"get": {**_operation("A file", FILE, READ_ERRORS), "parameters": _in_path("file_id")},
+                                "delete": {**_operation("Delete a file", {"type": "object"}, READ_ERRORS),
+                                           "parameters": _in_path("file_id")}},
+        "/v1/files/{file_id}/content": {"get": {**content, "parameters": _in_path("file_id")}},
+        "/v1/batches": {"get": {**_operation("The key owner's batches", _list_of(BATCH), ["400", *READ_ERRORS]),
+                                "parameters": _in_query("limit", "after")}, "post": create_batch},
+        "/v1/batches/{batch_id}": {"get": {**_operation("A batch", BATCH, READ_ERRORS),
+                                           "parameters": _in_path("batch_id")}},
+        "/v1/batches/{batch_id}/cancel": {"post": {**_operation("Cancel a batch", BATCH, READ_ERRORS),
+                                                   "parameters": _in_path("batch_id")}},
+        "/v1/openapi.json": {"get": document},
+    }
+
+
+def v1_document() -> dict[str, Any]:
+    """The description /v1/openapi.json serves: the generation paths (v1_schema) and the others (more_paths)."""
+    document = v1_schema()
+    document["paths"] = {**document["paths"], **more_paths()}
+    return document
+
+
 @require_GET
 def openapi_v1(request: HttpRequest) -> JsonResponse:
-    return JsonResponse(v1_schema())
+    return JsonResponse(v1_document())

@@ -73,6 +73,7 @@ def openai_view(*methods: str, tokens: bool = False, stream: bool = False, sessi
                     response[name] = value
             return response
 
+        wrapper.methods = methods  # what /v1/openapi.json must document (tests compare them)
         return wrapper
 
     return wrap
@@ -149,8 +150,9 @@ def json_body(request: HttpRequest) -> dict[str, Any]:
 
 
 async def served_models() -> list[str]:
-    """Models served by a node linked to this head, and by online nodes anywhere in the fleet."""
-    live = set(await registry().aplacement.models())
+    """Models a node can take a generation of now: those of schedulable linked nodes (not drained, cordoned or
+    restarting) and of online nodes anywhere in the fleet."""
+    live = {m for s in await registry().aplacement.nodes() if s.schedulable for m in s.models}
     recorded = await sync_to_async(node_selectors.node_models_served)()
     return sorted(live | set(recorded))
 
@@ -315,6 +317,7 @@ async def _embedding_node(model: str, lost_on: list[str] = ()) -> tuple[str, Any
     under this request, never tried again."""
     reg = registry()
     nodes = await reg.aplacement.nodes()
+    await _refuse_speech_model(model, nodes)
     slots = [s for s in nodes if model in s.models and "embeddings" in s.capabilities and s.identity not in lost_on]
     if not slots and lost_on:
         raise OpenAIError(502, f"The link of node {lost_on[-1]!r} closed while it embedded, and no other node embeds "
@@ -328,6 +331,17 @@ async def _embedding_node(model: str, lost_on: list[str] = ()) -> tuple[str, Any
         if link is not None:
             return slot.identity, link
     raise OpenAIError(503, f"No node serving {model!r} can be reached now; retry shortly.", code="node_unavailable")
+
+
+async def _refuse_speech_model(model: str, nodes) -> None:
+    """A 400 for a speech model (`node_join --transcribe`): its node would embed with its text model instead, under
+    the speech model's name."""
+    speech = await sync_to_async(node_selectors.node_speech_models)()
+    if model in speech:
+        text = ", ".join(sorted({m for s in nodes for m in s.models if "embeddings" in s.capabilities} - speech))
+        raise OpenAIError(400, f"The model {model!r} is a speech model: it transcribes audio "
+                          f"(/v1/audio/transcriptions) and makes no embeddings; name a text model (serving now: "
+                          f"{text or 'none'}).", code="model_not_supported", param="model")
 
 
 def _encode(vector: list[float], encoding: str) -> list[float] | str:

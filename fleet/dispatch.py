@@ -51,6 +51,23 @@ CAPABILITY_HINTS = {
 }
 
 
+async def _refuse_if_held(model: str, serving) -> None:
+    """A 503 at once when every node serving `model` was drained or cordoned by the operator: waiting for a lane
+    would last the whole deadline. (A node whose engine restarts is also unschedulable, for seconds: waited for.)"""
+    from asgiref.sync import sync_to_async
+
+    from nodes.models import Node
+
+    ids = [s.node_id for s in serving]
+    states = dict(await sync_to_async(lambda: list(Node.objects.filter(pk__in=ids).values_list("identity", "state")))())
+    if len(states) < len(ids) or any(state == Node.State.ONLINE for state in states.values()):
+        return
+    held = ", ".join(f"{identity!r} ({state})" for identity, state in sorted(states.items()))
+    raise GenerationError("model_unavailable", f"Every node serving {model!r} takes no new generations: {held}. "
+                          "Uncordon one (admin, Nodes) or start another node serving it.", status=503, retry_after=5,
+                          kind="server_error")
+
+
 class GenerationError(Exception):
     """A generation that cannot be served, with an OpenAI-style code and the HTTP status it maps to."""
 
@@ -268,10 +285,16 @@ class GenerationStream:
         nodes = await reg.aplacement.nodes()  # a snapshot (over Redis: refreshed by each choice, no round trip)
         if not any(model in s.models for s in nodes):
             nodes = await reg.aplacement.nodes(fresh=True)  # a node that just joined: not refused for a stale view
-        if not any(model in s.models for s in nodes):
+        serving = [s for s in nodes if model in s.models]
+        if not serving:
+            if self._failure and self._failure["code"] != "preempted":  # its node went mid-generation: say so
+                raise GenerationError(self._failure["code"], f"{self._failure['message']}, and no other node serves "
+                                      f"{model!r} now.", status=502)
             served = ", ".join(sorted({m for s in nodes for m in s.models})) or "none"
             raise GenerationError("model_not_found", f"The model {model!r} is not served by any node "
                                   f"(served: {served}).", status=404, param="model")
+        if not any(s.schedulable for s in serving):
+            await _refuse_if_held(model, serving)
         if self.keys is None or (self._tokenizer_due and tokenizer_known(self._tokenizer_due)):
             await self._key(nodes)
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -97,6 +98,36 @@ class Counts:
 
     def save(self) -> None:
         store().add(self.deltas)
+
+
+OTHER_MODEL = "other"  # the model label of every name the fleet does not know (a client may send any name)
+KNOWN_TTL_S = 5.0  # how long the known names are trusted; a miss looks again after MISS_RECHECK_S
+MISS_RECHECK_S = 1.0
+_known: dict[str, Any] = {"at": -1e9, "names": frozenset()}
+
+
+async def amodel_label(model: str) -> str:
+    """`model` as a metric label: itself when the fleet knows it (a node serves it, or the registry holds it), else
+    OTHER_MODEL, so a client naming made-up models cannot grow the scrape without bound. The known names are read
+    at most every MISS_RECHECK_S however many unknown names arrive."""
+    age = time.monotonic() - _known["at"]
+    if age >= KNOWN_TTL_S or (model not in _known["names"] and age >= MISS_RECHECK_S):
+        _known["names"], _known["at"] = await _aknown_models(), time.monotonic()
+    return model if model in _known["names"] else OTHER_MODEL
+
+
+async def _aknown_models() -> frozenset[str]:
+    from asgiref.sync import sync_to_async
+
+    from nodes.models import Model, Node
+
+    def recorded() -> set[str]:
+        names = set(Model.objects.values_list("name", flat=True))
+        for served in Node.objects.values_list("models_served", flat=True):
+            names.update(m for m in served or [] if isinstance(m, str))
+        return names
+
+    return frozenset(await registry().aplacement.models()) | frozenset(await sync_to_async(recorded)())
 
 
 def generation_ended(*, model: str, status: str, code: str, outcome: Any, finished_at: float, api: str = "") -> None:
@@ -191,6 +222,7 @@ def exposed(family: Family, series: dict[str, float]) -> Metric:
 
 def live_gauges(waiting: dict[str, int]) -> Iterator[Metric]:
     """Nodes and lanes from placement (every head process's nodes with Redis), load from the heartbeats."""
+    from fleet.selectors import node_model_figures
     from nodes.consumers import liveness_key
     from nodes.models import Node
 
@@ -218,7 +250,12 @@ def live_gauges(waiting: dict[str, int]) -> Iterator[Metric]:
                   "fleet_node_kv_cache_capacity_tokens": beat.get("kv_total"),
                   "fleet_node_decode_tokens_per_second": beat.get("tokens_per_s")}
         for model in slot.models:
-            for name, value in values.items():
+            figures = node_model_figures(beat, model, lanes=slot.lanes)
+            own = {**values, "fleet_lanes": figures["lanes"], "fleet_lanes_busy": figures["lanes_busy"],
+                   "fleet_node_kv_cache_used_tokens": figures["kv_used"],
+                   "fleet_node_kv_cache_capacity_tokens": figures["kv_total"],
+                   "fleet_node_decode_tokens_per_second": figures["tokens_per_s"]}
+            for name, value in own.items():
                 if value is not None:
                     gauges[name].add_metric([model, slot.identity], float(value))
     yield from gauges.values()

@@ -25,6 +25,21 @@ class NodeRow:
     beat: dict = field(default_factory=dict)  # the last heartbeat: KV use, tokens/s history, replicas
 
 
+FIGURES = ("lanes", "lanes_busy", "kv_used", "kv_total", "tokens_per_s")
+
+
+def node_model_figures(beat: dict, model: str, *, lanes: int) -> dict:
+    """`model`'s own lanes, busy lanes, KV and tokens/s on a node, from the node's last heartbeat (`beat`, {} when
+    none): its engine worker's figures (the heartbeat's `models`). A model with no engine of its own there (a LoRA
+    adapter, a speech model beside the text model) has zeros: its work counts under its engine's model. A heartbeat
+    without `models` (an older node, serving one model) gives the node's totals; no heartbeat, the node's `lanes`."""
+    per_model = beat.get("models")
+    if not isinstance(per_model, dict) or not per_model:
+        return {"lanes": beat.get("lanes", lanes), **{key: beat.get(key) for key in FIGURES[1:]}}
+    own = per_model.get(model) or {}
+    return {key: own.get(key, 0) for key in FIGURES}
+
+
 def fleet_overview() -> dict:
     """Everything the fleet page shows, in a fixed number of queries."""
     from nodes.consumers import liveness_key
@@ -44,13 +59,15 @@ def fleet_overview() -> dict:
     )
     by_status = dict(recent.values_list("status").annotate(n=Count("id")).values_list("status", "n"))
     models: dict[str, dict] = {}
-    for node in nodes:
-        if node.state == Node.State.OFFLINE:
+    for row in rows:
+        if row.node.state == Node.State.OFFLINE:
             continue
-        for name in node.models_served:
-            entry = models.setdefault(name, {"name": name, "nodes": 0, "lanes": 0})
+        for name in row.node.models_served:
+            figures = node_model_figures(row.beat, name, lanes=row.node.lanes)
+            entry = models.setdefault(name, {"name": name, "nodes": 0, "lanes": 0, "lanes_busy": 0})
             entry["nodes"] += 1
-            entry["lanes"] += node.lanes
+            entry["lanes"] += figures["lanes"] or 0
+            entry["lanes_busy"] += figures["lanes_busy"] or 0
     from fleet.dispatch import queue_length
 
     return {
@@ -70,8 +87,7 @@ def fleet_live(*, waiting: dict[str, int]) -> dict:
     overview = fleet_overview()
     placed = {slot.node_id: slot.running for slot in registry().placement.nodes()}
     nodes = [_live_node(row, placed.get(str(row.node.id))) for row in overview["nodes"]]
-    serving = [n for n in nodes if n["state"] != "offline"]
-    models = [{**m, "busy": sum(n["placed"] or 0 for n in serving if m["name"] in n["models"]),
+    models = [{"name": m["name"], "nodes": m["nodes"], "lanes": m["lanes"], "busy": m["lanes_busy"],
                "waiting": waiting.get(m["name"], 0)} for m in overview["models"]]
     hour = overview["last_hour"]
     return {
@@ -92,6 +108,7 @@ def _live_node(row: NodeRow, placed: int | None) -> dict:
         "placed": placed, "tokens_per_s": row.tokens_per_s, "kv_used": beat.get("kv_used"),
         "kv_total": beat.get("kv_total"), "history": beat.get("history") or [], "context_window": node.context_window,
         "address": node.address, "engine": node.engine,
+        "per_model": {name: node_model_figures(beat, name, lanes=node.lanes) for name in node.models_served},
         "last_seen": node.last_seen_at.isoformat() if node.last_seen_at else None,
     }
 

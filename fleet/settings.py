@@ -331,7 +331,8 @@ except ValueError as exc:  # the head and every manage.py command stop here: one
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {"gen_id": {"()": "nodes.link.logs.GenIdFilter"}},
+    "filters": {"gen_id": {"()": "nodes.link.logs.GenIdFilter"},
+                "answered": {"()": "nodes.link.logs.AnsweredStatusFilter"}},
     "formatters": {"plain": {"format": PLAIN_LOG_FORMAT}, "json": {"()": "nodes.link.logs.JsonFormatter"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": FLEET_LOG_FORMAT, "filters": ["gen_id"]}},
     "loggers": {
@@ -339,6 +340,6 @@ LOGGING = {
         "nodes": {"handlers": ["console"], "level": os.environ.get("FLEET_LOG_LEVEL", "INFO"), "propagate": False},
         "api": {"handlers": ["console"], "level": os.environ.get("FLEET_LOG_LEVEL", "INFO"), "propagate": False},
         "sessions": {"handlers": ["console"], "level": os.environ.get("FLEET_LOG_LEVEL", "INFO"), "propagate": False},
-        "django.request": {"handlers": ["console"], "level": "ERROR", "propagate": False},
+        "django.request": {"handlers": ["console"], "level": "ERROR", "propagate": False, "filters": ["answered"]},
     },
 }

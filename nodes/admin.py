@@ -16,11 +16,21 @@ from nodes.deployments import (
 )
 from nodes.models import Deployment, FleetToken, Model, ModelAlias, Node, RevokedNodeKey
 from nodes.registry import model_delete
-from nodes.services import fleet_token_create, fleet_token_revoke, node_release_key, node_revoke, node_set_hold
+from nodes.services import (
+    fleet_token_create,
+    fleet_token_head_address,
+    fleet_token_join_lines,
+    fleet_token_revoke,
+    node_release_key,
+    node_revoke,
+    node_set_hold,
+)
 
 
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
+    empty_hint = ("No node has joined yet. Make a fleet token (Fleet tokens, Add; or `manage.py fleet_token`) and run "
+                  "the line it prints on a node host: `FLEET_TOKEN=… make node HEAD=…`.")
     list_display = ("identity", "state_badge", "models_list", "lanes", "context_window", "address", "key_fingerprint",
                     "last_seen_at")
     list_filter = ("state", "hold", "engine")
@@ -39,13 +49,15 @@ class NodeAdmin(admin.ModelAdmin):
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
         """The node's page: its models and replicas with their states, recent generations and link history."""
+        from fleet.selectors import node_model_figures
         from nodes.selectors import node_link_history, node_replicas
         from sessions.selectors import generation_list_recent
 
         node = self.get_object(request, object_id)
         if node is not None:
             beat, replicas = node_replicas(node=node)
-            extra_context = {**(extra_context or {}), "beat": beat, "replicas": replicas,
+            figures = [(name, node_model_figures(beat or {}, name, lanes=node.lanes)) for name in node.models_served]
+            extra_context = {**(extra_context or {}), "beat": beat, "replicas": replicas, "model_figures": figures,
                              "generations": generation_list_recent(node_id=node.pk),
                              "link_events": node_link_history(node=node)}
         return super().change_view(request, object_id, form_url, extra_context)
@@ -146,6 +158,7 @@ class NodeAdmin(admin.ModelAdmin):
 
 @admin.register(FleetToken)
 class FleetTokenAdmin(admin.ModelAdmin):
+    empty_hint = ("No fleet token yet. Add one: it is shown once, with the line a node host runs to join.")
     list_display = ("name", "public_id", "active", "created_at", "expires_at", "last_used_at", "revoked_at")
     list_filter = ("revoked_at",)
     search_fields = ("name", "public_id")
@@ -164,11 +177,13 @@ class FleetTokenAdmin(admin.ModelAdmin):
         token, secret = fleet_token_create(name=obj.name, expires_at=obj.expires_at)
         obj.pk, obj.public_id, obj.secret_encrypted = token.pk, token.public_id, token.secret_encrypted
         obj._state.adding = False
+        head, warning = fleet_token_head_address(request_host=request.get_host())
+        lines = fleet_token_join_lines(head=head, secret=secret)
         self.message_user(
             request,
-            format_html("Token created; it is shown only this once: <code>{}</code><br>On a node run: "
-                        "<code>python manage.py node_join {} --model &lt;path|smollm2&gt; --token {}</code>",
-                        secret, request.get_host(), secret),
+            format_html("Token created; it is shown only this once: <code>{}</code><br>{}{}", secret,
+                        format_html_join("", "{}<br>", ((line,) for line in lines)),
+                        f"Warning: {warning}" if warning else ""),
             messages.WARNING,
         )
 
@@ -208,6 +223,8 @@ def _pairs(pairs, *, empty: str) -> str:
 class ModelAdmin(admin.ModelAdmin):
     """The model registry. Adding uploads the file in parts through /api/models/ (see the add page's script), so the
     head never holds more than one part in memory; every figure comes from the file's own metadata."""
+    empty_hint = ("The registry is empty. Add a model to upload a GGUF file nodes can pull (the bundled smollm2 is "
+                  "served by nodes without being here); then deploy it (Deployments).")
 
     list_display = ("name", "kind", "base", "architecture", "quantization", "size_mb", "context_length",
                     "kv_bytes_per_token", "sha256_short", "created_at")
@@ -222,6 +239,17 @@ class ModelAdmin(admin.ModelAdmin):
         context = {**self.admin_site.each_context(request), "opts": self.model._meta, "title": "Add a model",
                    "part_bytes": settings.FLEET_MAX_BODY_BYTES, "has_view_permission": True}
         return TemplateResponse(request, "admin/nodes/model/upload.html", context)
+
+    def changelist_view(self, request, extra_context=None):
+        """With the registry's entries, the models nodes serve from their own files (the bundled smollm2, a
+        --model path): served, but not in the registry, so an operator does not read "0 models" as "none"."""
+        from nodes.selectors import node_models_served
+
+        registered = set(Model.objects.values_list("name", flat=True))
+        own = [name for name in node_models_served() if name not in registered and ":" not in name]
+        note = (f"Also served now by nodes from their own files (no registry entry, nothing to pull): "
+                f"{', '.join(own)}.") if own else ""
+        return super().changelist_view(request, {**(extra_context or {}), "fleet_note": note})
 
     def has_change_permission(self, request, obj=None):
         return False  # nothing to edit: every field is read from the file
@@ -248,9 +276,33 @@ class ModelAdmin(admin.ModelAdmin):
 
 
 class DeploymentForm(forms.ModelForm):
+    """Nodes chosen from those the fleet knows, labels written as key=value pairs: no JSON to type."""
+
+    nodes = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple,
+                                      help_text="Nodes to put the model on; or choose them by labels below.")
+    labels = forms.CharField(required=False, help_text="Every node whose labels include all of these (node_join "
+                             "--label), including nodes that join later: gpu=a100, zone=eu-1")
+
     class Meta:
         model = Deployment
         fields = ("model", "nodes", "labels", "lanes", "context")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        chosen = list(self.instance.nodes or []) if self.instance.pk else []
+        known = sorted(set(Node.objects.values_list("identity", flat=True)) | set(chosen))
+        self.fields["nodes"].choices = [(name, name) for name in known]
+        if self.instance.pk:
+            self.initial["labels"] = ", ".join(f"{k}={v}" for k, v in (self.instance.labels or {}).items())
+
+    def clean_labels(self) -> dict[str, str]:
+        pairs = {}
+        for part in filter(None, (p.strip() for p in (self.cleaned_data.get("labels") or "").split(","))):
+            key, sep, value = part.partition("=")
+            if not sep or not key.strip():
+                raise forms.ValidationError(f"{part!r}: write each label as key=value, separated by commas")
+            pairs[key.strip()] = value.strip()
+        return pairs
 
     def clean(self):
         data = super().clean()
@@ -265,6 +317,7 @@ class DeploymentForm(forms.ModelForm):
 @admin.register(Deployment)
 class DeploymentAdmin(admin.ModelAdmin):
     """Put a registry model on nodes by name or label; each node-model pair's state as the nodes report it."""
+    empty_hint = ("No deployment. Add one to put a registry model on nodes, chosen by name or by label.")
 
     form = DeploymentForm
     list_display = ("model", "nodes", "labels", "lanes", "context", "states")

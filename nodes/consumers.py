@@ -228,6 +228,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         self.counted_peer: str | None = None
         self.stage_at = time.monotonic()
         self.closing = False
+        self.said_bye = False
         self.watchdog: asyncio.Task | None = None
         counted = None if _is_loopback(self.peer) else self.peer
         if _handshakes_in_progress >= settings.FLEET_MAX_HANDSHAKES or (
@@ -361,6 +362,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         elif isinstance(msg, Pull) and not self.node_id:
             await self._on_pull(msg)
         elif isinstance(msg, Bye):
+            self.said_bye = True  # stopped on purpose: logged as left, not lost
             await self.close(code=1000)
         else:
             raise LinkError(f"unexpected message {type(msg).__name__} from a node")
@@ -479,6 +481,8 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
             raise LinkError("heartbeat before register")
         if not all(isinstance(r, dict) for r in msg.replicas) or _json_problem(replicas=msg.replicas):
             raise LinkError("heartbeat: every replica must be a map of plain JSON")
+        if not all(isinstance(f, dict) for f in msg.models.values()) or _json_problem(models=msg.models):
+            raise LinkError("heartbeat: each model's figures must be a map of plain JSON")
         placement = registry().aplacement
         if msg.cache_cleared:
             await placement.forget_node(self.node_id)
@@ -494,7 +498,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         stats = {"lanes_busy": msg.lanes_busy, "lanes": msg.lanes, "kv_used": msg.kv_used, "kv_total": msg.kv_total,
                  "tokens_per_s": msg.tokens_per_s, "replicas": msg.replicas, "at": now_s,
                  "prefill_tps": msg.prefill_tps, "decode_slowdown_ms": msg.decode_slowdown_ms,
-                 "history": list(self.tokens_history)}
+                 "history": list(self.tokens_history), "models": msg.models}
         await database_sync_to_async(cache.set)(liveness_key(self.node_id), stats, settings.FLEET_NODE_TIMEOUT_S)
         fleet_changed()
         if self.heads_sent is not None and (live := heads.heads_live()) != self.heads_sent:
@@ -547,8 +551,12 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
                 kind=LinkEvent.Kind.DROPPED, node_id=self.node_id, identity=self.identity, peer=self.peer or "",
                 code=code, detail=f"{len(self.running)} generation(s) running there")
             metrics.link_dropped(node=self.identity)
-            log.warning("fleet node %r lost (link closed, code %s); %d generation(s) running there", self.identity,
-                        code, len(self.running))
+            if self.said_bye:
+                log.info("fleet node %r left (it said goodbye); %d generation(s) running there", self.identity,
+                         len(self.running))
+            else:
+                log.warning("fleet node %r lost (link closed, code %s); %d generation(s) running there",
+                            self.identity, code, len(self.running))
             fleet_changed()
         for gen_id in list(self.running):
             if not reg.relay_push(gen_id, NodeLost(self.node_id, f"link closed (code {code})"), node_id=self.node_id):

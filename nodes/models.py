@@ -267,12 +267,15 @@ class NodeModel(models.Model):
         return f"{self.model} on {self.node}: {self.describe()}"
 
     def describe(self) -> str:
-        """pulling 43%, loading, serving, failed: why."""
+        """pulling 43%, loading, serving, failed: why; with the node's own state when it is not online (a pair the
+        node last said was serving is not served while the node is offline or drained)."""
         if self.state == self.State.PULLING:
-            return f"pulling {int(self.progress * 100)}%"
-        if self.state == self.State.FAILED:
-            return f"failed: {self.detail}"
-        return self.state
+            own = f"pulling {int(self.progress * 100)}%"
+        elif self.state == self.State.FAILED:
+            own = f"failed: {self.detail}"
+        else:
+            own = self.state
+        return own if self.node.state == Node.State.ONLINE else f"{own} (node {self.node.state})"
 
 
 class ModelAlias(models.Model):

@@ -12,8 +12,9 @@ def node_list_serving(*, model: str) -> list[Node]:
 
 
 def node_models_served() -> list[str]:
+    """The models an online node serves: not those of nodes offline, drained or cordoned (none could take one now)."""
     names: set[str] = set()
-    for served in Node.objects.exclude(state=Node.State.OFFLINE).values_list("models_served", flat=True):
+    for served in Node.objects.filter(state=Node.State.ONLINE).values_list("models_served", flat=True):
         names.update(served or [])
     return sorted(names)
 

@@ -59,6 +59,53 @@ def head_static_key() -> bytes:
 # --- fleet tokens -------------------------------------------------------------------------------------------
 
 
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+ANY_ADDRESS = {"0.0.0.0", "::", ""}
+
+
+def head_served_address_path():
+    """Where `manage.py up` writes the address its daphne is bound to (host:port), once it is."""
+    return settings.FLEET_HOME / "head-address"
+
+
+def fleet_token_head_address(*, request_host: str | None = None) -> tuple[str, str | None]:
+    """The head address a node on another machine dials, and a warning when none could reach it now.
+
+    FLEET_PUBLIC_ADDRESS when set; else the host the admin was opened at (`request_host`); else the address
+    `manage.py up` is bound to, with this machine's name for 0.0.0.0; else this machine's name and port 8000."""
+    import os
+    import socket
+
+    public = os.environ.get("FLEET_PUBLIC_ADDRESS", "").strip()
+    if public:
+        return public, None
+    if request_host and request_host.rsplit(":", 1)[0].strip("[]") not in LOOPBACK:
+        return request_host, None
+    try:
+        served = head_served_address_path().read_text().strip()
+    except OSError:
+        served = ""
+    host, _, port = served.rpartition(":") if served else ("", "", "8000")
+    warning = None
+    if host in LOOPBACK:
+        warning = (f"the head listens on {host} only: nodes on other machines cannot reach it; restart it with "
+                   "`manage.py up --host 0.0.0.0` (`make run HOST=0.0.0.0`), or set FLEET_PUBLIC_ADDRESS")
+    if host in LOOPBACK or host in ANY_ADDRESS:
+        host = socket.gethostname()
+    return f"{host}:{port}", warning
+
+
+def fleet_token_join_lines(*, head: str, secret: str) -> list[str]:
+    """What to run on a node host to join with this token: the token goes in the environment, not the command line
+    (where `ps` shows it to every user of the host)."""
+    return [
+        "On a fresh node host (a clone of this repository: `make node` installs what a node needs, then joins):",
+        f"  FLEET_TOKEN={secret} make node HEAD={head}",
+        "Where Fleet is installed already:",
+        f"  FLEET_TOKEN={secret} .venv/bin/python manage.py node_join {head} --model <path.gguf|smollm2>",
+    ]
+
+
 def fleet_token_create(*, name: str, expires_at=None) -> tuple[FleetToken, str]:
     """Make a token; returns it with the full `<public id>.<secret>` string, which is shown once and never stored."""
     name = name.strip()

@@ -1,8 +1,11 @@
 """Admin for conversations, generation records and handles. History is read-only."""
 
+import json
+
 from django.conf import settings
 from django.contrib import admin, messages
 from django.utils import timezone
+from django.utils.html import format_html, format_html_join
 
 from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message, StoredResponse
 from sessions.selectors import expires_at
@@ -26,6 +29,7 @@ class MessageInline(ReadOnlyMixin, admin.TabularInline):
 
 @admin.register(InferenceSession)
 class InferenceSessionAdmin(admin.ModelAdmin):
+    empty_hint = ("No session. A client makes one with POST /api/sessions/ and names it in its requests (docs/api.md).")
     list_display = ("__str__", "model", "owner", "api_key", "created_at", "updated_at", "expires")
     list_filter = ("model",)
     search_fields = ("id", "title", "system_prompt")
@@ -40,15 +44,42 @@ class InferenceSessionAdmin(admin.ModelAdmin):
 
 @admin.register(Generation)
 class GenerationAdmin(ReadOnlyMixin, admin.ModelAdmin):
-    list_display = ("id", "model", "node", "status", "finish_reason", "prompt_tokens", "cached_tokens",
-                    "completion_tokens", "ttft_ms", "decode_tps", "created_at", "purged")
+    empty_hint = ("No generation yet. Try the playground, or send one with an API key to /v1/chat/completions.")
+    list_display = ("id", "model", "node", "status", "finish_reason", "tokens", "first_token", "decode",
+                    "created_at")
     list_filter = ("status", "finish_reason", "model", "kind", "node")
     search_fields = ("id", "error", "trace_id")
     list_select_related = ("node",)
     date_hierarchy = "created_at"
     readonly_fields = ("id", "session", "api_key", "kind", "model", "node", "nodes_used", "status", "finish_reason",
-                       "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "duration_ms", "decode_tps",
-                       "parameters", "placement", "trace_id", "error", "created_at", "finished_at", "purged")
+                       "prompt_tokens", "cached_tokens", "completion_tokens", "first_token", "duration", "decode",
+                       "parameters_table", "trace_id", "error", "created_at", "finished_at", "purged")
+    exclude = ("ttft_ms", "duration_ms", "decode_tps", "parameters", "placement")  # shown with units, as tables
+
+    @admin.display(description="tokens (prompt / cached / completion)")
+    def tokens(self, row):
+        return f"{row.prompt_tokens} / {row.cached_tokens} / {row.completion_tokens}"
+
+    @admin.display(description="first token", ordering="ttft_ms")
+    def first_token(self, row):
+        return "–" if row.ttft_ms is None else f"{row.ttft_ms:,.0f} ms"
+
+    @admin.display(description="duration", ordering="duration_ms")
+    def duration(self, row):
+        return "–" if row.duration_ms is None else f"{row.duration_ms / 1000:,.2f} s"
+
+    @admin.display(description="decode speed", ordering="decode_tps")
+    def decode(self, row):
+        return "–" if row.decode_tps is None else f"{row.decode_tps:,.1f} tokens/s"
+
+    @admin.display(description="parameters")
+    def parameters_table(self, row):
+        params = row.parameters if isinstance(row.parameters, dict) else {}
+        if not params:
+            return "–"
+        return format_html("<table>{}</table>", format_html_join(
+            "", "<tr><th>{}</th><td>{}</td></tr>",
+            ((key, json.dumps(value) if isinstance(value, dict | list) else value) for key, value in params.items())))
 
     @admin.display(description="purged at")
     def purged(self, row):

@@ -189,3 +189,99 @@ def test_a_nodes_page_shows_which_head_processes_hold_its_links(staff_client, se
     body = staff_client.get(page).content.decode()
     assert "ws://10.0.0.1:8001/ws/node/ since " in body
     registry().placement.node_down(str(node.pk), heads.PROCESS_ID)
+
+
+def _add_form_data(response) -> dict | None:
+    """What the add page's form (and its inlines' management forms) would post as rendered, untouched."""
+    data = {}
+    if "adminform" not in response.context:  # a page of its own (the registry's upload): posts nothing as rendered
+        return None
+    forms = [response.context["adminform"].form]
+    for inline in response.context.get("inline_admin_formsets") or []:
+        forms.append(inline.formset.management_form)
+        forms += list(inline.formset.forms)
+    for form in forms:
+        for bound in form:
+            value = bound.value()
+            if value is not None and not bound.field.disabled:
+                data[bound.html_name] = value
+    return data
+
+
+def test_every_add_the_admin_offers_saves_or_says_why_and_none_answers_5xx(staff_client):
+    """A model the admin cannot create (a batch, an uploaded file, a node) is offered no Add; every Add offered,
+    posted as it renders, saves or shows the form's errors: never a 500."""
+    from django.contrib import admin
+    from django.test import RequestFactory
+
+    request = RequestFactory().get("/admin/")
+    request.user = UserFactory(username="walker")
+    staff_client.raise_request_exception = False
+    for model, model_admin in admin.site._registry.items():
+        meta = model._meta
+        listed = staff_client.get(reverse(f"admin:{meta.app_label}_{meta.model_name}_changelist"))
+        assert listed.status_code == 200, meta.label
+        add_url = reverse(f"admin:{meta.app_label}_{meta.model_name}_add")
+        if not model_admin.has_add_permission(request):
+            assert add_url not in listed.content.decode(), f"{meta.label}: an Add button it cannot save"
+            continue
+        page = staff_client.get(add_url)
+        assert page.status_code == 200, meta.label
+        data = _add_form_data(page)
+        saved = staff_client.post(add_url, data or {})
+        assert saved.status_code in (200, 302), f"{meta.label}: {saved.status_code}"
+
+
+def test_a_batch_page_offers_its_files_for_download_to_staff_only(staff_client, client):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from api.batches import file_create, file_ref
+    from api.models import Batch
+
+    owner = UserFactory(username="batcher", is_staff=False, is_superuser=False)
+    source = file_create(owner=owner, filename="in.jsonl", purpose="batch", content=b'{"custom_id": "a"}\n')
+    answers = file_create(owner=owner, filename="out.jsonl", purpose="batch", content=b'{"id": "answer"}\n')
+    batch = Batch.objects.create(owner=owner, endpoint="/v1/chat/completions", input_file=source,
+                                 input_file_ref=file_ref(source), output_file=answers, completion_window="24h",
+                                 expires_at=timezone.now() + timedelta(days=1))
+    page = staff_client.get(reverse("admin:api_batch_change", args=[batch.pk])).content.decode()
+    url = reverse("admin:api_batchfile_download", args=[answers.pk])
+    assert url in page
+    got = staff_client.get(url)
+    assert got.status_code == 200 and b"".join(got) == b'{"id": "answer"}\n'
+    assert file_ref(answers) in got["Content-Disposition"]
+    client.force_login(owner)  # not staff: the admin's login page
+    assert client.get(url).status_code == 302
+
+
+def test_an_empty_list_says_what_to_do_next(client):
+    from django.contrib import admin
+
+    client.force_login(UserFactory(username="first-day"))
+    hinted = [(model, model_admin.empty_hint) for model, model_admin in admin.site._registry.items()
+              if getattr(model_admin, "empty_hint", "")]
+    assert len(hinted) >= 9
+    for model, hint in hinted:
+        meta = model._meta
+        page = client.get(reverse(f"admin:{meta.app_label}_{meta.model_name}_changelist")).content.decode()
+        assert "fleet-empty-hint" in page and hint.split(".")[0] in page, meta.label
+
+
+def test_a_generations_figures_have_units_and_its_parameters_are_a_table(staff_client):
+    generation = GenerationFactory(ttft_ms=123.4, duration_ms=2500.0, decode_tps=41.26,
+                                   parameters={"temperature": 0.2, "max_tokens": 64},
+                                   placement={"node": "gpu-a", "cost": 40})
+    listed = staff_client.get(reverse("admin:inference_sessions_generation_changelist")).content.decode()
+    assert "123 ms" in listed and "41.3 tokens/s" in listed
+    page = staff_client.get(reverse("admin:inference_sessions_generation_change", args=[generation.pk]))
+    body = page.content.decode()
+    assert "2.50 s" in body and "<tr><th>temperature</th><td>0.2</td></tr>" in body
+    assert '{"temperature": 0.2' not in body and "&quot;temperature&quot;" not in body  # no JSON blob
+
+
+def test_the_registry_list_names_the_models_nodes_serve_from_their_own_files(staff_client):
+    NodeFactory(identity="bundled", models_served=["smollm2", "whisper-tiny.en", "smollm2:style"])
+    page = staff_client.get(reverse("admin:nodes_model_changelist")).content.decode()
+    assert "Also served now by nodes from their own files" in page and "smollm2, whisper-tiny.en." in page

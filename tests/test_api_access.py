@@ -320,6 +320,7 @@ NAMED: dict[str, list[Case]] = {
     "admin:password_change_done": [Case("GET", ADMIN)],
     "admin:autocomplete": [Case("GET", statuses(302, 302, 302, 403))],  # staff: no such autocomplete field
     "admin:jsi18n": [Case("GET", ADMIN)],
+    "admin:api_batchfile_download": [Case("GET", ADMIN, kwargs=lambda w: {"pk": w.batch_file.pk})],
     "admin:view_on_site": [Case("GET", statuses(302, 302, 302, 404), kwargs=lambda w: {  # nodes have no page
         "content_type_id": ContentType.objects.get_for_model(w.node).pk, "object_id": w.node.pk})],
     "admin:app_list": [Case("GET", ADMIN, kwargs=lambda w: {"app_label": "api"})],
@@ -328,7 +329,7 @@ NAMED: dict[str, list[Case]] = {
 ADMIN_MODEL_VIEWS = ("changelist", "add", "history", "delete", "change")
 # Admin pages a staff user may not open: the records that are written by the fleet, never by hand.
 ADMIN_READ_ONLY = {"inference_sessions_generation_add": 403, "nodes_node_add": 403, "nodes_revokednodekey_add": 403,
-                   "inference_sessions_storedresponse_add": 403}
+                   "inference_sessions_storedresponse_add": 403, "api_batch_add": 403, "api_batchfile_add": 403}
 
 
 def _admin_model(name: str):

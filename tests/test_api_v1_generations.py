@@ -712,3 +712,60 @@ async def test_placement_counts_the_prompt_in_the_tokens_of_the_model_its_nodes_
     vocab = Vocab(path, fingerprint)
     [record] = await generations()
     assert record["placement"]["prompt_tokens_estimate"] == sum(len(vocab.tokenize(_message_text(m))) for m in messages)
+
+
+async def test_embeddings_with_a_speech_model_are_a_400_naming_the_text_models(bearer):
+    """A node serving a speech model beside its text model embeds with the text model: never under the speech
+    model's name."""
+    from fleet.links import registry
+    from nodes.link.placement import NodeSlot
+    from tests.factories import NodeFactory
+
+    link = FakeLink(embeddings=[[0.5]])
+    registry().links[link.node_id] = link
+    registry().placement.node_up(NodeSlot(link.node_id, link.identity, ["smollm2", "whisper-tiny.en"], 2, 2048,
+                                          capabilities=["chat", "completion", "embeddings", "transcribe"]))
+    await sync_to_async(NodeFactory)(models_served=["smollm2", "whisper-tiny.en"],
+                                     capabilities={"transcribe": True, "speech_models": ["whisper-tiny.en"]})
+    refused = await request("POST", "/v1/embeddings", key=bearer, body={"model": "whisper-tiny.en", "input": "a"})
+    error = refused.json()["error"]
+    assert refused.status == 400 and error["param"] == "model" and error["code"] == "model_not_supported"
+    assert "speech model" in error["message"] and "smollm2" in error["message"] and not link.state_ops
+    answer = await request("POST", "/v1/embeddings", key=bearer, body={"model": "smollm2", "input": "a"})
+    assert answer.status == 200
+
+
+class _LeavingLink(FakeLink):
+    """A node killed mid-stream: its link closes, so the head takes it out of placement too."""
+
+    def _end(self, gen_id, frame):
+        from fleet.links import NodeLost, registry
+
+        if isinstance(frame, NodeLost):
+            registry().placement.node_down(self.node_id)
+        super()._end(gen_id, frame)
+
+
+async def test_the_last_node_of_a_model_lost_mid_stream_is_an_error_naming_it_not_model_not_found(bearer):
+    add_fake_node(_LeavingLink("11111111-1111-1111-1111-111111111111", "only-node",
+                               script=Script(tokens=["One", ",", " two", "."], per_batch=1, lose_after=2)))
+    answer = await request("POST", CHAT, key=bearer, body=chat(max_tokens=6))
+    error = answer.json()["error"]
+    assert answer.status == 502 and error["code"] == "node_lost", error
+    assert "only-node" in error["message"] and "no other node serves 'smollm2'" in error["message"]
+
+
+async def test_a_model_whose_every_node_is_drained_is_a_503_at_once_and_not_listed(bearer):
+    from fleet.links import registry
+    from nodes.models import Node
+    from tests.factories import NodeFactory
+
+    link = add_fake_node(FakeLink("11111111-1111-1111-1111-111111111111", "held-node"))
+    await sync_to_async(NodeFactory)(id=link.node_id, identity="held-node", state=Node.State.DRAINING)
+    registry().placement.set_schedulable(link.node_id, False)
+    answer = await request("POST", CHAT, key=bearer, body=chat(deadline_ms=3000))
+    error = answer.json()["error"]
+    assert answer.status == 503 and error["code"] == "model_unavailable", error
+    assert "'held-node' (draining)" in error["message"] and not link.specs
+    listed = (await request("GET", "/v1/models", key=bearer)).json()["data"]
+    assert listed == []

@@ -28,7 +28,8 @@ def test_fleet_token_prints_the_token_once_with_the_node_join_line():
     token_line = next(line.strip() for line in text.splitlines() if line.strip().count(".") == 1 and " " not in
                       line.strip())
     assert fleet_token_verify(token_string=token_line)
-    assert f"python manage.py node_join head.example:8000 --model <path.gguf|smollm2> --token {token_line}" in text
+    assert f"FLEET_TOKEN={token_line} make node HEAD=head.example:8000" in text
+    assert f"FLEET_TOKEN={token_line} .venv/bin/python manage.py node_join head.example:8000 --model" in text
     out = StringIO()
     call_command("fleet_token", "--list", stdout=out)
     assert "gpu hosts" in out.getvalue() and token_line.split(".")[1] not in out.getvalue()
@@ -111,11 +112,11 @@ def test_node_join_malformed_token_is_one_line_and_exit_2(token, message, tmp_pa
 def test_node_join_without_any_token_says_how_to_get_one(tmp_path):
     import os
 
-    env = {k: v for k, v in os.environ.items() if k != "FLEET_LOCAL_NODE_TOKEN"}
+    env = {k: v for k, v in os.environ.items() if k not in ("FLEET_LOCAL_NODE_TOKEN", "FLEET_TOKEN")}
     result = run_manage("node_join", "127.0.0.1:9", "--model", "smollm2", env={**env, "FLEET_HOME": str(tmp_path)})
     assert result.returncode == 2
     assert result.stderr.strip() == ("node_join: no fleet token: make one on the head with `manage.py fleet_token` "
-                                     "and pass it with --token")
+                                     "and pass it with --token-file PATH, $FLEET_TOKEN or --token")
 
 
 def test_fleet_token_expires_in():
@@ -141,3 +142,62 @@ def test_node_join_with_a_corrupt_kept_token_file_is_one_line_and_exit_2(tmp_pat
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and f"the kept fleet token in {kept} is unreadable" in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(("bound", "warned"), [("127.0.0.1:8765", True), ("0.0.0.0:8765", False)])
+def test_fleet_token_prints_the_port_up_is_bound_to_and_warns_of_a_loopback_head(settings, tmp_path, monkeypatch,
+                                                                                 bound, warned):
+    import socket
+
+    from nodes.services import head_served_address_path
+
+    monkeypatch.delenv("FLEET_PUBLIC_ADDRESS", raising=False)
+    settings.FLEET_HOME = tmp_path
+    head_served_address_path().write_text(bound + "\n")
+    out, err = StringIO(), StringIO()
+    call_command("fleet_token", "--name", "far", stdout=out, stderr=err)
+    assert f"make node HEAD={socket.gethostname()}:8765" in out.getvalue()
+    assert ("nodes on other machines cannot reach it" in err.getvalue()) is warned
+
+
+def test_the_admins_token_page_prints_the_same_lines_for_the_address_it_was_opened_at(client, monkeypatch):
+    monkeypatch.delenv("FLEET_PUBLIC_ADDRESS", raising=False)
+    client.force_login(UserFactory(username="operator"))
+    page = client.post("/admin/nodes/fleettoken/add/", {"name": "rack"}, HTTP_HOST="head.lan:8765", follow=True)
+    assert "make node HEAD=head.lan:8765" in page.content.decode()
+
+
+def test_node_join_reads_the_token_from_fleet_token_and_keeps_it(tmp_path, monkeypatch):
+    from nodes.agent.main import NodeOptions, remember_token, token_path
+    from nodes.services import fleet_token_create
+
+    _, secret = fleet_token_create(name="env")
+    monkeypatch.setenv("FLEET_TOKEN", secret)
+    assert remember_token(NodeOptions(head="h:1", model="smollm2", home=tmp_path)) == secret
+    assert token_path(tmp_path).read_text().strip() == secret
+
+
+def test_node_join_token_file_is_read_and_an_unreadable_one_is_one_line(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("FLEET_LOCAL_NODE_TOKEN", "FLEET_TOKEN")}
+    bad = tmp_path / "token"
+    bad.write_text("not-a-token\n")
+    results = [run_manage("node_join", "127.0.0.1:9", "--model", "smollm2", "--token-file", str(path),
+                          env={**env, "FLEET_HOME": str(tmp_path)}) for path in (bad, tmp_path / "missing")]
+    lines = [[line for line in r.stderr.splitlines() if line.strip()] for r in results]
+    assert [r.returncode for r in results] == [2, 2] and [len(x) for x in lines] == [1, 1], lines
+    assert f"the fleet token from --token-file {bad} is malformed" in lines[0][0]
+    assert "--token-file" in lines[1][0] and "cannot be read" in lines[1][0]
+
+
+def test_up_on_a_taken_port_is_one_line_and_exit_2():
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        result = run_manage("up", "--port", str(holder.getsockname()[1]), "--no-node", "--no-celery")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and "cannot listen on 127.0.0.1:" in lines[0], result.stderr
+    assert "Fleet is up" not in result.stdout

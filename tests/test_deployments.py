@@ -188,16 +188,28 @@ def test_the_admin_adds_a_deployment_and_lists_each_pairs_state(client):
     model = registry_model()
     node = NodeFactory(identity="gpu-1", labels={"gpu": "a100"})
     client.force_login(UserFactory(username="operator"))
-    added = client.post("/admin/nodes/deployment/add/", {"model": model.pk, "nodes": "[]", "labels": '{"gpu": "a100"}',
+    form = client.get("/admin/nodes/deployment/add/").content.decode()
+    assert 'type="checkbox" name="nodes" value="gpu-1"' in form  # the nodes are choices, not JSON to type
+    added = client.post("/admin/nodes/deployment/add/", {"model": model.pk, "labels": "gpu=a100",
                                                          "lanes": "2", "context": "0"})
     assert added.status_code == 302, added.content.decode()[-2000:]
     assert deployments.node_deployments(node_id=node.pk) == [{"name": NAME, "sha256": "ab" * 32, "lanes": 2,
                                                               "context": 0}]
     deployments.node_model_record(node_id=node.pk, model=NAME, state="pulling", progress=0.43)
     assert "gpu-1: pulling 43%" in client.get("/admin/nodes/deployment/").content.decode()
-    refused = client.post("/admin/nodes/deployment/add/", {"model": model.pk, "nodes": "[]", "labels": "{}",
-                                                           "lanes": "2", "context": "0"})
+    deployments.node_model_record(node_id=node.pk, model=NAME, state="serving")
+    node.state = "offline"
+    node.save()
+    assert "gpu-1: serving (node offline)" in client.get("/admin/nodes/deployment/").content.decode()
+    refused = client.post("/admin/nodes/deployment/add/", {"model": model.pk, "labels": "", "lanes": "2",
+                                                           "context": "0"})
     assert "choose the nodes" in refused.content.decode()
+    garbled = client.post("/admin/nodes/deployment/add/", {"model": model.pk, "labels": "gpu", "lanes": "2",
+                                                           "context": "0"})
+    assert "write each label as key=value" in garbled.content.decode()
+    by_name = client.post("/admin/nodes/deployment/add/", {"model": registry_model("other").pk, "nodes": ["gpu-1"],
+                                                           "labels": "", "lanes": "2", "context": "0"})
+    assert by_name.status_code == 302 and deployments.Deployment.objects.get(model__name="other").nodes == ["gpu-1"]
 
 
 @pytest.mark.django_db
@@ -231,3 +243,24 @@ def test_placement_follows_a_nodes_new_model_list_and_keeps_the_lanes_it_placed(
     assert (placement.nodes()[0].lanes, placement.nodes()[0].running) == (4, 2)
     placement.node_models("n1", ["smollm2"], 2)
     assert placement.choose(NAME, [], gen_id="g3") is None and placement.models() == ["smollm2"]
+
+
+def test_the_heartbeat_carries_each_models_own_engine_figures_and_an_older_one_still_decodes():
+    import msgpack
+
+    from nodes.agent.dialer import heartbeat_of
+    from nodes.link.messages import PROTOCOL_VERSION, Heartbeat, decode, encode
+
+    class Busy(FakeWorker):
+        def stats(self):
+            return {"lanes": self.lanes, "lanes_busy": self.lanes, "kv_used": 10, "kv_total": 100 * self.lanes,
+                    "tokens_per_s": 7.5}
+
+    models = ModelSet(Busy("own", lanes=4))
+    models.add("deployed", FakeWorker("deployed", lanes=8))
+    beat = decode(encode(heartbeat_of(models.stats(), engine_ready=True)))
+    assert (beat.lanes, beat.lanes_busy, beat.kv_total) == (12, 4, 400)  # the node's totals, as before
+    assert beat.models == {"own": {"lanes": 4, "lanes_busy": 4, "kv_used": 10, "kv_total": 400, "tokens_per_s": 7.5},
+                           "deployed": {"lanes": 8, "lanes_busy": 0, "kv_used": 0, "kv_total": 0, "tokens_per_s": 0}}
+    older = msgpack.packb({"t": "heartbeat", "v": PROTOCOL_VERSION, "lanes_busy": 1, "lanes": 4})
+    assert decode(older) == Heartbeat(lanes_busy=1, lanes=4)

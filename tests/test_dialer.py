@@ -198,3 +198,35 @@ class _Frames:
         if not self.msgs:
             raise StopAsyncIteration
         return self.msgs.pop(0)
+
+
+class ClosingSink(FrameSink):
+    def __init__(self):
+        super().__init__()
+        self.closed = None
+
+    async def close(self, code, reason=""):
+        self.closed = code
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(3600)  # a head with nothing to say
+
+
+
+async def test_a_node_stopped_on_purpose_says_goodbye_and_closes_normally(tmp_path):
+    from nodes.link.messages import Bye
+
+    node = agent(tmp_path)
+    link = HeadLink("ws://a/ws/node/")
+    link.heartbeat_s = 60.0
+    ws, (node_channel, head_channel) = ClosingSink(), _connect()
+    task = asyncio.ensure_future(node._serve(ws, node_channel, link))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    opened = [head_channel.open(frame) for frame in ws.frames]
+    assert isinstance(opened[-1], Bye) and ws.closed == 1000

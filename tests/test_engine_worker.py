@@ -212,3 +212,11 @@ async def test_a_crashed_worker_is_restarted_after_the_2_s_cooldown(monkeypatch)
     worker._started_at = time.monotonic() - 60  # it ran a minute: still not at once
     await worker._restart()
     assert pauses[1] == 2.0
+
+
+def test_an_idle_engine_reports_no_tokens_a_second_whatever_its_last_report_said():
+    worker = EngineWorker(mock_config(), on_event=lambda event: None)
+    worker._on_message(0, ("stats", {"lanes_busy": 1, "lanes": 2, "queued": 0, "tokens_per_s": 7.8}))
+    assert worker.stats()["tokens_per_s"] == 7.8
+    worker._on_message(0, ("stats", {"lanes_busy": 0, "lanes": 2, "queued": 0, "tokens_per_s": 7.8}))  # as it went idle
+    assert worker.stats()["tokens_per_s"] == 0.0

@@ -119,3 +119,44 @@ def test_a_node_without_django_logs_json_and_refuses_an_unknown_format(tmp_path)
                              env={**nowhere.env, "FLEET_LOG_FORMAT": "xml"})
     assert joining.returncode == 2
     assert joining.stderr == "fleet: FLEET_LOG_FORMAT is 'xml'; set it to plain or json\n"
+
+
+def test_a_5xx_fleet_chose_is_a_warning_and_a_500_stays_an_error():
+    """Django logs every 5xx at ERROR: a deadline that passed (503) is an answer, not a fault of the head."""
+    import logging
+
+    from django.http import HttpResponse
+    from django.test import RequestFactory
+    from django.utils.log import log_response
+
+    seen: list[int] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.levelno)
+
+    logger = logging.getLogger("django.request")
+    keep = Keep()
+    logger.addHandler(keep)
+    try:
+        for status in (503, 500):
+            log_response("%s", status, response=HttpResponse(status=status), request=RequestFactory().get("/v1/x"))
+    finally:
+        logger.removeHandler(keep)
+    assert seen == [logging.WARNING, logging.ERROR]
+
+
+def test_progress_in_json_mode_is_log_records_not_plain_lines(monkeypatch, caplog):
+    import io
+    import logging
+
+    from nodes.agent.pull import Progress
+
+    monkeypatch.setenv("FLEET_LOG_FORMAT", "json")
+    caplog.set_level(logging.INFO, logger="nodes.agent")
+    stream = io.StringIO()
+    bar = Progress("pulling m", 100, stream)
+    for done in (0, 55, 100):
+        bar(done)
+    assert stream.getvalue() == ""
+    assert [r.progress for r in caplog.records if r.name == "nodes.agent"] == [0, 50, 100]

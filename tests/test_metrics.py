@@ -1,6 +1,7 @@
 """/metrics: who may scrape it, that it parses as Prometheus' text format, that each event moves exactly its series,
 the live gauges, and the counts several head processes share through Redis. (A real generation: test_metrics_e2e.)"""
 
+import json
 import os
 import threading
 import time
@@ -229,3 +230,92 @@ def test_the_grafana_dashboard_queries_only_what_metrics_shows(scraper):
     queries += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     used = set(re.findall(r"\bfleet_[a-z_]+", " ".join(queries)))
     assert len(used) >= 15 and used <= shown, used - shown
+
+
+def test_a_node_serving_several_models_shows_each_models_own_lanes_and_kv(scraper, client):
+    """The heartbeat's per-model figures (each engine worker's): not the node's totals repeated for every model."""
+    NodeFactory(id="00000000-0000-0000-0000-0000000000a1", identity="multi", models_served=["small", "big", "ear"],
+                lanes=12, state="online")
+    registry().placement.node_up(NodeSlot("00000000-0000-0000-0000-0000000000a1", "multi", ["small", "big", "ear"],
+                                          12, 2048))
+    cache.set(liveness_key("00000000-0000-0000-0000-0000000000a1"), {
+        "lanes_busy": 4, "lanes": 12, "kv_used": 900, "kv_total": 98304, "tokens_per_s": 30.0,
+        "models": {"small": {"lanes": 4, "lanes_busy": 4, "kv_used": 900, "kv_total": 32768, "tokens_per_s": 30.0},
+                   "big": {"lanes": 8, "lanes_busy": 0, "kv_used": 0, "kv_total": 65536, "tokens_per_s": 0.0}}}, 30)
+    got = scraper()
+    small, big, ear = ({"model": m, "node": "multi"} for m in ("small", "big", "ear"))
+    assert (value(got, "fleet_lanes", **small), value(got, "fleet_lanes", **big), value(got, "fleet_lanes", **ear)) \
+        == (4, 8, 0)
+    assert (value(got, "fleet_lanes_busy", **small), value(got, "fleet_lanes_busy", **big)) == (4, 0)
+    assert value(got, "fleet_node_kv_cache_capacity_tokens", **small) == 32768
+    assert value(got, "fleet_node_kv_cache_capacity_tokens", **big) == 65536
+    assert value(got, "fleet_node_decode_tokens_per_second", **big) == 0
+    # the fleet page and the node page read the same figures
+    from fleet.selectors import fleet_overview
+
+    served = {m["name"]: (m["lanes"], m["lanes_busy"]) for m in fleet_overview()["models"]}
+    assert served == {"small": (4, 4), "big": (8, 0), "ear": (0, 0)}
+    from tests.factories import UserFactory as Users
+
+    client.force_login(Users(is_staff=True, is_superuser=True))
+    page = client.get("/admin/nodes/node/00000000-0000-0000-0000-0000000000a1/change/").content.decode()
+    models_table = page.split('id="node-models"')[1].split("</table>")[0]
+    assert "<td>big</td>" in models_table and "0 / 65536" in models_table and "900 / 32768" in models_table
+    assert "98304" not in models_table  # the node's total is for the node, not for each model
+    from django.contrib.contenttypes.models import ContentType
+
+    ContentType.objects.clear_cache()  # as it was: the admin pages' pinned query counts include its lookups
+
+
+def _reset_known(monkeypatch):
+    monkeypatch.setitem(metrics._known, "at", -1e9)
+    monkeypatch.setitem(metrics._known, "names", frozenset())
+
+
+def test_a_thousand_made_up_model_names_are_one_series_other(scraper, monkeypatch):
+    """Any name a client sends must not become a series of its own: the scrape stays bounded."""
+    from nodes.models import Model
+
+    _reset_known(monkeypatch)
+    registry().placement.node_up(NodeSlot("n1", "node-a", ["m"], 2, 2048))
+    Model.objects.create(name="in-registry", sha256="ab" * 32, size=1, architecture="llama", quantization="Q8_0",
+                         context_length=8, kv_bytes_per_token=1)
+
+    async def end_all():
+        for name in [*(f"made-up-{i}" for i in range(1000)), "m", "in-registry"]:
+            outcome = Outcome(node="", prompt_tokens=0, completion_tokens=0, started_at=1.0)
+            metrics.generation_ended(model=await metrics.amodel_label(name), status="failed", code="model_not_found",
+                                     outcome=outcome, finished_at=2.0)
+
+    from asgiref.sync import async_to_sync
+
+    async_to_sync(end_all)()
+    metric_store.store().flush()
+    got = scraper()
+    series = {s.labels["model"] for s in got["fleet_generations"].samples if s.name == "fleet_generations_total"}
+    assert series == {"other", "m", "in-registry"}
+    assert value(got, "fleet_generations", "fleet_generations_total", model="other", node="", status="failed",
+                 code="model_not_found") == 1000
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_request_for_an_unknown_model_counts_under_other(monkeypatch, settings):
+    from asgiref.sync import sync_to_async
+
+    from api.services import api_key_create
+    from tests.api_support import add_fake_node, request
+
+    settings.FLEET_REDIS_PREFIX = f"fleet-metrics-{uuid.uuid4().hex[:8]}:"
+    metric_store.store_reset()
+    _reset_known(monkeypatch)
+    add_fake_node()
+    _, key = await sync_to_async(api_key_create)(owner=await sync_to_async(UserFactory)(), name="k")
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"}]}
+    assert (await request("POST", "/v1/chat/completions", key=key, body=body)).status == 404
+    current = metric_store.store()
+    await sync_to_async(current.flush)()
+    totals = (await sync_to_async(current.totals)(["fleet_generations"]))["fleet_generations"]
+    assert [json.loads(name)[0] for name in totals] == ["other"]
+    if isinstance(current, metric_store.RedisStore):
+        current.clear()
+    metric_store.store_reset()

@@ -717,3 +717,24 @@ async def test_a_link_lost_while_redis_is_away_is_cleaned_up_and_leaves_placemen
         await asyncio.sleep(0.05)
     assert away["calls"] == 3 and not registry().placement.nodes()
     await stream.cancel()
+
+
+async def test_a_node_that_says_goodbye_is_logged_as_left_at_info_and_one_that_drops_as_lost(caplog):
+    import logging
+
+    from nodes.link.messages import Bye
+
+    caplog.set_level(logging.INFO)
+    for bye in (True, False):
+        caplog.clear()
+        comm, channel = await joined()
+        if bye:
+            await comm.send_to(bytes_data=channel.seal(Bye(reason="the node is stopping")))
+            assert (await comm.receive_output(timeout=5))["type"] == "websocket.close"
+        await comm.disconnect(code=1000 if bye else 1011)
+        said = [(r.levelno, r.getMessage()) for r in caplog.records if "gpu-7" in r.getMessage()]
+        if bye:
+            assert any(level == logging.INFO and "'gpu-7' left" in text for level, text in said), said
+            assert not any("lost" in text for _, text in said)
+        else:
+            assert any(level == logging.WARNING and "'gpu-7' lost" in text for level, text in said), said

@@ -33,7 +33,7 @@ def head(tmp_path):
 
 def test_node_joins_with_a_token_and_is_online_in_the_admin(head):
     out = head.manage("fleet_token", "--name", "e2e", "--head", head.address).stdout
-    token = re.search(r"--token (\S+)", out).group(1)
+    token = re.search(r"FLEET_TOKEN=(\S+)", out).group(1)
     node = start_node(head, "--token", token, "--max-batch", "3", identity="gpu-e2e")
     try:
         head.wait_nodes(1, timeout=180)
@@ -81,7 +81,7 @@ def test_every_bad_token_stops_node_join_with_one_line_and_exit_2(head, shape, l
     else:
         expiry = ["--expires-in", "1m"] if shape == "expired" else []
         out = head.manage("fleet_token", "--name", shape, *expiry).stdout
-        token = re.search(r"--token (\S+)", out).group(1)
+        token = re.search(r"FLEET_TOKEN=(\S+)", out).group(1)
         if shape == "wrong-secret":
             token = token.split(".")[0] + "." + "A" * 43
         elif shape == "revoked":

@@ -22,7 +22,7 @@ def head(tmp_path):
 
 
 def fleet_token(head, name: str = "nodes") -> str:
-    return re.search(r"--token (\S+)", head.manage("fleet_token", "--name", name).stdout).group(1)
+    return re.search(r"FLEET_TOKEN=(\S+)", head.manage("fleet_token", "--name", name).stdout).group(1)
 
 
 def own_home(tmp_path, name: str) -> dict[str, str]:

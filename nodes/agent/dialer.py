@@ -392,6 +392,12 @@ class NodeAgent:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # re-raise what ended the link
+        except asyncio.CancelledError:  # stopped on purpose (Ctrl-C, SIGTERM): the head logs it as left, not lost
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await _goodbye(ws, channel)
+            raise
         finally:
             for task in tasks:
                 task.cancel()
@@ -485,6 +491,13 @@ class NodeAgent:
                 await asyncio.sleep(READY_POLL_S)
 
 
+async def _goodbye(ws, channel: SecureChannel) -> None:
+    """A bye and a normal close, within a second each; a link already gone is left as it is."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(ws.send(channel.seal(Bye(reason="the node is stopping"))), 1.0)
+        await asyncio.wait_for(ws.close(1000, "bye"), 1.0)
+
+
 def refused(msg: Refusal) -> Refused:
     """What the node exits with when the head refuses it: the close code's line, with the head's reason (a sealed
     message: proven)."""
@@ -516,7 +529,7 @@ def heartbeat_of(stats: dict, *, engine_ready: bool) -> Heartbeat:
         tokens_per_s=float(stats.get("tokens_per_s", 0.0)), replicas=list(stats.get("replicas", [])),
         cache_cleared=bool(stats.get("cache_cleared", False)), engine_ready=engine_ready,
         prefill_tps=float(stats.get("prefill_tps", 0.0)),
-        decode_slowdown_ms=float(stats.get("decode_slowdown_ms", 0.0)),
+        decode_slowdown_ms=float(stats.get("decode_slowdown_ms", 0.0)), models=dict(stats.get("models") or {}),
     )
 
 

@@ -34,6 +34,7 @@ class NodeOptions:
     head: str | None
     model: str
     token: str | None = None
+    token_source: str = "--token"  # where `token` came from (--token, --token-file PATH, FLEET_TOKEN), for errors
     max_context: int | None = None
     max_batch: int = 8
     identity: str | None = None
@@ -62,16 +63,22 @@ def token_path(home: Path) -> Path:
 
 # `manage.py up` hands its own node a token made for that run (id LOCAL_TOKEN_ID) in this variable; never kept.
 LOCAL_TOKEN_ENV = "FLEET_LOCAL_NODE_TOKEN"
+# A fleet token given in the environment instead of on the command line (where `ps` shows it to every user).
+TOKEN_ENV = "FLEET_TOKEN"
 
 
 def remember_token(options: NodeOptions) -> str:
-    """The token to join with: --token (kept for later runs), else `up`'s local one, else the kept one.
+    """The token to join with: --token or --token-file, else $FLEET_TOKEN (each kept for later runs), else `up`'s
+    local one, else the kept one.
 
     Raises NodeError when there is none or it is malformed, before anything is loaded or dialed.
     """
     path = token_path(options.home)
     token = (options.token or "").strip()
-    source = "--token"
+    source = options.token_source
+    if not token and os.environ.get(TOKEN_ENV, "").strip():
+        token, source = os.environ[TOKEN_ENV].strip(), TOKEN_ENV
+        options = replace(options, token=token)
     if not token and os.environ.get(LOCAL_TOKEN_ENV):
         token, source = os.environ[LOCAL_TOKEN_ENV].strip(), LOCAL_TOKEN_ENV
     if not token and path.exists():
@@ -81,7 +88,8 @@ def remember_token(options: NodeOptions) -> str:
             raise NodeError(f"the kept fleet token in {path} is unreadable ({exc}); pass a token with --token, "
                             "which replaces it") from None
     if not token:
-        raise NodeError("no fleet token: make one on the head with `manage.py fleet_token` and pass it with --token")
+        raise NodeError("no fleet token: make one on the head with `manage.py fleet_token` and pass it with "
+                        "--token-file PATH, $FLEET_TOKEN or --token")
     try:
         parse_token(token)
     except BadToken as exc:

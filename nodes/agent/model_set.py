@@ -103,11 +103,17 @@ class ModelSet:
         return self.primary.alive
 
     def stats(self) -> dict[str, Any]:
-        stats = dict(self.primary.stats())
-        for engine in (*self.serving.values(), *self.draining.values()):
+        """The node's figures (every engine's summed) and, under "models", each served model's own engine's: the
+        head shows a model's lanes, busy lanes and KV from these, not the node's totals repeated per model."""
+        own = self.primary.stats()
+        stats, per_model = dict(own), {self.primary_name: _figures(own)}
+        for name, engine in (*self.serving.items(), *self.draining.items()):
             other = engine.stats()
             for key in SUMMED:
                 stats[key] = stats.get(key, 0) + other.get(key, 0)
+            if name in self.serving:
+                per_model[name] = _figures(other)
+        stats["models"] = per_model
         return stats
 
     async def submit(self, spec: GenerateSpec) -> None:
@@ -132,6 +138,10 @@ class ModelSet:
     async def stop(self) -> None:
         for engine in (*self.serving.values(), *self.draining.values(), self.primary):
             await engine.stop()
+
+
+def _figures(stats: dict[str, Any]) -> dict[str, Any]:
+    return {key: stats.get(key, 0) for key in SUMMED}
 
 
 def _adapters(info: dict[str, Any]) -> list[str]:

@@ -35,12 +35,14 @@ class GrantExpired(PullError):
 
 
 class Progress:
-    """A bar redrawn in place on a terminal; in a log file (stderr not a TTY) one line per 10%."""
+    """A bar redrawn in place on a terminal; in a log file (stderr not a TTY) one line per 10%; with
+    FLEET_LOG_FORMAT=json a log record per 10% (JSON like every other line, with `progress`)."""
 
     def __init__(self, label: str, total: int, stream=None, *, figures: bool = True):
         """`total` bytes (or any count, with `figures` False: then only the percentage is shown)."""
         self.label, self.total, self.stream = label, max(total, 1), stream or sys.stderr
-        self.tty, self.figures = self.stream.isatty(), figures
+        self.as_log = (os.environ.get("FLEET_LOG_FORMAT") or "").strip().lower() == "json"
+        self.tty, self.figures = self.stream.isatty() and not self.as_log, figures
         self.shown = -1
 
     def __call__(self, done: int) -> None:
@@ -50,6 +52,9 @@ class Progress:
             return
         self.shown = step
         figures = f"{step:3d}%" + (f" ({done / 1e6:.1f} of {self.total / 1e6:.1f} MB)" if self.figures else "")
+        if self.as_log:
+            log.info("%s: %s", self.label, figures.strip(), extra={"progress": step})
+            return
         if self.tty:
             bar = "#" * (step * 30 // 100)
             self.stream.write(f"\r{self.label} [{bar:.<30}] {figures}" + ("\n" if step == 100 else ""))

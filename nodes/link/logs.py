@@ -62,6 +62,18 @@ class GenIdFilter(logging.Filter):
         return True
 
 
+class AnsweredStatusFilter(logging.Filter):
+    """Django logs every 5xx response at ERROR; a 502/503/504 is an answer Fleet chose (a deadline passed, no node
+    could serve, a node was lost) and says so to its client: a WARNING, so ERROR keeps meaning a fault here."""
+
+    ANSWERED = frozenset({502, 503, 504})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "status_code", None) in self.ANSWERED and record.levelno > logging.WARNING:
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 class JsonFormatter(_LibraryJsonFormatter):
     """One JSON object a line: time, level, logger, message, and every `extra` field (gen_id among them)."""
 

@@ -142,6 +142,10 @@ class Heartbeat(Message):
     # generation adds to a decode step. The head's load cost for this node comes from them (nodes/link/placement.py).
     prefill_tps: float = 0.0
     decode_slowdown_ms: float = 0.0
+    # Each model's own engine worker's figures, {model name: {"lanes", "lanes_busy", "kv_used", "kv_total",
+    # "tokens_per_s"}}: a node serving several models (deployments) says which lanes and KV are whose. Absent from an
+    # older node: the head then takes the node's totals above for its models.
+    models: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

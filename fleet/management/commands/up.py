@@ -21,6 +21,7 @@ from api.services import api_key_create
 from fleet.daphne_options import daphne_limit_args
 from fleet.discovery import Announcer
 from nodes.link.handshake import LOCAL_TOKEN_ID, format_token, make_secret
+from nodes.services import head_served_address_path
 
 
 class Command(BaseCommand):
@@ -38,6 +39,7 @@ class Command(BaseCommand):
         parser.add_argument("--no-celery", action="store_true", help="do not start the Celery worker")
 
     def handle(self, *args, **options):
+        _refuse_taken_port(options["host"], options["port"])
         call_command("migrate", interactive=False, verbosity=0)
         self._first_run(options)
         children = self._start(options)
@@ -79,10 +81,14 @@ class Command(BaseCommand):
         local_token = format_token(LOCAL_TOKEN_ID, make_secret())
         # The Celery worker sends batch lines to this head's /v1 (api.batch_run).
         head_host = "127.0.0.1" if options["host"] in {"0.0.0.0", "::"} else options["host"]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "FLEET_LOCAL_NODE_TOKEN": local_token,
+        outside = {k: v for k, v in os.environ.items() if k != "FLEET_TOKEN"}  # the local node joins with its own
+        env = {**outside, "PYTHONUNBUFFERED": "1", "FLEET_LOCAL_NODE_TOKEN": local_token,
                "FLEET_HEAD_URL": os.environ.get("FLEET_HEAD_URL") or f"http://{head_host}:{options['port']}"}
         commands = {
+            # No access line per request (every static file, every poll): Fleet logs each generation itself;
+            # FLEET_ACCESS_LOG=- (or a path) brings daphne's access log back.
             "daphne": [python, "-m", "daphne", "-b", options["host"], "-p", str(options["port"]),
+                       "--access-log", os.environ.get("FLEET_ACCESS_LOG") or os.devnull,
                        *daphne_limit_args(), "fleet.asgi:application"],
         }
         if not options["no_celery"]:
@@ -101,6 +107,8 @@ class Command(BaseCommand):
             children[name] = subprocess.Popen(argv, env=env, cwd=settings.BASE_DIR, start_new_session=True)
             if name == "daphne":
                 self._wait_listening(children[name], options["host"], options["port"])
+                # what `fleet_token` prints for nodes to dial (nodes.services.fleet_token_head_address)
+                head_served_address_path().write_text(f"{options['host']}:{options['port']}\n")
         return children
 
     def _wait_listening(self, proc: subprocess.Popen, host: str, port: int) -> None:
@@ -143,4 +151,18 @@ class Command(BaseCommand):
                 proc.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 proc.kill()
+        head_served_address_path().unlink(missing_ok=True)
         self.stdout.write("Fleet stopped.\n")
+
+
+def _refuse_taken_port(host: str, port: int) -> None:
+    """One line and exit status 2 when something else holds the port: otherwise `up` would take that other
+    server's answer for its own head's."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise CommandError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another head or server "
+                               "holds the port?); stop it or pass --port", returncode=2) from None

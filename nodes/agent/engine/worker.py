@@ -98,6 +98,10 @@ class EngineWorker:
 
     def stats(self) -> dict[str, Any]:
         stats = {**self._stats, "alive": self._alive, "restarts": self.restarts}
+        if not stats.get("lanes_busy") and not stats.get("queued"):
+            # the child's last report as it went idle still held its last two seconds' rate, and an idle child
+            # reports nothing more: idle generates nothing
+            stats["tokens_per_s"] = 0.0
         if self._cleared_stats:
             stats["cache_cleared"], self._cleared_stats = True, False
         return stats

@@ -1,8 +1,6 @@
 """`manage.py fleet_token`: create (default), list or revoke the tokens nodes join with."""
 
-import os
 import re
-import socket
 from datetime import timedelta
 
 from django.core.management.base import BaseCommand, CommandError
@@ -12,14 +10,17 @@ from nodes.link.handshake import fingerprint
 from nodes.link.noise import public_key
 from nodes.models import FleetToken
 from nodes.selectors import fleet_token_list
-from nodes.services import JoinRefused, fleet_token_create, fleet_token_revoke, head_static_key
+from nodes.services import (
+    JoinRefused,
+    fleet_token_create,
+    fleet_token_head_address,
+    fleet_token_join_lines,
+    fleet_token_revoke,
+    head_static_key,
+)
 
 _DURATION = re.compile(r"(\d+)([mhd])")
 _UNITS = {"m": "minutes", "h": "hours", "d": "days"}
-
-
-def head_address() -> str:
-    return os.environ.get("FLEET_PUBLIC_ADDRESS") or f"{socket.gethostname()}:8000"
 
 
 class Command(BaseCommand):
@@ -29,7 +30,8 @@ class Command(BaseCommand):
         parser.add_argument("--name", default="nodes", help="what the token is for (default: nodes)")
         parser.add_argument("--list", action="store_true", help="list tokens (secrets are never shown again)")
         parser.add_argument("--revoke", metavar="ID", help="revoke the token with this public id")
-        parser.add_argument("--head", default=None, help="head address to print in the node_join line")
+        parser.add_argument("--head", default=None, help="head address to print in the node_join line (default: "
+                            "FLEET_PUBLIC_ADDRESS, else the address `manage.py up` is bound to)")
         parser.add_argument("--expires-in", metavar="DURATION",
                             help="no new joins with it after this long: 30m, 12h, 90d (default: never)")
 
@@ -43,12 +45,13 @@ class Command(BaseCommand):
             token, secret = fleet_token_create(name=options["name"], expires_at=expires_at)
         except ValueError as exc:
             raise CommandError(str(exc), returncode=2) from exc
-        head = options["head"] or head_address()
+        head, warning = (options["head"], None) if options["head"] else fleet_token_head_address()
         until = f", valid until {expires_at:%Y-%m-%d %H:%M} UTC" if expires_at else ""
         self.stdout.write(f"Fleet token {token.name!r} created (id {token.public_id}{until}). "
                           "It is shown only this once.\n")
-        self.stdout.write(f"  {secret}\n\nOn each node, run:\n")
-        self.stdout.write(f"  python manage.py node_join {head} --model <path.gguf|smollm2> --token {secret}\n")
+        self.stdout.write(f"  {secret}\n\n" + "\n".join(fleet_token_join_lines(head=head, secret=secret)) + "\n")
+        if warning:
+            self.stderr.write(f"warning: {warning}\n")
         try:
             self.stdout.write(f"\nNodes pin the head's link key at their first join: {_head_fingerprint()}\n")
         except JoinRefused as exc:

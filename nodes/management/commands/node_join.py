@@ -75,7 +75,10 @@ class Command(BaseCommand):
                             help="a .gguf path, a bundled model id (smollm2), or the name of a model in the head's "
                                  "registry (pulled into $FLEET_HOME/models/ unless this node has it); may be left out "
                                  "when --transcribe names a speech model to serve alone")
-        parser.add_argument("--token", help="fleet token <id>.<secret> (kept in $FLEET_HOME/fleet/token)")
+        parser.add_argument("--token", help="fleet token <id>.<secret> (kept in $FLEET_HOME/fleet/token); visible "
+                                            "in `ps`: prefer --token-file or $FLEET_TOKEN")
+        parser.add_argument("--token-file", metavar="PATH",
+                            help="read the fleet token from this file (kept, as --token is)")
         parser.add_argument("--max-context", type=_positive_int,
                             help="per-lane context window in tokens (default: sized for this device's free memory, "
                                  "at most the model's trained context)")
@@ -132,8 +135,11 @@ class Command(BaseCommand):
         if options["offline"] and not options["head"]:
             sys.stderr.write("node_join: --offline needs the head's address (host:port)\n")
             sys.exit(2)
+        token, source = options["token"], "--token"
+        if options["token_file"] and not token:
+            token, source = _read_token_file(options["token_file"]), f"--token-file {options['token_file']}"
         code = run_node(NodeOptions(
-            head=options["head"], model=options["model"], token=options["token"],
+            head=options["head"], model=options["model"], token=token, token_source=source,
             max_context=options["max_context"], max_batch=options["max_batch"], identity=options["identity"],
             model_name=options["model_name"], offline=options["offline"], park=options["park"],
             labels=dict(options["label"]), adapters=dict(options["lora"]),
@@ -143,3 +149,13 @@ class Command(BaseCommand):
         ))
         if code:
             sys.exit(code)
+
+
+def _read_token_file(path: str) -> str:
+    """The token in `path` (its first line); one line and exit status 2 when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.readline().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        sys.stderr.write(f"node_join: --token-file {path!r} cannot be read: {exc.strerror or exc}\n")
+        sys.exit(2)
