@@ -116,13 +116,17 @@ def live_node(live_head) -> NodeProc:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_registry():
-    """Each in-process test starts with an empty link registry and placement state."""
+def _fresh_registry(request):
+    """Each in-process test starts with an empty link registry and placement state, and has generation records
+    written on its own connection (so inside its rolled-back transaction), but for the writer's own tests."""
     from django.conf import settings
 
     if not settings.configured:  # plain (Django-free) runs of the link and engine tests
         yield
         return
+    writers = settings.FLEET_RECORD_WRITERS
+    if request.node.path.name != "test_writer.py":
+        settings.FLEET_RECORD_WRITERS = 0
     from channels.layers import channel_layers
 
     from fleet.links import registry, registry_reset
@@ -140,6 +144,7 @@ def _fresh_registry():
     from sessions.writer import writers_close
 
     writers_close()  # their connections would outlive the test's database (PostgreSQL cannot drop it then)
+    settings.FLEET_RECORD_WRITERS = writers
 
 
 def _clear_placement(reg) -> None:
