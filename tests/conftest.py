@@ -36,7 +36,7 @@ TIERS: dict[str, set[str]] = {
         "test_json_out.py", "test_link_fuzz.py", "test_logs.py", "test_maintenance.py", "test_metrics.py",
         "test_metrics_events.py", "test_middleware.py", "test_model_registry.py", "test_node_consumer.py",
         "test_nodes_services.py", "test_placement.py", "test_placement_redis.py", "test_playground.py",
-        "test_quotas.py", "test_request_path.py", "test_sessions_services.py", "test_settings.py",
+        "test_quotas.py", "test_record_inline.py", "test_request_path.py", "test_sessions_services.py", "test_settings.py",
         "test_socket_sessions.py", "test_threads.py", "test_tiers.py", "test_tokenizers.py",
         "test_transcriptions.py", "test_writer.py",
     },
@@ -53,7 +53,8 @@ TIERS: dict[str, set[str]] = {
 TIER_NAMES = tuple(TIERS)
 # Django runs in these, but on nothing a backend changes: settings read in a subprocess, a consumer's frames with the
 # database sweep patched out, JSON bytes, the heap; `manage.py up`, which always starts on the embedded default.
-BACKEND_FREE = {"test_dbsweep.py", "test_heap.py", "test_json_out.py", "test_settings.py", "test_up_e2e.py"}
+BACKEND_FREE = {"test_dbsweep.py", "test_heap.py", "test_json_out.py", "test_record_inline.py", "test_settings.py",
+                "test_up_e2e.py"}
 
 
 def file_tier(name: str) -> str | None:

@@ -38,7 +38,7 @@ from nodes.link.placement import NodeSlot
 from tests.api_support import FakeLink, Script, add_fake_node, request
 from tests.factories import UserFactory
 
-pytestmark = pytest.mark.django_db
+pytestmark = pytest.mark.django_db(transaction=True)
 pytest_plugins = ["tests.api_fixtures"]
 
 local_memory = pytest.mark.skipif(not isinstance(caches["default"], LocMemCache),
