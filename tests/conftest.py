@@ -36,8 +36,8 @@ TIERS: dict[str, set[str]] = {
         "test_json_out.py", "test_link_fuzz.py", "test_logs.py", "test_maintenance.py", "test_metrics.py",
         "test_metrics_events.py", "test_middleware.py", "test_model_registry.py", "test_node_consumer.py",
         "test_nodes_services.py", "test_placement.py", "test_placement_redis.py", "test_playground.py",
-        "test_quotas.py", "test_record_inline.py", "test_request_path.py", "test_sessions_services.py", "test_settings.py",
-        "test_socket_sessions.py", "test_threads.py", "test_tiers.py", "test_tokenizers.py",
+        "test_quotas.py", "test_record_inline.py", "test_request_path.py", "test_sessions_services.py",
+        "test_settings.py", "test_socket_sessions.py", "test_threads.py", "test_tiers.py", "test_tokenizers.py",
         "test_transcriptions.py", "test_writer.py",
     },
     "real_procs": {
@@ -116,18 +116,22 @@ def live_node(live_head) -> NodeProc:
     node.stop()
 
 
+@pytest.fixture
+def records_inline(settings):
+    """Generation records written on the request's own thread and connection (FLEET_RECORD_WRITERS 0), not on a
+    writer thread: a test whose requests run on its own thread (Django's test client) sees them inside its
+    rolled-back transaction, so it needs no `transaction=True` for them."""
+    settings.FLEET_RECORD_WRITERS = 0
+
+
 @pytest.fixture(autouse=True)
-def _fresh_registry(request):
-    """Each in-process test starts with an empty link registry and placement state, and has generation records
-    written on its own connection (so inside its rolled-back transaction), but for the writer's own tests."""
+def _fresh_registry():
+    """Each in-process test starts with an empty link registry and placement state."""
     from django.conf import settings
 
     if not settings.configured:  # plain (Django-free) runs of the link and engine tests
         yield
         return
-    writers = settings.FLEET_RECORD_WRITERS
-    if request.node.path.name != "test_writer.py":
-        settings.FLEET_RECORD_WRITERS = 0
     from channels.layers import channel_layers
 
     from fleet.links import registry, registry_reset
@@ -145,7 +149,6 @@ def _fresh_registry(request):
     from sessions.writer import writers_close
 
     writers_close()  # their connections would outlive the test's database (PostgreSQL cannot drop it then)
-    settings.FLEET_RECORD_WRITERS = writers
 
 
 def _clear_placement(reg) -> None:
