@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import re
@@ -14,7 +16,6 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -179,7 +180,8 @@ def _database_from_template(env: dict[str, str]) -> str:
         env["DATABASE_URL"] = _postgres_copy(url, template.postgres)
     else:
         target = Path(env.get("FLEET_SQLITE_PATH") or Path(env["FLEET_HOME"]) / "fleet.sqlite3")
-        with closing(sqlite3.connect(template.sqlite)) as source, closing(sqlite3.connect(target)) as copy:
+        with contextlib.closing(sqlite3.connect(template.sqlite)) as source, \
+                contextlib.closing(sqlite3.connect(target)) as copy:
             source.backup(copy)
     return template.api_key
 
@@ -193,6 +195,7 @@ def _template_make(url: str) -> _Template:
     if url:
         name = f"fleet_template_{uuid.uuid4().hex[:10]}"
         env["DATABASE_URL"] = _postgres_create(url, name)
+        atexit.register(_postgres_drop, url, name)
     key = database_prepare(Head(home=home, port=0, env=env))
     return _Template(api_key=key, sqlite=None if url else home / "fleet.sqlite3", postgres=name)
 
@@ -204,6 +207,13 @@ def _postgres_create(url: str, name: str, template: str = "") -> str:
         conn.execute(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
     base, _, _ = url.rpartition("/")
     return f"{base}/{name}"
+
+
+def _postgres_drop(url: str, name: str) -> None:
+    import psycopg
+
+    with contextlib.suppress(psycopg.Error), psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
 
 
 def _postgres_copy(url: str, template: str) -> str:
