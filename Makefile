@@ -1,4 +1,4 @@
-# Fleet: `make run` starts the embedded head with a local node; `make test` runs the whole suite.
+# Fleet: `make run` starts the embedded head with a local node; `make test` runs the whole suite (TIERS=...: part).
 # Both create .venv and install everything on first use (the first install compiles llama.cpp: 10-20 min on 2 cores).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
@@ -41,8 +41,11 @@ browser:
 	  else echo "make: the page tests need Chromium: sudo apt-get install chromium chromium-driver" >&2; exit 1; fi; \
 	fi
 
+# TIERS selects tests by marker (tests/conftest.py, docs/testing.md): empty runs every tier; `backend` runs what can
+# depend on PostgreSQL + Redis; any marker expression works ("django_free or in_process"). The 25 slowest are listed.
+TIERS ?=
 test: lint browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=25 $(if $(strip $(TIERS)),-m "$(TIERS)")
 
 bench: install
 	$(BIN)/python bench/engine.py

@@ -289,7 +289,8 @@ FLEET_METRICS_TOKEN = os.environ.get("FLEET_METRICS_TOKEN", "").strip()
 # needs longer asks for another); uploads come in parts of at most FLEET_MAX_BODY_BYTES, one request each.
 FLEET_PULL_GRANT_S = env_int("FLEET_PULL_GRANT_S", 900)
 
-# Threads that write generation records, each keeping its database connection open (SQLite takes one writer at a time).
+# Threads that write generation records, each keeping its database connection open (SQLite takes one writer at a time);
+# 0: each record on its request's own thread and connection (the tests' setting: tests/conftest.py).
 FLEET_RECORD_WRITERS = env_int("FLEET_RECORD_WRITERS", 4 if DATABASE_URL else 1)
 # How long a record's write waits for a database that cannot be reached (an outage), retrying, before it is lost.
 FLEET_RECORD_RETRY_S = env_int("FLEET_RECORD_RETRY_S", 300)

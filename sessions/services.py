@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Max
 from django.utils import timezone
@@ -106,7 +108,11 @@ class GenerationTrace:
 
 
 async def generation_record_async(trace: GenerationTrace) -> Generation:
-    """generation_record on a writer thread (sessions.writer), whose database connection stays open between writes."""
+    """generation_record on a writer thread (sessions.writer), whose database connection stays open between writes;
+    with FLEET_RECORD_WRITERS 0, on the caller's own thread and connection (what a test's rolled-back transaction
+    sees: tests/conftest.py)."""
+    if settings.FLEET_RECORD_WRITERS <= 0:
+        return await sync_to_async(generation_record)(trace)
     return await writers().run(generation_record, trace)
 
 

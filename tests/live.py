@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -26,20 +30,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _fresh_database_url() -> str | None:
-    """With DATABASE_URL set (PostgreSQL), each live head gets a database of its own."""
-    url = os.environ.get("DATABASE_URL")
-    if not url:
-        return None
-    import psycopg
-
-    name = f"fleet_live_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    base, _, _ = url.rpartition("/")
-    return f"{base}/{name}"
 
 
 @dataclass
@@ -139,18 +129,95 @@ def make_head(tmp: Path, *, extra_env: dict[str, str] | None = None, port: int |
                 "FLEET_REDIS_PREFIX": f"fleet-test-{uuid.uuid4().hex[:8]}:",
                 "PYTHONUNBUFFERED": "1", "DJANGO_SUPERUSER_PASSWORD": "test-password-1",
                 "FLEET_METRICS_TOKEN": f"metrics-{uuid.uuid4().hex}"})
-    db = database_url or _fresh_database_url()
-    if db:
-        env["DATABASE_URL"] = db
+    if database_url:
+        env["DATABASE_URL"] = database_url
     port = port or free_port()
     env["FLEET_HEAD_URL"] = f"http://127.0.0.1:{port}"  # where a Celery worker sends batch lines
     env.update(extra_env or {})
     head = Head(home=home, port=port, env=env)
-    head.manage("migrate", "--noinput")
-    head.manage("createsuperuser", "--noinput", "--username", "admin", "--email", "admin@example.com")
-    out = head.manage("create_api_key", "--user", "admin", "--name", "tests").stdout
-    head.api_key = next(line.strip() for line in out.splitlines() if line.strip().startswith("fk-"))
+    if database_url:  # the caller's own database: migrated here, in one process
+        head.api_key = database_prepare(head)
+    else:
+        head.api_key = _database_from_template(env)
     return head
+
+
+# One process migrates and makes the superuser and the tests' API key (three `manage.py` boots were one each).
+_PREPARE = """
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from api.services import api_key_create
+call_command("migrate", interactive=False, verbosity=0)
+admin = get_user_model().objects.create_superuser("admin", "admin@example.com", "test-password-1")
+print("API-KEY", api_key_create(owner=admin, name="tests")[1])
+"""
+
+
+def database_prepare(head: Head) -> str:
+    """Migrate `head`'s database and make user `admin` and an API key named `tests` in it; returns the key."""
+    out = head.manage("shell", "--no-startup", "-c", _PREPARE, timeout=300).stdout
+    return next(line.split()[1] for line in out.splitlines() if line.startswith("API-KEY "))
+
+
+@dataclass
+class _Template:
+    """A database migrated once a test session (with `admin` and the `tests` key in it); each head gets a copy."""
+
+    api_key: str
+    sqlite: Path | None = None  # the template's file (the embedded default)
+    postgres: str = ""  # the template database's name (DATABASE_URL set)
+
+
+_templates: dict[str, _Template] = {}
+
+
+def _database_from_template(env: dict[str, str]) -> str:
+    """Give the head whose environment is `env` a copy of the migrated template (SQLite: a file copy, PostgreSQL:
+    CREATE DATABASE ... TEMPLATE); returns the template's API key, which the copy holds."""
+    url = os.environ.get("DATABASE_URL", "")
+    template = _templates.get(url) or _templates.setdefault(url, _template_make(url))
+    if template.postgres:
+        env["DATABASE_URL"] = _postgres_copy(url, template.postgres)
+    else:
+        target = Path(env.get("FLEET_SQLITE_PATH") or Path(env["FLEET_HOME"]) / "fleet.sqlite3")
+        with contextlib.closing(sqlite3.connect(template.sqlite)) as source, \
+                contextlib.closing(sqlite3.connect(target)) as copy:
+            source.backup(copy)
+    return template.api_key
+
+
+def _template_make(url: str) -> _Template:
+    home = Path(tempfile.mkdtemp(prefix="fleet-template-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    env.update({"FLEET_HOME": str(home), "DJANGO_SETTINGS_MODULE": "fleet.settings", "FLEET_MDNS": "0"})
+    env.pop("FLEET_SQLITE_PATH", None)
+    name = ""
+    if url:
+        name = f"fleet_template_{uuid.uuid4().hex[:10]}"
+        env["DATABASE_URL"] = _postgres_create(url, name)
+        atexit.register(_postgres_drop, url, name)
+    key = database_prepare(Head(home=home, port=0, env=env))
+    return _Template(api_key=key, sqlite=None if url else home / "fleet.sqlite3", postgres=name)
+
+
+def _postgres_create(url: str, name: str, template: str = "") -> str:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
+    base, _, _ = url.rpartition("/")
+    return f"{base}/{name}"
+
+
+def _postgres_drop(url: str, name: str) -> None:
+    import psycopg
+
+    with contextlib.suppress(psycopg.Error), psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+
+
+def _postgres_copy(url: str, template: str) -> str:
+    return _postgres_create(url, f"fleet_live_{uuid.uuid4().hex[:10]}", template)
 
 
 def start_node(head: Head, *args: str, identity: str = "test-node", model: str = "smollm2",

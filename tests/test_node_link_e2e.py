@@ -31,6 +31,15 @@ def head(tmp_path):
     head.stop()
 
 
+@pytest.fixture(scope="module")
+def refusing_head(tmp_path_factory):
+    """One head for the bad-token shapes: each refusal is a node that never joins, and leaves the head as it was."""
+    head = make_head(tmp_path_factory.mktemp("refusals"), port=free_port())
+    head.start()
+    yield head
+    head.stop()
+
+
 def test_node_joins_with_a_token_and_is_online_in_the_admin(head):
     out = head.manage("fleet_token", "--name", "e2e", "--head", head.address).stdout
     token = re.search(r"FLEET_TOKEN=(\S+)", out).group(1)
@@ -75,7 +84,9 @@ def test_head_restart_gets_the_node_back_within_one_backoff_step(head):
         ("expired", "node_join: this node's fleet token has expired"),
     ],
 )
-def test_every_bad_token_stops_node_join_with_one_line_and_exit_2(head, shape, line):
+def test_every_bad_token_stops_node_join_with_one_line_and_exit_2(refusing_head, shape, line):
+    head = refusing_head
+    refused_before = head.log_path.read_text().count("refused node")  # the whole log: log() is its tail
     if shape == "unknown":
         token = "abcdef012345." + "A" * 43
     else:
@@ -88,14 +99,14 @@ def test_every_bad_token_stops_node_join_with_one_line_and_exit_2(head, shape, l
             head.manage("fleet_token", "--revoke", token.split(".")[0])
         elif shape == "expired":
             head.manage("shell", "-c", "from django.utils import timezone; from nodes.models import FleetToken; "
-                        "FleetToken.objects.update(expires_at=timezone.now())")
+                        f"FleetToken.objects.filter(name={shape!r}).update(expires_at=timezone.now())")
     node = start_node(head, "--token", token, identity="gpu-bad")
     wait_for(lambda: node.proc.poll() is not None, 180, f"node_join did not stop: {node.log()}")
     assert node.proc.returncode == 2
     errors = [text for text in node.log().splitlines() if text.startswith("node_join:")]
     assert len(errors) == 1 and errors[0].startswith(line), node.log()
     assert "Traceback" not in node.log() and "Traceback" not in head.log()
-    assert head.log().count("refused node") == 1
+    assert head.log_path.read_text().count("refused node") == refused_before + 1
 
 
 def test_node_sigterm_is_a_clean_stop(head):
