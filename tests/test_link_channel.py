@@ -95,6 +95,7 @@ def _every_message() -> list[messages.Message]:
         ),
         messages.Error(gen_id="g1", code="oom", message="KV cache full", retryable=True, seq=2),
         messages.Bye(reason="draining"),
+        messages.Heads(heads=["ws://10.0.0.1:8001/ws/node/", "ws://10.0.0.2:8001/ws/node/"]),
         messages.Check(identity="node-a"),
         messages.Pull(identity="node-a", model="tiny-chat"),
         messages.PullGrant(model="tiny-chat", sha256="ab" * 32, size=98362432, path="/models/blobs/" + "ab" * 32,
