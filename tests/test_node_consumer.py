@@ -735,6 +735,6 @@ async def test_a_node_that_says_goodbye_is_logged_as_left_at_info_and_one_that_d
         said = [(r.levelno, r.getMessage()) for r in caplog.records if "gpu-7" in r.getMessage()]
         if bye:
             assert any(level == logging.INFO and "'gpu-7' left" in text for level, text in said), said
-            assert not any("lost" in text for _, text in said)
+            assert not any("'gpu-7' lost" in text for _, text in said)
         else:
             assert any(level == logging.WARNING and "'gpu-7' lost" in text for level, text in said), said
