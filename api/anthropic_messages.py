@@ -18,10 +18,9 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from api.errors import OpenAIError, anthropic_body, anthropic_status, invalid
 from api.generation import PENDING, Run
 from api.json_out import json_bytes
-from api.quotas import Ticket
 from api.specs import GenerationRequest, chat_request
-from api.sse import KEEPALIVE_S, first_event, sse_response
-from api.v1 import json_body, openai_view
+from api.sse import KEEPALIVE_S
+from api.v1 import json_body, openai_view, respond
 from fleet.dispatch import Tokens
 from fleet.links import registry
 from nodes.agent.vocab import BUILTINS, BYTES
@@ -354,24 +353,11 @@ async def messages(request: HttpRequest) -> HttpResponse:
     key = request.api_key
     gen = await sync_to_async(messages_request)(body, api_key=key, user=key.owner)
     gen.batch = request.batch_line
-    return await respond(gen, request.quota)
+    return await respond(gen, request.quota, body=_message_body, shape=MessageEvents, events=stream_body)
 
 
-async def respond(gen: GenerationRequest, ticket: Ticket | None) -> HttpResponse:
-    run = Run(gen, ticket)
-    try:
-        if gen.stream:
-            first = await first_event(run)
-            return sse_response(run, first, MessageEvents(run), events=stream_body)
-        async for _ in run.events():
-            pass
-    except asyncio.CancelledError:
-        await run.abandon()
-        raise
-    response = JsonResponse(message_object(run))
-    response["X-Fleet-Node"] = run.node
-    response["X-Fleet-Generation"] = gen.gen_id
-    return response
+async def _message_body(run: Run) -> dict[str, Any]:
+    return message_object(run)
 
 
 def _content_text(content: Any) -> str:

@@ -19,11 +19,10 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from api.errors import OpenAIError, invalid
 from api.generation import PENDING, Run
 from api.json_out import json_bytes
-from api.quotas import Ticket
 from api.responses import chat_logprobs
 from api.specs import MAX_TOP_LOGPROBS, GenerationRequest, _for_node, chat_request
-from api.sse import KEEPALIVE, KEEPALIVE_S, first_event, sse_response
-from api.v1 import json_body, openai_view
+from api.sse import KEEPALIVE, KEEPALIVE_S
+from api.v1 import json_body, openai_view, respond
 from fleet.dispatch import Tokens
 from sessions import selectors
 from sessions.models import StoredResponse
@@ -479,26 +478,14 @@ async def responses(request: HttpRequest) -> HttpResponse:
     key = request.api_key
     req = await sync_to_async(responses_request)(body, api_key=key, user=key.owner)
     req.gen.batch = request.batch_line
-    return await respond(req, request.quota)
+    return await respond(req.gen, request.quota, body=lambda run: _finished(req, run),
+                         shape=lambda run: ResponsesEvents(run, req), events=stream_body)
 
 
-async def respond(req: ResponsesRequest, ticket: Ticket | None) -> HttpResponse:
-    run = Run(req.gen, ticket)
-    try:
-        if req.gen.stream:
-            first = await first_event(run)
-            return sse_response(run, first, ResponsesEvents(run, req), events=stream_body)
-        async for _ in run.events():
-            pass
-        final = finished_object(req, run)
-        await store_answer(req, run, final)
-    except asyncio.CancelledError:
-        await run.abandon()
-        raise
-    response = JsonResponse(final)
-    response["X-Fleet-Node"] = run.node
-    response["X-Fleet-Generation"] = req.gen.gen_id
-    return response
+async def _finished(req: ResponsesRequest, run: Run) -> dict[str, Any]:
+    final = finished_object(req, run)
+    await store_answer(req, run, final)  # before the client hears it is done: its next turn may name it
+    return final
 
 
 def _stored(request: HttpRequest, response_id: str) -> StoredResponse:

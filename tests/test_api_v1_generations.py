@@ -535,17 +535,23 @@ async def test_an_engine_that_dies_after_the_first_token_is_a_clear_error_not_a_
     assert len(crashing.specs) + len(other.specs) == 1
 
 
-async def test_waiting_generations_get_a_free_lane_in_deadline_order(bearer):
-    def script(spec):
-        content = spec["messages"][-1]["content"]
-        return Script(tokens=[content], hang=content == "blocker")
+def _echo_or_hang(spec):
+    """A node that answers a message with its own text, and never ends the one that says "blocker"."""
+    content = spec["messages"][-1]["content"]
+    return Script(tokens=[content], hang=content == "blocker")
 
-    link = add_fake_node(FakeLink(script=script), lanes=1)
 
+def _asker(bearer):
     def ask(content, deadline_ms):
         body = chat(messages=[{"role": "user", "content": content}], deadline_ms=deadline_ms)
         return asyncio.ensure_future(request("POST", CHAT, key=bearer, body=body))
 
+    return ask
+
+
+async def test_waiting_generations_get_a_free_lane_in_deadline_order(bearer):
+    link = add_fake_node(FakeLink(script=_echo_or_hang), lanes=1)
+    ask = _asker(bearer)
     blocker = ask("blocker", 60_000)
     while not link.running:
         await asyncio.sleep(0.01)
@@ -565,14 +571,8 @@ async def test_a_newcomer_does_not_take_a_free_lane_from_an_earlier_deadline_sti
     from fleet.links import registry
 
     monkeypatch.setattr("fleet.dispatch.WAKE_CHECK_S", 3600.0)  # only wakes move the waiter
-    link = add_fake_node(FakeLink(script=lambda spec: Script(tokens=[spec["messages"][-1]["content"]],
-                                                             hang=spec["messages"][-1]["content"] == "blocker")),
-                         lanes=1)
-
-    def ask(content, deadline_ms):
-        body = chat(messages=[{"role": "user", "content": content}], deadline_ms=deadline_ms)
-        return asyncio.ensure_future(request("POST", CHAT, key=bearer, body=body))
-
+    link = add_fake_node(FakeLink(script=_echo_or_hang), lanes=1)
+    ask = _asker(bearer)
     blocker = ask("blocker", 60_000)
     while not link.running:
         await asyncio.sleep(0.01)
