@@ -351,6 +351,8 @@ async def test_an_alias_names_a_served_model_in_every_api_and_an_unknown_name_st
                                                                      "input": "Hi"})).status == 200
     assert (await request("POST", "/v1/messages", key=bearer, body=msg(model="claude-haiku-4-5"))).status == 200
     assert [spec["model"] for spec in link.specs] == ["smollm2"] * 3
+    embedded = await request("POST", "/v1/embeddings", key=bearer, body={"model": "claude-haiku-4-5", "input": "Hi"})
+    assert embedded.status == 200 and len(embedded.json()["data"]) == 1
 
     await request("DELETE", f"/api/model-aliases/{made.json()['id']}/", key=staff_bearer)
     gone = await request("POST", "/v1/chat/completions", key=bearer, body=chat)
