@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import sqlite3
@@ -239,10 +240,22 @@ def make_peer_head(head: Head, tmp: Path) -> Head:
     """A second head process on the same database, Redis prefix and secret key (a multi-process head)."""
     home = tmp / f"peer-{uuid.uuid4().hex[:6]}"
     home.mkdir(parents=True)
-    env = {**head.env, "FLEET_HOME": str(home), "SECRET_KEY": (head.home / "secret_key").read_text().strip()}
+    env = {**head.env, "FLEET_HOME": str(home), "SECRET_KEY": _secret_key_of(head)}
     if "DATABASE_URL" not in env:
         env["FLEET_SQLITE_PATH"] = str(head.home / "fleet.sqlite3")
     return Head(home=home, port=free_port(), env=env, api_key=head.api_key)
+
+
+def _secret_key_of(head: Head) -> str:
+    """The head's SECRET_KEY: the one it keeps in its FLEET_HOME. A head made from the template database has not run
+    a `manage.py` of its own, so before its first start there is none yet: one is made and kept there for it."""
+    if head.env.get("SECRET_KEY"):
+        return head.env["SECRET_KEY"]
+    path = head.home / "secret_key"
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(50) + "\n")
+        path.chmod(0o600)
+    return path.read_text().strip()
 
 
 def blob_bytes_served(head: Head) -> float:
