@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from django.apps import apps
+from django.contrib.admin.utils import quote as admin_quote
 from django.contrib.auth.models import Group
 from django.contrib.contenttypes.models import ContentType
 from django.test import Client
@@ -111,7 +112,8 @@ class World:
         """A stored /v1/responses answer of the owner's key."""
         from sessions.services import stored_response_create
 
-        return stored_response_create(response_id=f"resp_{uuid.uuid4().hex}", model="smollm2", api_key=self.owner_key,
+        # "_24" is what the admin's unquote reads as "$": an id the admin must quote in a URL (1 in 40 real ones)
+        return stored_response_create(response_id=f"resp_24{uuid.uuid4().hex[2:]}", model="smollm2", api_key=self.owner_key,
                                       messages=[{"role": "user", "content": "Hi"}], input_items=[], body={})
 
     def object_of(self, model) -> Any:
@@ -349,12 +351,14 @@ def cases_for(route: Route) -> list[Case] | None:
         return NAMED[route.name]
     if route.name and route.name.startswith("admin:") and (found := _admin_model(route.name)):
         model, view = found
-        kwargs = (lambda w, m=model: {"object_id": w.object_of(m).pk}) if "object_id" in route.kwargs else None
+        # The admin quotes an id in its own links ("resp_24…" would otherwise unquote to "resp$…").
+        kwargs = (lambda w, m=model: {"object_id": admin_quote(w.object_of(m).pk)}) if "object_id" in route.kwargs \
+            else None
         staff = ADMIN_READ_ONLY.get(route.name.removeprefix("admin:"), 200)
         return [Case("GET", statuses(302, 302, 302, staff), kwargs=kwargs)]
     if route.name is None and route.route.startswith("admin/") and route.route.endswith("<path:object_id>/"):
         model = _admin_model_at(route.route)
-        return [Case("GET", statuses(302, 302, 302, 302), kwargs=lambda w: {"object_id": w.object_of(model).pk})]
+        return [Case("GET", statuses(302, 302, 302, 302), kwargs=lambda w: {"object_id": admin_quote(w.object_of(model).pk)})]
     if route.name is None and route.route == "admin/(?P<url>.*)$":  # the admin's catch-all
         return [Case("GET", statuses(302, 302, 302, 404), kwargs=lambda w: {"url": "no-such-page/"})]
     return None
