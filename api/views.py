@@ -89,6 +89,11 @@ class FleetTokenViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.R
     serializer_class = s.FleetTokenSerializer
     permission_classes = [IsStaff]
 
+    def get_queryset(self):
+        # A revoked token is gone from /api (the admin keeps its record); `revoke` may name one again (harmless).
+        tokens = super().get_queryset()
+        return tokens if self.action == "revoke" else tokens.filter(revoked_at__isnull=True)
+
     @extend_schema(responses={201: s.FleetTokenCreatedSerializer})
     def create(self, request, *args, **kwargs):
         serializer = self.get_serializer(data=request.data)
@@ -98,8 +103,9 @@ class FleetTokenViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.R
         return Response(data, status=status.HTTP_201_CREATED)
 
     @extend_schema(summary="Revoke (nodes holding it are refused at their next handshake)",
-                   description="A soft delete: the token stops working, but its record stays, so GET still returns "
-                               "it, with `is_active` false and `revoked_at` set. Revoking twice is harmless.")
+                   description="The token stops working and is gone from /api (GET answers 404); its record stays "
+                               "in the admin, with `revoked_at` set. `POST .../revoke/` does the same and answers "
+                               "with the revoked token.")
     def destroy(self, request, *args, **kwargs):
         node_services.fleet_token_revoke(token=self.get_object())
         return Response(status=status.HTTP_204_NO_CONTENT)
@@ -123,7 +129,8 @@ class ApiKeyViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retri
     queryset = ApiKey.objects.none()  # for the schema; get_queryset narrows to the caller's keys
 
     def get_queryset(self):
-        keys = ApiKey.objects.select_related("owner").order_by("-created_at")
+        # A revoked key is gone from /api (the admin keeps its record, and its generations keep naming it).
+        keys = ApiKey.objects.select_related("owner").filter(revoked_at__isnull=True).order_by("-created_at")
         return keys if self.request.user.is_staff else keys.filter(owner=self.request.user)
 
     def get_permissions(self):
@@ -138,8 +145,8 @@ class ApiKeyViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retri
         return Response(data, status=status.HTTP_201_CREATED)
 
     @extend_schema(summary="Revoke the key",
-                   description="A soft delete: the key stops working at once, but its record stays, so GET still "
-                               "returns it, with `is_active` false and `revoked_at` set. Revoking twice is harmless.")
+                   description="The key stops working at once and is gone from /api (GET answers 404); its record "
+                               "stays in the admin, with `revoked_at` set, and its generations keep naming it.")
     def destroy(self, request, *args, **kwargs):
         key_services.api_key_revoke(key=self.get_object())
         return Response(status=status.HTTP_204_NO_CONTENT)
@@ -215,8 +222,8 @@ async def _drain(run: Run) -> None:
 # --- handles --------------------------------------------------------------------------------------------------
 
 
-FREED = ("A soft delete: the handle is freed, but its record stays, so GET still returns it, with `freed_at` set; "
-         "a generation naming it gets a 400 saying when it was freed. Freeing twice is harmless.")
+FREED = ("The handle is freed and gone from /api (GET answers 404); its record stays in the admin, with `freed_at` "
+         "set, and a generation naming it gets a 400 saying when it was freed.")
 
 
 class _HandleViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
@@ -235,7 +242,7 @@ class GrammarHandleViewSet(_HandleViewSet):
     queryset = GrammarHandle.objects.none()
 
     def get_queryset(self):
-        return selectors.grammar_handle_list(user=self.request.user)
+        return selectors.grammar_handle_list(user=self.request.user).filter(freed_at__isnull=True)
 
     def perform_create(self, serializer):
         data = serializer.validated_data
@@ -256,7 +263,7 @@ class LogitBiasHandleViewSet(_HandleViewSet):
     queryset = LogitBiasHandle.objects.none()
 
     def get_queryset(self):
-        return selectors.logit_bias_handle_list(user=self.request.user)
+        return selectors.logit_bias_handle_list(user=self.request.user).filter(freed_at__isnull=True)
 
     def perform_create(self, serializer):
         data = serializer.validated_data

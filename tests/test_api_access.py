@@ -113,8 +113,8 @@ class World:
         from sessions.services import stored_response_create
 
         # "_24" is what the admin's unquote reads as "$": an id the admin must quote in a URL (1 in 40 real ones)
-        return stored_response_create(response_id=f"resp_24{uuid.uuid4().hex[2:]}", model="smollm2", api_key=self.owner_key,
-                                      messages=[{"role": "user", "content": "Hi"}], input_items=[], body={})
+        return stored_response_create(response_id=f"resp_24{uuid.uuid4().hex[2:]}", model="smollm2",
+                                      api_key=self.owner_key, messages=[{"role": "user", "content": "Hi"}], input_items=[], body={})
 
     def object_of(self, model) -> Any:
         label = model._meta.label_lower
@@ -358,7 +358,8 @@ def cases_for(route: Route) -> list[Case] | None:
         return [Case("GET", statuses(302, 302, 302, staff), kwargs=kwargs)]
     if route.name is None and route.route.startswith("admin/") and route.route.endswith("<path:object_id>/"):
         model = _admin_model_at(route.route)
-        return [Case("GET", statuses(302, 302, 302, 302), kwargs=lambda w: {"object_id": admin_quote(w.object_of(model).pk)})]
+        return [Case("GET", statuses(302, 302, 302, 302),
+                     kwargs=lambda w: {"object_id": admin_quote(w.object_of(model).pk)})]
     if route.name is None and route.route == "admin/(?P<url>.*)$":  # the admin's catch-all
         return [Case("GET", statuses(302, 302, 302, 404), kwargs=lambda w: {"url": "no-such-page/"})]
     return None

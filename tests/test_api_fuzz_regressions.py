@@ -213,7 +213,7 @@ def test_the_schema_documents_the_error_statuses_and_soft_deletes():
                 expected = {"application/octet-stream"} if raw else {"application/json"}
                 assert set(operation["requestBody"]["content"]) == expected, (method, path)
     for path in ("/api/keys/{id}/", "/api/fleet-tokens/{id}/", "/api/grammars/{id}/", "/api/logit-biases/{id}/"):
-        assert "soft delete" in schema["paths"][path]["delete"]["description"], path
+        assert "gone from /api" in schema["paths"][path]["delete"]["description"], path
     assert "for good" in schema["paths"]["/api/sessions/{id}/"]["delete"]["description"]
 
 

@@ -68,6 +68,8 @@ def test_api_keys_are_shown_once_and_revoking_one_locks_it_out(client, person, s
     assert new.get("/api/keys/").status_code == 200
     assert client.delete(f"/api/keys/{created.json()['id']}/").status_code == 204
     assert new.get("/api/keys/").status_code == 401
+    assert client.get(f"/api/keys/{created.json()['id']}/").status_code == 404  # gone from /api once revoked
+    assert {k["name"] for k in client.get("/api/keys/").json()["results"]} == {"dev"}
 
 
 def test_fleet_tokens_are_for_staff_and_show_their_secret_once(client, staff):
@@ -78,6 +80,9 @@ def test_fleet_tokens_are_for_staff_and_show_their_secret_once(client, staff):
     assert "token" not in staff.get(f"/api/fleet-tokens/{created['id']}/").json()
     revoked = staff.post(f"/api/fleet-tokens/{created['id']}/revoke/").json()
     assert revoked["is_active"] is False and FleetToken.objects.get().revoked_at is not None
+    assert staff.post(f"/api/fleet-tokens/{created['id']}/revoke/").json()["is_active"] is False  # twice: harmless
+    assert staff.get(f"/api/fleet-tokens/{created['id']}/").status_code == 404  # gone from /api once revoked
+    assert staff.get("/api/fleet-tokens/").json()["results"] == []
     assert staff.post("/api/fleet-tokens/", {"name": ""}, format="json").status_code == 400
 
 
@@ -142,8 +147,10 @@ def test_grammar_handles_are_created_read_and_freed(client, person):
     assert client.post("/api/grammars/", {"kind": "gbnf", "source": "x ::= y"}, format="json").status_code == 400
     assert len(client.get("/api/grammars/").json()["results"]) == 2
     assert client.delete(f"/api/grammars/{gbnf['id']}/").status_code == 204
-    assert client.get(f"/api/grammars/{gbnf['id']}/").json()["freed_at"] is not None
-    assert GrammarHandle.objects.get(pk=gbnf["id"]).freed_at is not None
+    assert client.get(f"/api/grammars/{gbnf['id']}/").status_code == 404  # gone from /api once freed
+    assert client.delete(f"/api/grammars/{gbnf['id']}/").status_code == 404
+    assert len(client.get("/api/grammars/").json()["results"]) == 1
+    assert GrammarHandle.objects.get(pk=gbnf["id"]).freed_at is not None  # the record stays for the admin
 
 
 def test_logit_bias_handles_are_created_checked_and_freed(client):
@@ -152,6 +159,7 @@ def test_logit_bias_handles_are_created_checked_and_freed(client):
     assert client.post("/api/logit-biases/", {"bias": {"x": 1}}, format="json").status_code == 400
     assert client.post("/api/logit-biases/", {"bias": {"1": 101}}, format="json").status_code == 400
     assert client.delete(f"/api/logit-biases/{made.json()['id']}/").status_code == 204
+    assert client.get(f"/api/logit-biases/{made.json()['id']}/").status_code == 404  # gone from /api once freed
     assert LogitBiasHandle.objects.get().freed_at is not None
 
 

@@ -11,6 +11,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import requests
@@ -53,14 +57,15 @@ def fuzz_head(tmp_path_factory):
         head.stop()
 
 
-def _config(*, reject_negative: bool, mode: str) -> schemathesis.Config:
+def _config(*, reject_negative: bool, mode: str, stateful: bool = False) -> schemathesis.Config:
     return schemathesis.Config.from_dict({
         "request-timeout": 30,
         "continue-on-failure": True,
         # The key goes in every request's headers; generated Authorization headers and cookies would only test 401s.
         "generation": {"mode": mode, "max-examples": EXAMPLES, "database": "none", "no-shrink": True,
                        "with-security-parameters": False},
-        "phases": {"stateful": {"enabled": False}},
+        # The stateful phase runs only where it is asked for (its links are inferred from the schema when enabled).
+        "phases": {"stateful": {"enabled": stateful}},
         # Valid-looking data may still be refused (an unknown model is a 404, a session id must exist), so only the
         # other direction is checked: data the schema rejects must be rejected. Not on /api: DRF coerces scalars by
         # design (`"name": 0` is the name "0", `"1"` is the number 1).
@@ -69,10 +74,11 @@ def _config(*, reject_negative: bool, mode: str) -> schemathesis.Config:
     })
 
 
-def _schema(document: dict, *, reject_negative: bool, mode: str = "all"):
+def _schema(document: dict, *, reject_negative: bool, mode: str = "all", stateful: bool = False):
     # The documents are built in-process, from the code the live head runs, so the tests exist at collection.
     document = json.loads(json.dumps(document, default=str))
-    return schemathesis.openapi.from_dict(document, config=_config(reject_negative=reject_negative, mode=mode))
+    return schemathesis.openapi.from_dict(document, config=_config(reject_negative=reject_negative, mode=mode,
+                                                                                stateful=stateful))
 
 
 def _api_document() -> dict:
@@ -220,3 +226,22 @@ def test_the_fuzzers_sent_enough_requests(request):
             "test_generations_the_fleet_can_serve_hold_to_the_description"} <= ran:
         pytest.skip("counts only when both fuzzers run")
     assert sum(COUNTS.values()) >= MIN_REQUESTS, dict(COUNTS)
+
+
+@pytest.mark.parametrize("who", ["developer", "staff"])
+def test_the_management_api_holds_to_its_schema_across_calls(fuzz_head, who):
+    """Schemathesis' stateful phase over /api, by its own command line against the head's served schema: sequences
+    that create an object and then read, change or delete it (links inferred from the schema's responses and path
+    parameters), with the conformance checks on every response and the stateful ones (a deleted object is gone, a
+    created one can be read). Its engine, not a Hypothesis state machine run here: a live head's state differs
+    between a sequence and its replay, which only the engine allows for."""
+    key = fuzz_head.developer_key if who == "developer" else fuzz_head.api_key  # `admin`'s: a superuser's
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("schemathesis")), "run", f"{fuzz_head.url}/api/schema/",
+         "--phases", "stateful", "-H", f"Authorization: Bearer {key}", "--max-examples", str(4 * EXAMPLES),
+         "--exclude-checks", "positive_data_acceptance,negative_data_rejection", "--generation-database", "none",
+         "--no-color", "--request-timeout", "30", "--continue-on-failure"],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "SCHEMATHESIS_HOOKS": ""})
+    assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
+    generated = re.search(r"(\d+) generated", run.stdout)
+    assert generated and int(generated[1]) >= 4 * EXAMPLES, run.stdout[-3000:]  # the phase ran, and chained
