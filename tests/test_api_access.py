@@ -114,7 +114,8 @@ class World:
 
         # "_24" is what the admin's unquote reads as "$": an id the admin must quote in a URL (1 in 40 real ones)
         return stored_response_create(response_id=f"resp_24{uuid.uuid4().hex[2:]}", model="smollm2",
-                                      api_key=self.owner_key, messages=[{"role": "user", "content": "Hi"}], input_items=[], body={})
+                                      api_key=self.owner_key, messages=[{"role": "user", "content": "Hi"}],
+                                      input_items=[], body={})
 
     def object_of(self, model) -> Any:
         label = model._meta.label_lower
