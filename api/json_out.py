@@ -1,7 +1,7 @@
 """JSON for what the head streams to clients: each SSE chunk and each websocket frame.
 
-The standard library's encoder took 4.4% of a head's samples at 500 streams (bench/scale.py, a `py-spy --gil`
-profile): about 11 us for one chat chunk on this project's machine, against about 1 us with orjson. orjson writes
+orjson encodes a chat chunk about ten times faster than the standard library, whose encoder showed in the head's
+profiles under many streams (docs/benchmarks.md, *Scale*). orjson writes
 what the standard library wrote with `ensure_ascii=False` and compact separators (UTF-8, not escaped), byte for
 byte but for a float's exponent (`1e-7` where it wrote `1e-07`; pinned by tests/test_json_out.py). What orjson
 refuses (a key that is not a string, an integer beyond 64 bits) goes through the standard library as before.

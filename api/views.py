@@ -51,7 +51,7 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     permission_classes = [IsStaff]
 
     def get_serializer_context(self):
-        from nodes.consumers import liveness_key
+        from fleet.names import liveness_key
 
         ids = list(Node.objects.values_list("id", flat=True))
         beats = cache.get_many([liveness_key(str(i)) for i in ids]) if ids else {}

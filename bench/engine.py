@@ -33,7 +33,7 @@ import llama_cpp as L  # noqa: E402
 import numpy as np  # noqa: E402
 
 from nodes.agent.engine.base import EngineConfig  # noqa: E402
-from nodes.agent.engine.llama import LlamaEngine, TokenBatch, context_settings  # noqa: E402
+from nodes.agent.engine.llama import DecodeBatch, LlamaEngine, context_settings  # noqa: E402
 from nodes.agent.engine.local import bundled_model_path, run_local  # noqa: E402
 from nodes.link.spec import GenerateSpec  # noqa: E402
 
@@ -98,7 +98,7 @@ def run_bare(engine: LlamaEngine, toks: list[list[int]], n_new: int) -> tuple[fl
         L.llama_memory_seq_rm(mem, seq, -1, -1)
     for lane in engine.lanes:
         lane.tokens = []
-    batch = TokenBatch(engine.n_batch)
+    batch = DecodeBatch(engine.n_batch)
     index = {seq: batch.add(p, 0, seq, True) for seq, p in enumerate(toks)}
     batch.batch.n_tokens = batch.n
     assert L.llama_decode(ctx, batch.batch) == 0

@@ -43,7 +43,7 @@ import llama_cpp as L  # noqa: E402
 import numpy as np  # noqa: E402
 from engine import LEVELS, chats  # noqa: E402
 
-from nodes.agent.engine.llama import TokenBatch, context_settings  # noqa: E402
+from nodes.agent.engine.llama import DecodeBatch, context_settings  # noqa: E402
 from nodes.agent.engine.local import bundled_model_path  # noqa: E402
 from nodes.agent.engine.model import LoadedModel  # noqa: E402
 
@@ -92,7 +92,7 @@ class Lanes:
     """One variant's context holding len(prompts) greedy generations, stepped one decode at a time."""
 
     def __init__(self, ctx: Any, n_vocab: int, prompts: list[list[int]], seqs: list[int]) -> None:
-        self.ctx, self.n_vocab, self.batch = ctx, n_vocab, TokenBatch(512)
+        self.ctx, self.n_vocab, self.batch = ctx, n_vocab, DecodeBatch(512)
         L.llama_memory_clear(L.llama_get_memory(ctx), True)
         self.index = {seq: self.batch.add(p, 0, seq, True) for seq, p in zip(seqs, prompts, strict=True)}
         self.pos = {seq: len(p) for seq, p in zip(seqs, prompts, strict=True)}

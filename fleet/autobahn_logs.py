@@ -2,8 +2,8 @@
 
 Autobahn (daphne's websocket protocol) logs a debug line for every frame it sends, and builds that line's
 arguments (the sending method's qualified name and two values, each coloured through click) before its logger
-drops it: 3.2 us a frame on this machine, about 2.5% of the head's CPU at 500 streams (bench/scale.py), half of
-whose chunks go out as websocket frames. The head replaces the two formatting helpers autobahn's websocket protocol
+drops it: work paid for every token batch a client socket streams, for a line nobody reads (what it measured:
+docs/benchmarks.md, *Scale*). The head replaces the two formatting helpers autobahn's websocket protocol
 calls with plain ones: the debug lines read the same, uncoloured, for whoever turns autobahn's debug logging on.
 """
 

@@ -15,7 +15,8 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from api.consumers import CLOSE_UNAUTHORIZED, same_origin
-from fleet.live import PUSH_EVERY_S, WAITING_STALE_S, fleet_page_group
+from fleet.live import PUSH_EVERY_S, WAITING_STALE_S
+from fleet.names import fleet_page_group
 from fleet.selectors import fleet_live
 
 CLOSE_FORBIDDEN = 4403

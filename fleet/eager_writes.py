@@ -2,8 +2,8 @@
 
 Twisted (daphne's server) buffers every write, asks the event loop to watch the socket for writability, sends the
 buffer on the loop's next turn and stops watching: for every chunk a stream gets, two epoll changes (asyncio's
-`add_writer` and `remove_writer`), a handle and a turn of the loop. Under 500 streams that bookkeeping held about
-9% of the head's samples (a `py-spy --gil` profile, bench/scale.py). asyncio's own transports send at once when
+`add_writer` and `remove_writer`), a handle and a turn of the loop: under many streams, the largest single
+mechanism in the head's profile (docs/benchmarks.md, *Scale*). asyncio's own transports send at once when
 nothing is buffered and watch the socket only for what it could not take; the head's connections now do the same.
 
 Only a plain TCP connection whose buffer is empty, still open for writing, with no pull producer (which Twisted

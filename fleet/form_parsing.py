@@ -3,9 +3,9 @@ what it needs.
 
 Twisted's `Request.requestReceived` (daphne's server) parses the Content-Type of every POST with a body through the
 standard library's email parser, and a form's body (URL-encoded or multipart) into `request.args`, on the event
-loop, before daphne sees the request. Daphne never reads `args`. So every POST paid for a parse nobody used (about
-45 us for `application/json`), and a multipart upload (an audio file to /v1/audio/transcriptions) was read whole
-into memory and parsed on the event loop, every stream waiting, before Django parsed it again. Twisted's own switch
+loop, before daphne sees the request. Daphne never reads `args`. So every POST paid for a parse nobody used, and a
+multipart upload (an audio file to /v1/audio/transcriptions) was read whole into memory and parsed on the event
+loop, every stream waiting, before Django parsed it again. Twisted's own switch
 for it (`parsePOSTFormSubmission`, an argument of its Request) is off for daphne's requests here.
 """
 

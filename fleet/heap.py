@@ -1,11 +1,10 @@
 """The head process's garbage collector: what the head loads before it serves is frozen out of full collections.
 
-Python's full collection (generation 2) stops the event loop while it scans every object the collector tracks. In
-a head serving 500 streams (`bench/scale.py`) one ran every 2-3 s and scanned about 280,000 objects, over half of
-them Django, the apps and the modules loaded at startup, for 150-200 ms in which no stream got its next token: the
-largest part of the added chunk gap p99. What is loaded before the head serves lives as long as the process, so
-scanning it never frees anything; frozen (`gc.freeze`), it is left out of every collection, and the full
-collections in the same run scanned about 140,000 objects in 60-90 ms.
+Python's full collection (generation 2) stops the event loop while it scans every object the collector tracks,
+and no stream gets its next token meanwhile: under many streams, the largest part of the added chunk gap. Over half
+of what it scans in a serving head is Django, the apps and the modules loaded at startup. What is loaded before the
+head serves lives as long as the process, so scanning it never frees anything; frozen (`gc.freeze`), it is left out
+of every collection, which about halves what a full collection scans (docs/benchmarks.md, *Scale*).
 
 Frozen objects are still freed when their last reference goes; only a reference cycle among them would never be
 collected, and the collection just before the freeze clears the cycles startup left behind. `FLEET_GC_FREEZE=0`

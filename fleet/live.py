@@ -19,17 +19,14 @@ import uuid
 
 from channels.layers import get_channel_layer
 
+from fleet.names import fleet_page_group
+
 log = logging.getLogger("fleet")
 
 PUSH_EVERY_S = 0.25
 ANNOUNCE_EVERY_S = 5.0
 WAITING_STALE_S = 15.0
 PROCESS_ID = uuid.uuid4().hex[:12]
-
-
-def fleet_page_group() -> str:
-    """The channel-layer group of every open fleet page socket, in every head process."""
-    return "fleet.page"
 
 
 def changed_event() -> dict:

@@ -222,8 +222,8 @@ def exposed(family: Family, series: dict[str, float]) -> Metric:
 
 def live_gauges(waiting: dict[str, int]) -> Iterator[Metric]:
     """Nodes and lanes from placement (every head process's nodes with Redis), load from the heartbeats."""
+    from fleet.names import liveness_key
     from fleet.selectors import node_model_figures
-    from nodes.consumers import liveness_key
     from nodes.models import Node
 
     slots = registry().placement.nodes()

@@ -42,7 +42,7 @@ def node_model_figures(beat: dict, model: str, *, lanes: int) -> dict:
 
 def fleet_overview() -> dict:
     """Everything the fleet page shows, in a fixed number of queries."""
-    from nodes.consumers import liveness_key
+    from fleet.names import liveness_key
 
     nodes = list(Node.objects.all())
     beats = cache.get_many([liveness_key(str(n.id)) for n in nodes]) if nodes else {}

@@ -2,8 +2,8 @@
 
 Channels' SessionMiddleware hands the consumer a `send` that, before every message, reads the session's `modified`
 and `is_empty()` (through a LazyObject) and a setting, to save the session and set its cookie on
-`http.response.start`, a message a websocket never sends: about 5 us of CPU for each frame (`timeit`), every token
-batch a client socket streams. Here the consumer gets the server's own `send`. A websocket consumer that changes
+`http.response.start`, a message a websocket never sends: work done for every token batch a client socket
+streams. Here the consumer gets the server's own `send`. A websocket consumer that changes
 its session saves it itself, as it had to before (Channels' wrapper never saved one for a websocket).
 """
 

@@ -3,9 +3,8 @@
 Django runs a request's synchronous parts (every `sync_to_async` call, and always `response.close()` once the last
 byte is sent) on one thread of the request's own, so that they share its thread-local database connection. Its
 ASGIHandler makes that thread new for every request, starts it on the event loop's thread and joins it there when
-the request ends. At 500 streams (`bench/scale.py`) that was a thread started and joined 85 times a second for
-`response.close()` alone: starting one waits on the new thread, and the new thread takes the interpreter's lock
-from the loop.
+the request ends. Under many streams that is a thread started and joined for each request's `response.close()`
+alone: starting one waits on the new thread, and the new thread takes the interpreter's lock from the loop.
 
 Here a request borrows a one-thread executor from a pool and gives it back when Django's handler returns: the
 same guarantee (one thread for the request's synchronous work, and no other request's work on it meanwhile) with
@@ -24,9 +23,8 @@ whose response holds nothing to close (no file, no iterator with a `close`, no u
 the request's body stream is only marked closed). There it marks the response closed and sends `request_finished`,
 whose receivers close the database connections they see where they run (on the event loop, Django keeps them per
 context: the request's context there holds none, else the close goes to the thread as before), close the caches
-(no-ops for Django's local-memory and Redis caches) and reset the URLconf. Through the whole middleware and handler,
-a request to a minimal async view cost 200-350 us less CPU without the hop (docs/benchmarks.md, *Scale*, tenth
-round), once per request.
+(no-ops for Django's local-memory and Redis caches) and reset the URLconf. That saves each such request a thread
+hop (what it measured: docs/benchmarks.md, *Scale*).
 """
 
 from __future__ import annotations

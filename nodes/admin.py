@@ -83,7 +83,7 @@ class NodeAdmin(admin.ModelAdmin):
         """Lanes, KV use, speed and per-replica state from the last heartbeat (kept with a TTL, not in the row)."""
         from django.core.cache import cache
 
-        from nodes.consumers import liveness_key
+        from fleet.names import liveness_key
 
         beat = cache.get(liveness_key(str(node.pk)))
         if not beat:

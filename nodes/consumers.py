@@ -29,6 +29,7 @@ from fleet import heads, metrics
 from fleet.dbsweep import FramesSkipSweep
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
+from fleet.names import liveness_key, node_group, token_group
 from nodes import link_deploy, services, tokenizers
 from nodes import registry as model_registry
 from nodes.link.channel import SecureChannel
@@ -62,7 +63,7 @@ from nodes.link.messages import (
 )
 from nodes.link.placement import NodeSlot
 from nodes.models import FleetToken, LinkEvent, Node
-from nodes.services import JoinRefused, node_group, token_group
+from nodes.services import JoinRefused
 
 log = logging.getLogger("fleet")
 
@@ -76,10 +77,6 @@ PROXY_HEADERS = {b"x-forwarded-for", b"forwarded", b"x-real-ip", b"x-forwarded-h
 
 _handshakes_in_progress = 0
 _handshakes_by_peer: Counter = Counter()  # handshakes in progress by address (loopback not counted)
-
-
-def liveness_key(node_id: str) -> str:
-    return f"fleet:node:{node_id}:heartbeat"
 
 
 def _is_loopback(host: str | None) -> bool:

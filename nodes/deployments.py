@@ -11,9 +11,9 @@ import re
 
 from django.db import transaction
 
+from fleet.names import node_group
 from nodes.link.codes import ModelPhase
 from nodes.models import Deployment, Model, Node, NodeModel
-from nodes.services import node_group
 
 MAX_LANES = 256
 MAX_CONTEXT = 1 << 20

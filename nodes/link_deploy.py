@@ -10,10 +10,10 @@ from channels.db import database_sync_to_async
 
 from fleet.links import registry
 from fleet.live import fleet_changed
+from fleet.names import node_group
 from nodes import deployments
 from nodes.link.codes import ModelPhase
 from nodes.link.messages import Deploy, LinkError, Models, ModelState
-from nodes.services import node_group
 
 log = logging.getLogger("fleet")
 

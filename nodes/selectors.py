@@ -47,7 +47,7 @@ def node_replicas(*, node: Node) -> tuple[dict | None, list[dict]]:
     from that heartbeat when there is one, else as the node registered them."""
     from django.core.cache import cache
 
-    from nodes.consumers import liveness_key
+    from fleet.names import liveness_key
 
     beat = cache.get(liveness_key(str(node.pk)))
     replicas = (beat or {}).get("replicas") or node.replicas or []

@@ -13,6 +13,7 @@ from django.db.models import Subquery
 from django.utils import timezone
 
 from fleet import secretbox
+from fleet.names import node_group, token_group
 from nodes.agent.vocab import VocabError
 from nodes.link.codes import CloseCode
 from nodes.link.handshake import LOCAL_TOKEN_ID, fingerprint, format_token, make_secret, parse_token
@@ -164,11 +165,6 @@ def fleet_token_verify(*, token_string: str) -> bool:
     return secrets.compare_digest(stored, secret)
 
 
-def token_group(public_id: str) -> str:
-    """The channel-layer group of the links that joined with a token, whichever head process holds them."""
-    return f"fleet.token.{public_id}"
-
-
 def _close_links(group: str, code: CloseCode, reason: str) -> None:
     """Close every link in a channel-layer group, in whichever head process holds it."""
     from asgiref.sync import async_to_sync
@@ -224,11 +220,6 @@ def node_revoke(*, node: Node) -> bool:
     transaction.on_commit(lambda: _close_links(node_group(str(node.pk)), CloseCode.NODE_REVOKED,
                                                f"node {node.identity!r} was revoked"))
     return created
-
-
-def node_group(node_id: str) -> str:
-    """The channel-layer group a node's link listens on (holds, drains, revocation), whichever process holds it."""
-    return f"fleet.node.{node_id}"
 
 
 # --- nodes --------------------------------------------------------------------------------------------------

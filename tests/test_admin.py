@@ -160,7 +160,7 @@ def test_a_nodes_page_shows_what_its_engine_measured_and_the_load_cost_learned_f
     from django.core.cache import cache
 
     from fleet.links import registry
-    from nodes.consumers import liveness_key
+    from fleet.names import liveness_key
     from nodes.link.placement import NodeSlot
 
     node = NodeFactory(identity="paced")

@@ -8,7 +8,7 @@ from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
 
-from fleet import live
+from fleet import live, names
 from nodes.link.messages import Heartbeat
 from nodes.models import LinkEvent
 from nodes.services import fleet_token_create, fleet_token_revoke
@@ -94,7 +94,7 @@ async def test_a_node_joining_heartbeating_and_leaving_is_pushed_to_an_open_page
 async def test_a_burst_of_changes_is_one_push_now_and_one_at_the_end_of_the_interval():
     layer = get_channel_layer()
     watcher = await layer.new_channel()
-    await layer.group_add(live.fleet_page_group(), watcher)
+    await layer.group_add(names.fleet_page_group(), watcher)
     live.fleet_changed()
     first = await asyncio.wait_for(layer.receive(watcher), 5)  # at once
     for _ in range(100):  # within the interval that just began
@@ -103,7 +103,7 @@ async def test_a_burst_of_changes_is_one_push_now_and_one_at_the_end_of_the_inte
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(layer.receive(watcher), live.PUSH_EVERY_S * 4)
     assert first == second == {"type": "fleet.changed", "process": live.PROCESS_ID, "waiting": {}}
-    await layer.group_discard(live.fleet_page_group(), watcher)
+    await layer.group_discard(names.fleet_page_group(), watcher)
 
 
 async def test_joins_refusals_and_drops_are_the_nodes_link_history():

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleet import metric_store, metrics
 from fleet.dispatch import Outcome
 from fleet.links import registry
-from nodes.consumers import liveness_key
+from fleet.names import liveness_key
 from nodes.link.codes import CloseCode
 from nodes.link.placement import NodeSlot
 from tests.factories import NodeFactory, UserFactory

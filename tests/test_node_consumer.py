@@ -121,7 +121,7 @@ async def _beat_of(node_id: str) -> dict:
     """The heartbeat the head keeps for the node's pages (handled in order, so it lands soon after it is sent)."""
     from django.core.cache import cache
 
-    from nodes.consumers import liveness_key
+    from fleet.names import liveness_key
 
     for _ in range(100):
         beat = await cache.aget(liveness_key(node_id))

@@ -11,8 +11,8 @@ from nodes.agent.engine.base import (
     EngineLoadError,
     Event,
     StateOpError,
-    create_engine,
 )
+from nodes.agent.engine.factory import create_engine
 from nodes.agent.engine.worker import EngineWorker
 
 __all__ = [

@@ -121,19 +121,3 @@ def tokens_event(gen_id: str, seq: int, text: list[str], ids: list[int], logprob
 
 def error_event(gen_id: str, code: str, message: str, retryable: bool = False) -> Error:
     return Error(gen_id=gen_id, code=code, message=message, retryable=retryable)
-
-
-def create_engine(config: EngineConfig, on_progress: Any = None) -> Engine:
-    """Build the engine `config` asks for: the mock when `config.mock` is set, none for a node that serves a speech
-    model alone (its worker's Transcriber does the work), else llama.cpp."""
-    if config.model_path is None and config.mock is None and config.speech_model_path:
-        from nodes.agent.engine.speech import SpeechOnlyEngine
-
-        return SpeechOnlyEngine(config)
-    if config.mock is not None:
-        from nodes.agent.engine.mock import MockEngine
-
-        return MockEngine(config, on_progress=on_progress)
-    from nodes.agent.engine.llama import LlamaEngine
-
-    return LlamaEngine(config, on_progress=on_progress)

@@ -24,9 +24,9 @@ from nodes.agent.engine.base import (
     EngineConfig,
     EngineLoadError,
     StateOpError,
-    create_engine,
     error_event,
 )
+from nodes.agent.engine.factory import create_engine
 from nodes.link.codes import ErrorCode
 from nodes.link.spec import GenerateSpec, SpecError
 

@@ -49,9 +49,10 @@ def context_settings(batch_invariant: bool) -> dict[str, Any]:
     return {"unified_kv": False, "flash_attn": flash}
 
 
-class TokenBatch:
+class DecodeBatch:
     """A llama_batch over numpy arrays we own, so filling a prompt chunk is a slice copy, not a loop of
-    ctypes stores. Every token belongs to exactly one sequence (n_seq_id is always 1)."""
+    ctypes stores. Every token belongs to exactly one sequence (n_seq_id is always 1). What one `llama_decode`
+    reads, not the link's `TokenBatch` message (nodes.link.messages), which carries a generation's new tokens."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -116,7 +117,7 @@ class LlamaEngine(LaneEngine):
         self.vision = Vision(config.mmproj_path, self.model.model, self.threads) if config.mmproj_path else None
         self._image_prompts: dict[str, ImagePrompt] = {}  # gen_id -> its images, for generations that have some
         super().__init__(config, window, L.llama_n_batch(self.ctx))
-        self.batch = TokenBatch(self.n_batch)
+        self.batch = DecodeBatch(self.n_batch)
         self._embed_ctx: Any = None
         self.parking = LaneParking(config.park_dir, self.model, self.ctx) if config.park_dir else None
         self._unparked: set[int] = set()
@@ -422,7 +423,7 @@ class LlamaEngine(LaneEngine):
                 f"a text is {len(tokens)} tokens; the embedding window is {self.window}",
             )
         L.llama_memory_clear(L.llama_get_memory(self._embed_ctx), True)
-        batch = TokenBatch(len(tokens))
+        batch = DecodeBatch(len(tokens))
         batch.add(tokens, 0, 0, True)
         batch.logits[: len(tokens)] = 1  # pooling reads every token's output
         batch.batch.n_tokens = batch.n
