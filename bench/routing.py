@@ -61,6 +61,7 @@ from nodes.link.spec import GenerateSpec  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "routing.json"
 MODEL = "mock-1b"
 POLICIES = ["cache_aware", "round_robin", "least_loaded", "cache_aware@3000"]
+HEADS_POLICIES = ["cache_aware_heads@1", "cache_aware_heads@2", "cache_aware_heads@4"]
 PROFILES = {  # what differs between the simulated nodes of each profile
     "cpu": {"prefill_ms_per_token": 2.0, "decode_slowdown_ms": 8.0},
     "gpu": {"prefill_ms_per_token": 0.1, "decode_tps": 100.0, "decode_slowdown_ms": 0.1},
@@ -279,8 +280,66 @@ class CacheAware(Policy):
                               "answer_tokens": round(s.answer_tokens, 1)} for s in self.state.nodes()]}
 
 
+class CacheAwareHeads(CacheAware):
+    """cache_aware as H head processes place it: the placement state in Redis (fleet/placement_redis.py, one prefix
+    index and one count of lanes fleet-wide), each head with its own client, snapshot and placement lifecycle, and
+    the conversations spread evenly over the heads (conversation i on head i mod H). One FIFO of waiting generations
+    stays (the real heads wake each other's waiters when a lane frees). Needs REDIS_URL; uses keys of its own."""
+
+    def __init__(self, p: Params, heads: int) -> None:
+        from fleet.placement_redis import RedisPlacementState
+
+        Policy.__init__(self, p)
+        url = os.environ.get("REDIS_URL")
+        if not url:
+            raise SystemExit(f"cache_aware_heads@{heads} needs REDIS_URL (the fleet-wide placement state)")
+        prefix = f"bench-routing-{os.getpid()}-{time.monotonic_ns()}:"
+        self.heads = [RedisPlacementState(url, prefix=prefix) for _ in range(heads)]
+        self.lifecycles = [PlacementLifecycle(state) for state in self.heads]
+        self.state, self.lifecycle = self.heads[0], self.lifecycles[0]
+        for i in range(p.nodes):
+            self.state.node_up(NodeSlot(f"n{i}", f"node-{i}", [MODEL], p.lanes, p.context_window))
+        self.head_of: dict[str, int] = {}
+
+    def _lifecycle(self, gen_id: str) -> PlacementLifecycle:
+        return self.lifecycles[self.head_of[gen_id]]
+
+    def place(self, gen: Generation) -> int | None:
+        gen_id = gen.spec.gen_id
+        self.head_of.setdefault(gen_id, int(gen_id[1:].split("t", 1)[0]) % len(self.heads))
+        choice = self._lifecycle(gen_id).choose(gen.spec, gen.keys)
+        if choice is None:
+            return None
+        node = int(choice.node_id[1:])
+        self.running[node] += 1
+        self.routed[node] += 1
+        return node
+
+    def accepted(self, node: int, event: Accepted) -> None:
+        self._lifecycle(event.gen_id).accepted(f"n{node}", event.evicted)
+
+    def measured(self, node: int, figures: dict[str, Any]) -> None:
+        for lifecycle in self.lifecycles:  # a node's heartbeat reaches every head it links to
+            lifecycle.measured(f"n{node}", figures)
+
+    def finished(self, node: int, gen: Generation, done: Done) -> None:
+        self._lifecycle(gen.spec.gen_id).done(f"n{node}", gen.spec, gen.keys, answer=gen.text, usage=done.usage,
+                                              tokenizer=MOCK_TOKENIZER, evicted=done.evicted)
+        Policy.finished(self, node, gen, done)
+        del self.head_of[gen.spec.gen_id]
+
+    def report(self) -> dict[str, Any]:
+        keys = self.state.r.keys(f"{self.state.p}*")
+        if keys:
+            self.state.r.delete(*keys)
+        return {"heads": len(self.heads)}
+
+
 def make_policy(name: str, p: Params) -> Policy:
-    """A policy by name; `cache_aware@N` is cache_aware with a fixed load cost of N tokens."""
+    """A policy by name; `cache_aware@N` is cache_aware with a fixed load cost of N tokens, `cache_aware_heads@H`
+    cache_aware over the Redis placement state from H heads."""
+    if name.startswith("cache_aware_heads@"):
+        return CacheAwareHeads(p, heads=int(name.split("@", 1)[1]))
     if name.startswith("cache_aware@"):
         return CacheAware(p, load_tokens=int(name.split("@", 1)[1]))
     return {"cache_aware": CacheAware, "round_robin": RoundRobin, "least_loaded": LeastLoaded}[name](p)
@@ -445,19 +504,29 @@ def summarize(t: Tally, busy_s: list[float], elapsed: float, scale: float) -> di
 
 def ratios(policies: dict[str, dict[str, Any]]) -> dict[str, float]:
     ca, rr = policies["cache_aware"], policies["round_robin"]
-    return {
+    r = {
         "prefill_round_robin_over_cache_aware": round(rr["prefill_tokens"] / max(ca["prefill_tokens"], 1), 2),
         "ttft_p50_round_robin_over_cache_aware": round(rr["ttft_ms_p50"] / ca["ttft_ms_p50"], 2),
         "cache_aware_max_over_mean_load": ca["max_over_mean_load"],
     }
+    # Spread over H heads against one head on the same Redis state (else the in-process one): the hit ratio's drop.
+    one = policies.get("cache_aware_heads@1", ca)
+    for name, row in policies.items():
+        if name.startswith("cache_aware_heads@") and name != "cache_aware_heads@1":
+            r[f"cache_hit_drop_{name.split('@')[1]}_heads"] = round(one["cache_hit_ratio"] - row["cache_hit_ratio"], 3)
+    return r
 
 
 def targets(r: dict[str, float]) -> dict[str, bool]:
-    return {
+    met = {
         "prefill_at_least_3x_fewer": r["prefill_round_robin_over_cache_aware"] >= 3.0,
         "ttft_p50_at_least_2x_better": r["ttft_p50_round_robin_over_cache_aware"] >= 2.0,
         "no_node_above_1_5x_mean_load": r["cache_aware_max_over_mean_load"] <= 1.5,
     }
+    for key, drop in r.items():
+        if key.startswith("cache_hit_drop_"):
+            met[f"{key.removeprefix('cache_hit_drop_')}_hit_ratio_within_0_02_of_one"] = drop <= 0.02
+    return met
 
 
 def print_report(p: Params, policies: dict[str, dict[str, Any]], r: dict[str, float], met: dict[str, bool]) -> None:
@@ -470,9 +539,9 @@ def print_report(p: Params, policies: dict[str, dict[str, Any]], r: dict[str, fl
         "max_over_mean_busy",
         "cache_hit_ratio",
     ]
-    print(f"{'policy':<18}" + "".join(f"{c:>20}" for c in cols))
+    print(f"{'policy':<22}" + "".join(f"{c:>20}" for c in cols))
     for name, row in policies.items():
-        print(f"{name:<18}" + "".join(f"{row[c]:>20}" for c in cols))
+        print(f"{name:<22}" + "".join(f"{row[c]:>20}" for c in cols))
     print(
         "max_over_mean_load = the busiest node's share of generations over the mean; "
         "max_over_mean_busy = the same for the time its engine spent stepping"
@@ -491,7 +560,10 @@ def parse_args() -> tuple[Params, list[str], list[str], Path]:
     parser.add_argument("--arrival-gap", type=float, default=p.arrival_gap_s, help="mean seconds between conversations")
     parser.add_argument("--seed", type=int, default=p.seed)
     parser.add_argument("--profiles", default=",".join(PROFILES), help=f"comma-separated, of {', '.join(PROFILES)}")
-    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; cache_aware@N fixes N")
+    # With REDIS_URL set the default adds the fleet-wide placement state from 1, 2 and 4 heads (#32's hit ratio).
+    default = POLICIES + (HEADS_POLICIES if os.environ.get("REDIS_URL") else [])
+    parser.add_argument("--policies", default=",".join(default),
+                        help="comma-separated; cache_aware@N fixes N; cache_aware_heads@H places from H heads")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     p.time_scale, p.conversations, p.arrival_gap_s = args.time_scale, args.conversations, args.arrival_gap
