@@ -26,7 +26,7 @@ generation (RedisCounter). Targets at 500 streams, one head: >= 0.95x the nodes'
 token summed <= 1.15x one head's, and <= 2 Redis round trips a generation. The JSON says how many cores the head
 had and the load average; a target this machine cannot reach is reported as not met, with the reason.
 
-    .venv/bin/python bench/scale.py [--quick] [--streams 100,500,1000] [--heads 1,2,4] [--seconds 20] [--tokens 100]
+    .venv/bin/python bench/scale.py [--quick] [--streams 100,500,1000] [--heads 1,1r,2,4] [--seconds 20] [--tokens 100]
                                     [--out FILE]
                                     [--profile DIR] [--shared]
 
@@ -287,14 +287,14 @@ def start_head(head: Head, profile: Path | None, n: int) -> None:
     wait_for(lambda: head.health() is not None, 60, f"head on port {head.port} did not start: {head.log()}")
 
 
-def head_phase(args, tmp: Path, heads_n: int) -> dict[int, dict]:
+def head_phase(args, tmp: Path, heads_n: int, on_redis: bool) -> dict[int, dict]:
     with args.cores.phase(heads_n):
-        return _head_phase(args, tmp, heads_n)
+        return _head_phase(args, tmp, heads_n, on_redis)
 
 
-def _head_phase(args, tmp: Path, heads_n: int) -> dict[int, dict]:
+def _head_phase(args, tmp: Path, heads_n: int, on_redis: bool) -> dict[int, dict]:
     env = dict(NO_QUOTAS)
-    counter = RedisCounter(tmp) if heads_n > 1 else None
+    counter = RedisCounter(tmp) if on_redis else None
     if counter is not None:
         env["REDIS_URL"] = counter.url
     heads = [make_head(tmp, extra_env=env)]
@@ -317,7 +317,8 @@ def _head_phase(args, tmp: Path, heads_n: int) -> dict[int, dict]:
             out[streams] = measure(args, tmp, groups, pids, counter)
             out[streams]["head_cores"] = len(os.sched_getaffinity(pids[0]))
             out[streams]["pinned"] = args.cores.pinned and heads_n == 1
-            print(f"{streams} streams, {heads_n} head(s): {out[streams]['tok_s']} tok/s, "
+            where = " on Redis" if on_redis else ""
+            print(f"{streams} streams, {heads_n} head(s){where}: {out[streams]['tok_s']} tok/s, "
                   f"{out[streams]['cpu_s']} CPU s, errors {out[streams]['errors']}", flush=True)
     finally:
         for node in nodes:
@@ -329,13 +330,14 @@ def _head_phase(args, tmp: Path, heads_n: int) -> dict[int, dict]:
     return out
 
 
-def row(streams: int, heads: int, bare: dict[str, dict], head: dict) -> dict:
+def row(streams: int, heads: int, on_redis: bool, bare: dict[str, dict], head: dict) -> dict:
     direct, proxy = bare["direct"], bare["proxy"]
 
     def added(key: str) -> float | None:
         return round(head[key] - direct[key], 1) if head[key] is not None and direct[key] is not None else None
 
-    return {"streams": streams, "heads": heads, "direct_tok_s": direct["tok_s"], "proxy_tok_s": proxy["tok_s"],
+    return {"streams": streams, "heads": heads, "redis": on_redis,
+            "direct_tok_s": direct["tok_s"], "proxy_tok_s": proxy["tok_s"],
             "head_tok_s": head["tok_s"],
             "head_cpu_s_per_1k_tok": round(head["cpu_s"] / head["tokens"] * 1000, 4) if head["tokens"] else None,
             "added_ttft_ms_p50": added("ttft_ms_p50"), "added_gap_ms_p99": added("gap_ms_p99"),
@@ -347,7 +349,7 @@ def row(streams: int, heads: int, bare: dict[str, dict], head: dict) -> dict:
 
 def targets_met(runs: list[dict], cores: int) -> dict:
     """The targets (issue 17's latency ones, issue 32's scale-out ones), each with its value and, when not met, why."""
-    run = next((r for r in runs if r["streams"] == 500 and r["heads"] == 1), None)
+    run = next((r for r in runs if r["streams"] == 500 and r["heads"] == 1 and not r["redis"]), None)
     if run is None:
         return {"all": False, "reason": "no run at 500 streams with one head (--quick or --streams left it out)"}
     checks = {
@@ -362,10 +364,16 @@ def targets_met(runs: list[dict], cores: int) -> dict:
                                   (run["head_cpu_s_per_1k_tok"] or 1e9) < TARGETS["head_cpu_s_per_1k_tok"]),
     }
     for r in runs:  # several heads: their CPU a token summed, against one head's at the same stream count
-        one = next((o for o in runs if o["heads"] == 1 and o["streams"] == r["streams"]), None)
+        one = next((o for o in runs if o["heads"] == 1 and not o["redis"] and o["streams"] == r["streams"]), None)
+        one_redis = next((o for o in runs if o["heads"] == 1 and o["redis"] and o["streams"] == r["streams"]), None)
         if r["heads"] > 1 and one and one["head_cpu_s_per_1k_tok"] and r["head_cpu_s_per_1k_tok"]:
             ratio = round(r["head_cpu_s_per_1k_tok"] / one["head_cpu_s_per_1k_tok"], 3)
             checks[f"cpu_ratio_{r['heads']}_heads_{r['streams']}"] = (ratio, ratio <= TARGETS["cpu_ratio"])
+        if r["heads"] > 1 and one_redis and one_redis["head_cpu_s_per_1k_tok"] and r["head_cpu_s_per_1k_tok"]:
+            # against one head on the same Redis: what more processes cost, the shared state's own cost aside
+            ratio = round(r["head_cpu_s_per_1k_tok"] / one_redis["head_cpu_s_per_1k_tok"], 3)
+            checks[f"cpu_ratio_over_one_on_redis_{r['heads']}_heads_{r['streams']}"] = (ratio,
+                                                                                       ratio <= TARGETS["cpu_ratio"])
             trips = r["redis_round_trips_per_generation"]
             checks[f"redis_round_trips_{r['heads']}_heads_{r['streams']}"] = (trips, trips <= TARGETS["round_trips"])
     target = {"cpu_ratio": TARGETS["cpu_ratio"], "redis_round_trips": TARGETS["round_trips"]}
@@ -384,7 +392,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="100 and 500 streams, 8 s windows")
     parser.add_argument("--streams", default="100,500,1000")
-    parser.add_argument("--heads", default="1,2,4")
+    parser.add_argument("--heads", default="1,1r,2,4", help="head processes a run; 1r: one head on Redis")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=8.0, help="seconds before the window opens")
     parser.add_argument("--settle", type=float, default=3.0)
@@ -401,14 +409,16 @@ def main() -> int:
     if args.quick:
         args.streams, args.seconds, args.warmup = "100,500", 8.0, 6.0
     args.streams = [int(s) for s in args.streams.split(",")]
-    heads = [int(h) for h in args.heads.split(",")]
+    # "1r": one head on the bench's Redis (the fleet-wide state as several heads use it), beside "1" on the default
+    heads = [(int(h.rstrip("r")), h.endswith("r") or int(h.rstrip("r")) > 1) for h in args.heads.split(",")]
     for name in ("REDIS_URL", "DATABASE_URL"):
         os.environ.pop(name, None)  # one head: the embedded default; more: SQLite shared, the bench's own Redis
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="fleet-bench-scale-"))
     bare = bare_phase(args, tmp)
-    runs = [row(s, h, bare[s], result) for h in heads for s, result in head_phase(args, tmp, h).items()]
+    runs = [row(s, h, on_redis, bare[s], result) for h, on_redis in heads
+            for s, result in head_phase(args, tmp, h, on_redis).items()]
     cores = os.cpu_count() or 1
     result = {"runs": runs, "targets_met": targets_met(runs, cores),
               "setup": {"nodes": args.nodes, "lanes": args.lanes, "decode_tps": args.tps, "tokens": args.tokens,
@@ -417,10 +427,11 @@ def main() -> int:
                                   "pinned": args.cores.pinned},
                         "clients": "closed-loop; with the head, half SSE and half websocket"},
               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    print(f"{'streams':>8}{'heads':>6}{'direct':>9}{'proxy':>9}{'head':>9}{'cpu/1k':>8}{'+ttft50':>9}{'+gap99':>8}"
+    print(f"{'streams':>8}{'heads':>7}{'direct':>9}{'proxy':>9}{'head':>9}{'cpu/1k':>8}{'+ttft50':>9}{'+gap99':>8}"
           f"{'trips':>7}")
     for r in runs:
-        print(f"{r['streams']:>8}{r['heads']:>6}{r['direct_tok_s']:>9}{r['proxy_tok_s']:>9}{r['head_tok_s']:>9}"
+        label = f"{r['heads']}{'r' if r['redis'] and r['heads'] == 1 else ''}"
+        print(f"{r['streams']:>8}{label:>7}{r['direct_tok_s']:>9}{r['proxy_tok_s']:>9}{r['head_tok_s']:>9}"
               f"{r['head_cpu_s_per_1k_tok']!s:>8}{r['added_ttft_ms_p50']!s:>9}{r['added_gap_ms_p99']!s:>8}"
               f"{r['redis_round_trips_per_generation']!s:>7}")
     print(json.dumps(result["targets_met"], indent=2))
