@@ -8,7 +8,7 @@ from django.shortcuts import get_object_or_404
 from django.urls import path, reverse
 from django.utils.html import format_html
 
-from api.batches import batch_ref, file_ref
+from api.batches import batch_generations, batch_ref, file_ref
 from api.models import ApiKey, Batch, BatchFile
 from api.services import api_key_create, api_key_revoke
 from sessions.selectors import expires_at
@@ -114,7 +114,17 @@ class BatchAdmin(NoAddMixin, admin.ModelAdmin):
     search_fields = ("owner__username", "input_file_ref")
     list_select_related = ("owner",)
     readonly_fields = [*(f.name for f in Batch._meta.fields), "input_download", "output_download",
-                       "error_download"]
+                       "error_download", "generations"]
+
+    @admin.display(description="generations (its lines' records)")
+    def generations(self, row):
+        ref = batch_ref(row)
+        count = batch_generations(ref=ref).count()
+        if not count:
+            return "none yet"
+        url = reverse("admin:inference_sessions_generation_changelist")
+        return format_html('<a id="batch-generations" href="{}?batch={}">{} generation{}</a>', url, ref, count,
+                           "" if count == 1 else "s")
 
     @admin.display(description="input file")
     def input_download(self, row):

@@ -12,12 +12,14 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import models, transaction
+from django.db.models.functions import Cast
 from django.utils import timezone
 from django.utils.crypto import constant_time_compare, salted_hmac
 
 from api.errors import OpenAIError, invalid
-from api.models import ApiKey, Batch, BatchFile
+from api.models import ApiKey, Batch, BatchFile, BatchLine
+from sessions.models import Generation
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 WINDOW = re.compile(r"^(\d{1,6})([smh])$")
@@ -171,6 +173,18 @@ def batch_get(*, owner, ref: str) -> Batch:
 
 def batch_list(*, owner, limit: int = 20, after: str | None = None) -> dict[str, Any]:
     return _page(Batch.objects.filter(owner=owner), limit, after and batch_get(owner=owner, ref=after), batch_object)
+
+
+def batch_generations(*, ref: str) -> models.QuerySet[Generation]:
+    """The generation records a batch's lines made (any owner's: the admin's view). An answered line names its
+    generation in `request_id` (the X-Fleet-Generation header the head answered it with); a line refused before it
+    reached a node names none, and a record purged by retention is gone. A ref that names no batch: none."""
+    pk = _uuid(ref, "batch_")
+    if pk is None:
+        return Generation.objects.none()
+    made = BatchLine.objects.filter(batch_id=pk).exclude(request_id="").annotate(
+        generation_id=Cast("request_id", models.UUIDField())).values("generation_id")
+    return Generation.objects.filter(pk__in=made)
 
 
 def batch_cancel(*, owner, ref: str) -> Batch:

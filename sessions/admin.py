@@ -42,12 +42,30 @@ class InferenceSessionAdmin(admin.ModelAdmin):
         return expires_at(row.updated_at, settings.FLEET_SESSION_TTL_DAYS) or "never"
 
 
+class BatchFilter(admin.SimpleListFilter):
+    """The generations one batch's lines made (`?batch=batch_<id>`, the link on the batch's page). Offered only
+    while it filters: a list of every batch would grow without bound."""
+
+    title = "batch"
+    parameter_name = "batch"
+
+    def lookups(self, request, model_admin):
+        return [(self.value(), self.value())] if self.value() else []
+
+    def queryset(self, request, queryset):
+        from api.batches import batch_generations  # api depends on sessions, not the other way round at import
+
+        if not self.value():
+            return queryset
+        return queryset.filter(pk__in=batch_generations(ref=self.value()).values("pk"))
+
+
 @admin.register(Generation)
 class GenerationAdmin(ReadOnlyMixin, admin.ModelAdmin):
     empty_hint = ("No generation yet. Try the playground, or send one with an API key to /v1/chat/completions.")
     list_display = ("id", "model", "node", "status", "finish_reason", "tokens", "first_token", "decode",
                     "created_at")
-    list_filter = ("status", "finish_reason", "model", "kind", "node")
+    list_filter = ("status", "finish_reason", "model", "kind", "node", BatchFilter)
     search_fields = ("id", "error", "trace_id")
     list_select_related = ("node",)
     date_hierarchy = "created_at"

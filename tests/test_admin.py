@@ -64,12 +64,20 @@ def test_changelist_renders_with_pinned_queries(staff_client, django_assert_num_
 
 
 def test_fleet_page_renders_nodes_and_models(staff_client, django_assert_num_queries):
+    from nodes.models import NodeModel
+
     NodeFactory(identity="gpu-down", state=Node.State.OFFLINE)
-    with django_assert_num_queries(5):
+    pulling = NodeFactory(identity="gpu-new")
+    NodeModel.objects.create(node=pulling, model="qwen-big", state=NodeModel.State.PULLING, progress=0.425)
+    NodeModel.objects.create(node=pulling, model="qwen-small", state=NodeModel.State.LOADING)
+    NodeModel.objects.create(node=pulling, model="smollm2", state=NodeModel.State.SERVING)
+    with django_assert_num_queries(6):
         response = staff_client.get(reverse("fleet-overview"))
     body = response.content.decode()
     assert response.status_code == 200
     assert "gpu-down" in body and "offline" in body and "smollm2" in body
+    assert ('<span class="fleet-preparing">qwen-big: pulling <progress max="100" value="42"></progress> 42%</span>'
+            '<span class="fleet-preparing">qwen-small: loading </span>') in body  # not the pair it serves
 
 
 def test_admin_index_links_to_fleet_page(staff_client):
@@ -254,6 +262,32 @@ def test_a_batch_page_offers_its_files_for_download_to_staff_only(staff_client, 
     assert file_ref(answers) in got["Content-Disposition"]
     client.force_login(owner)  # not staff: the admin's login page
     assert client.get(url).status_code == 302
+
+
+def test_a_batch_page_links_to_the_generations_its_lines_made(staff_client):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from api.batches import batch_ref
+    from api.models import Batch, BatchLine
+
+    batch = Batch.objects.create(owner=UserFactory(username="batcher"), endpoint="/v1/chat/completions",
+                                 completion_window="24h", expires_at=timezone.now() + timedelta(days=1))
+    made = [GenerationFactory(), GenerationFactory()]
+    other = GenerationFactory()  # not the batch's: an interactive request's record
+    for index, request_id in enumerate([made[0].pk.hex, made[1].pk.hex, ""]):  # the last refused before a node
+        BatchLine.objects.create(batch=batch, index=index, custom_id=f"line-{index}", request_id=request_id)
+    page = staff_client.get(reverse("admin:api_batch_change", args=[batch.pk])).content.decode()
+    changelist = reverse("admin:inference_sessions_generation_changelist")
+    link = f'<a id="batch-generations" href="{changelist}?batch={batch_ref(batch)}">2 generations</a>'
+    assert link in page, page
+    listed = staff_client.get(f"{changelist}?batch={batch_ref(batch)}").content.decode()
+    assert all(str(g.pk) in listed for g in made) and str(other.pk) not in listed
+    assert "2 results" in listed and batch_ref(batch) in listed  # the filter shows while it filters
+    for wrong in ("batch_" + "0" * 32, "not-a-batch"):
+        response = staff_client.get(f"{changelist}?batch={wrong}")
+        assert response.status_code == 200 and "0 results" in response.content.decode(), wrong
 
 
 def test_an_empty_list_says_what_to_do_next(client):
