@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from fleet.links import registry
 from nodes.models import Node
+from nodes.selectors import node_models_preparing
 from sessions.models import Generation
 
 
@@ -23,6 +24,7 @@ class NodeRow:
     tokens_per_s: float | None
     connected_here: bool
     beat: dict = field(default_factory=dict)  # the last heartbeat: KV use, tokens/s history, replicas
+    preparing: list[dict] = field(default_factory=list)  # deployed models it is pulling or loading, with progress
 
 
 FIGURES = ("lanes", "lanes_busy", "kv_used", "kv_total", "tokens_per_s")
@@ -47,10 +49,12 @@ def fleet_overview() -> dict:
     nodes = list(Node.objects.all())
     beats = cache.get_many([liveness_key(str(n.id)) for n in nodes]) if nodes else {}
     links = registry().links
+    preparing = node_models_preparing() if nodes else {}
     rows = []
     for node in nodes:
         beat = beats.get(liveness_key(str(node.id))) or {}
-        rows.append(NodeRow(node, beat.get("lanes_busy"), beat.get("tokens_per_s"), str(node.id) in links, beat))
+        rows.append(NodeRow(node, beat.get("lanes_busy"), beat.get("tokens_per_s"), str(node.id) in links, beat,
+                            preparing.get(node.id, [])))
     since = timezone.now() - timedelta(hours=1)
     recent = Generation.objects.filter(created_at__gte=since)
     totals = recent.aggregate(
@@ -109,6 +113,7 @@ def _live_node(row: NodeRow, placed: int | None) -> dict:
         "kv_total": beat.get("kv_total"), "history": beat.get("history") or [], "context_window": node.context_window,
         "address": node.address, "engine": node.engine,
         "per_model": {name: node_model_figures(beat, name, lanes=node.lanes) for name in node.models_served},
+        "preparing": row.preparing,
         "last_seen": node.last_seen_at.isoformat() if node.last_seen_at else None,
     }
 

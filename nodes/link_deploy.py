@@ -93,3 +93,4 @@ async def on_model_state(consumer, msg: ModelState) -> None:
                  f": {msg.detail}" if msg.detail else "")
     for node_id in others:
         await consumer.channel_layer.group_send(node_group(node_id), {"type": "node.deploy"})
+    fleet_changed()  # the live page shows a pull's or a load's progress (a node reports it twice a second at most)

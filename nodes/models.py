@@ -254,7 +254,7 @@ class NodeModel(models.Model):
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="deployed_models")
     model = models.CharField(max_length=64, db_index=True)
     state = models.CharField(max_length=16, choices=State.choices)
-    progress = models.FloatField(default=0.0, help_text="0..1 of the pull, while pulling.")
+    progress = models.FloatField(default=0.0, help_text="0..1 of the pull while pulling, of the load while loading.")
     detail = models.CharField(max_length=500, blank=True, help_text="Why it failed.")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -267,10 +267,10 @@ class NodeModel(models.Model):
         return f"{self.model} on {self.node}: {self.describe()}"
 
     def describe(self) -> str:
-        """pulling 43%, loading, serving, failed: why; with the node's own state when it is not online (a pair the
-        node last said was serving is not served while the node is offline or drained)."""
-        if self.state == self.State.PULLING:
-            own = f"pulling {int(self.progress * 100)}%"
+        """pulling 43%, loading (40%), serving, failed: why; with the node's own state when it is not online (a pair
+        the node last said was serving is not served while the node is offline or drained)."""
+        if self.state == self.State.PULLING or (self.state == self.State.LOADING and self.progress):
+            own = f"{self.state} {int(self.progress * 100)}%"
         elif self.state == self.State.FAILED:
             own = f"failed: {self.detail}"
         else:

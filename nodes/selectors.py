@@ -2,7 +2,7 @@
 
 from django.db.models import QuerySet
 
-from nodes.models import FleetToken, LinkEvent, Node
+from nodes.models import FleetToken, LinkEvent, Node, NodeModel
 
 
 def node_list_serving(*, model: str) -> list[Node]:
@@ -57,3 +57,15 @@ def node_replicas(*, node: Node) -> tuple[dict | None, list[dict]]:
 def node_link_history(*, node: Node, limit: int = 50) -> list[LinkEvent]:
     """The node's newest link events: joins, drops, refusals (newest first)."""
     return list(node.link_events.order_by("-created_at")[:limit])
+
+
+def node_models_preparing() -> dict:
+    """Each node's deployed models on their way in (pulling or loading, as the node last reported them), in one
+    query: {node id: [{"model", "state", "progress" (0..1), "percent"}]}."""
+    rows = NodeModel.objects.filter(state__in=(NodeModel.State.PULLING, NodeModel.State.LOADING)).values_list(
+        "node_id", "model", "state", "progress").order_by("model")
+    preparing: dict = {}
+    for node_id, model, state, progress in rows:
+        preparing.setdefault(node_id, []).append(
+            {"model": model, "state": state, "progress": progress, "percent": int(progress * 100)})
+    return preparing

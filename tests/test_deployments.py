@@ -127,7 +127,10 @@ class FakeWorker:
 
     alive = True
 
-    async def start(self):
+    async def start(self, on_progress=None):
+        if on_progress is not None:
+            on_progress(0.5)  # llama.cpp's load progress, reported on the loop
+            await asyncio.sleep(0)
         return self.info()
 
     async def submit(self, spec):
@@ -170,9 +173,9 @@ def test_the_node_announces_a_deployed_model_before_serving_it_and_drains_it_bef
     sent, models, worker = asyncio.run(_deploy_then_unload(monkeypatch))
     states = [(m.state, m.progress) if isinstance(m, ModelState) else [r["name"] for r in m.models] for m in sent]
     assert states[:2] == [("pulling", 0.0), ("pulling", 0.5)]
-    assert states[2:] == [("loading", 0.0), ["own", NAME], ("serving", 0.0), ["own"], ("draining", 0.0),
-                          ("unloaded", 0.0)]
-    assert isinstance(sent[3], Models) and sent[3].lanes == 6  # its own 4 lanes and the deployed 2
+    assert states[2:] == [("loading", 0.0), ("loading", 0.5), ["own", NAME], ("serving", 0.0), ["own"],
+                          ("draining", 0.0), ("unloaded", 0.0)]
+    assert isinstance(sent[4], Models) and sent[4].lanes == 6  # its own 4 lanes and the deployed 2
     assert worker.submitted == ["g1"] and worker.stopped
 
 
@@ -197,6 +200,8 @@ def test_the_admin_adds_a_deployment_and_lists_each_pairs_state(client):
                                                               "context": 0}]
     deployments.node_model_record(node_id=node.pk, model=NAME, state="pulling", progress=0.43)
     assert "gpu-1: pulling 43%" in client.get("/admin/nodes/deployment/").content.decode()
+    deployments.node_model_record(node_id=node.pk, model=NAME, state="loading", progress=0.4)
+    assert "gpu-1: loading 40%" in client.get("/admin/nodes/deployment/").content.decode()
     deployments.node_model_record(node_id=node.pk, model=NAME, state="serving")
     node.state = "offline"
     node.save()

@@ -91,6 +91,27 @@ async def test_a_node_joining_heartbeating_and_leaving_is_pushed_to_an_open_page
     await page.disconnect()
 
 
+async def test_a_node_pulling_and_loading_a_deployed_model_is_pushed_with_its_progress():
+    from nodes.link.messages import ModelState
+    from nodes.models import Model
+
+    await Model.objects.acreate(name="qwen-tiny", sha256="ab" * 32, size=1000, architecture="llama",
+                                quantization="Q8_0", context_length=8192, kv_bytes_per_token=23040)
+    node, channel = await joined()
+    page = await staff_page()
+    await snapshot_where(page, lambda f: node_named(f, "gpu-7"))
+    for state, progress, shown in [("pulling", 0.43, 43), ("loading", 0.5, 50)]:
+        await node.send_to(bytes_data=channel.seal(ModelState(model="qwen-tiny", state=state, progress=progress)))
+        frame = await snapshot_where(page, lambda f, s=state: node_named(f, "gpu-7")["preparing"]
+                                     and node_named(f, "gpu-7")["preparing"][0]["state"] == s)
+        assert node_named(frame, "gpu-7")["preparing"] == [
+            {"model": "qwen-tiny", "state": state, "progress": progress, "percent": shown}]
+    await node.send_to(bytes_data=channel.seal(ModelState(model="qwen-tiny", state="serving")))
+    await snapshot_where(page, lambda f: node_named(f, "gpu-7")["preparing"] == [])
+    await page.disconnect()
+    await node.disconnect()
+
+
 async def test_a_burst_of_changes_is_one_push_now_and_one_at_the_end_of_the_interval():
     layer = get_channel_layer()
     watcher = await layer.new_channel()

@@ -200,7 +200,7 @@ class Deployer:
             worker = self.make_worker(EngineConfig(model_path=str(path), model_name=name, lanes=lanes,
                                                    max_context=window, batch_invariant=self.batch_invariant,
                                                    mmproj_path=str(projector) if projector else None))
-            info = await worker.start()
+            info = await worker.start(on_progress=self._progress(name, phase=ModelPhase.LOADING))
         except asyncio.CancelledError:
             if worker is not None:
                 await worker.stop()
@@ -231,8 +231,10 @@ class Deployer:
         log.info("fleet node: %s unloaded", name)
         self.report(name, ModelPhase.UNLOADED)
 
-    def _progress(self, name: str, *, keep: bool = True) -> Callable[[float], None]:
-        """A pull's progress callback (called on the pull's thread): at most one report each PROGRESS_EVERY_S."""
+    def _progress(self, name: str, *, keep: bool = True,
+                  phase: ModelPhase = ModelPhase.PULLING) -> Callable[[float], None]:
+        """A pull's or a load's progress callback (a pull calls it on its thread, a load on the loop): at most one
+        `phase` report each PROGRESS_EVERY_S, and the last."""
         loop = asyncio.get_running_loop()
         last = [0.0]
 
@@ -240,5 +242,5 @@ class Deployer:
             now = time.monotonic()
             if now - last[0] >= PROGRESS_EVERY_S or fraction >= 1.0:
                 last[0] = now
-                loop.call_soon_threadsafe(lambda: self.report(name, ModelPhase.PULLING, progress=fraction, keep=keep))
+                loop.call_soon_threadsafe(lambda: self.report(name, phase, progress=fraction, keep=keep))
         return progress

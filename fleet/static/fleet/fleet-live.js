@@ -34,13 +34,26 @@
     }
   }
 
+  function modelsCell(n) {  // what it serves, then each deployed model on its way in (pulling or loading, with progress)
+    const cell = el("span", n.models.join(", "));
+    for (const p of n.preparing || []) {
+      const line = el("span", `${p.model}: ${p.state} `, "fleet-preparing");
+      if (p.state === "pulling" || p.progress) {
+        const bar = el("progress"); bar.max = 100; bar.value = p.percent;
+        line.append(bar, ` ${p.percent}%`);
+      }
+      cell.appendChild(line);
+    }
+    return cell;
+  }
+
   function nodeRow(n) {
     let tr = document.getElementById("node-" + n.id);
     const cells = [];
     const link = el("a", n.identity); link.href = n.url;
     cells.push(link);
     cells.push(el("span", n.state));
-    cells.push(el("span", n.models.join(", ")));
+    cells.push(modelsCell(n));
     cells.push(el("span", `${n.lanes_busy === null ? "?" : n.lanes_busy} / ${n.lanes}`));
     cells.push(el("span", n.placed === null ? "–" : String(n.placed)));
     cells.push(el("span", kv(n)));
