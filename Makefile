@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run node test lint bench clean browser
+.PHONY: install run node test lint bench clean browser screenshots
 
 # constraints.txt pins every package to the version the suite last passed on (README, Contributing: updating it).
 $(STAMP): pyproject.toml constraints.txt
@@ -47,6 +47,11 @@ browser:
 TIERS ?=
 test: lint browser
 	$(BIN)/python -m pytest --durations=25 $(if $(strip $(TIERS)),-m "$(TIERS)")
+
+# docs/screenshots/ afresh: the page tests write what they take there (FLEET_SCREENSHOTS; a plain run writes none).
+screenshots: install browser
+	FLEET_SCREENSHOTS=docs/screenshots $(BIN)/python -m pytest -q tests/test_pages_browser.py \
+	  -k "join_and_leave or timeline or link_history or conversation"
 
 bench: install
 	$(BIN)/python bench/engine.py

@@ -206,7 +206,12 @@ class Run:
         return {"deadline": "length", "cancelled": "stop"}.get(reason, reason)
 
     def usage(self) -> dict[str, Any]:
-        usage = dict(self.finished.usage) if self.finished else {}
+        """The node's usage once it finished; before that (a cancel, a stop), what was read and streamed so far, as
+        the record has it."""
+        outcome = self.stream.outcome
+        usage = dict(self.finished.usage) if self.finished else {
+            "prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
+            "cached_tokens": outcome.cached_tokens}
         prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
         return {
             "prompt_tokens": prompt,

@@ -9,6 +9,9 @@ from nodes import views as node_views
 admin.site.site_header = "Fleet administration"
 admin.site.site_title = "Fleet"
 admin.site.index_title = "Nodes, keys, conversations and generations"
+# No app list down the left of every page (the index and the breadcrumbs lead there): the lists, the fleet page and
+# a node's page get the window's width, and fit a 1,400 px one (tests/test_pages_browser.py).
+admin.site.enable_nav_sidebar = False
 
 # Under /v1/ and /api/, Django's own 404 and 500 pages answer in the API's error shape.
 handler404 = "api.errors.not_found"

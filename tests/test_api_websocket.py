@@ -137,8 +137,14 @@ async def test_cancel_by_id_stops_the_node_lane_and_ends_with_a_done_frame(beare
     assert frames[-1]["finish_reason"] == "cancelled" and frames[-1]["seq"] == len(frames)
     assert len(link.cancelled) == 1
     await comm.disconnect()
-    statuses = await sync_to_async(lambda: list(Generation.objects.values_list("status", flat=True)))()
-    assert statuses == ["cancelled"]
+    records = await sync_to_async(lambda: list(Generation.objects.values_list(
+        "status", "prompt_tokens", "cached_tokens", "completion_tokens")))()
+    assert [status for status, *_ in records] == ["cancelled"]
+    usage = frames[-1]["usage"]  # what was read and streamed before the cancel, as the record has it (not 0/0)
+    _, prompt, cached, completion = records[0]
+    assert (usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]) == (
+        prompt, cached, completion)
+    assert prompt > 0 and completion >= len(frames) - 1 > 0
 
 
 async def test_closing_the_socket_cancels_its_generations(bearer):

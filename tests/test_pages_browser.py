@@ -1,8 +1,12 @@
 """The operator's pages in a real browser (headless Chromium): log in, the fleet page (live: pushed over its
 websocket as nodes join and leave), a node action, a generation's and a node's pages, API docs, the playground.
-The pages' screenshots go to docs/screenshots/ (docs/operations.md shows them)."""
+
+Every page is seen in a 1,400 x 900 viewport, and the pages operators use most must fit it (no sideways scroll).
+With FLEET_SCREENSHOTS=DIR the tests write their screenshots there (`make screenshots` refreshes docs/screenshots/,
+which docs/operations.md shows); without it they are taken and checked, never written into the tree."""
 
 import json
+import os
 import re
 import shutil
 import urllib.request
@@ -14,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
-SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
+VIEWPORT = (1400, 900)
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +33,11 @@ def browser():
     options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--window-size=1400,1000"):
+                 "--disable-dev-shm-usage", f"--window-size={VIEWPORT[0]},{VIEWPORT[1]}"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {  # the viewport itself, whatever the window
+        "width": VIEWPORT[0], "height": VIEWPORT[1], "deviceScaleFactor": 1, "mobile": False})
     driver.set_page_load_timeout(30)
     yield driver
     driver.quit()
@@ -52,7 +58,32 @@ def login(browser, head):
     assert "Fleet administration" in browser.page_source and "Log out" in browser.page_source
 
 
-def test_fleet_page_shows_the_live_node(browser, live_head, live_node, tmp_path):
+_WIDEST = """
+const width = innerWidth, out = [];
+const classes = (e) => typeof e.className === "string" ? e.className.trim().split(/\\s+/).filter(Boolean) : [];
+const name = (e) => [e.tagName.toLowerCase() + (e.id ? "#" + e.id : ""), ...classes(e)].join(".");
+for (const e of document.body.querySelectorAll("*")) {
+  const box = e.getBoundingClientRect();
+  if (box.right > width + 0.5 && ![...e.children].some((c) => c.getBoundingClientRect().right > width + 0.5))
+    out.push(`${name(e)} ends at ${Math.round(box.right)} px`);
+  const style = getComputedStyle(e);  // a box that scrolls sideways itself (the admin's lists scroll in div.results)
+  if (["auto", "scroll"].includes(style.overflowX) && !["TEXTAREA", "SELECT", "INPUT"].includes(e.tagName)
+      && e.scrollWidth > e.clientWidth + 1)
+    out.push(`${name(e)} scrolls sideways: ${e.scrollWidth} px in ${e.clientWidth}`);
+}
+return [document.documentElement.scrollWidth, width, out.slice(0, 8)];
+"""
+
+
+def assert_fits(browser, what: str) -> None:
+    """No sideways scroll in the viewport, of the page or of a box in it (the admin's lists scroll in their own box);
+    else name what sticks out."""
+    scroll_width, width, sticking_out = browser.execute_script(_WIDEST)
+    assert width == VIEWPORT[0], width
+    assert scroll_width <= width and not sticking_out, f"{what} in a {width} px window: {sticking_out}"
+
+
+def test_fleet_page_shows_the_live_node(browser, live_head, live_node):
     from selenium.webdriver.common.by import By
 
     login(browser, live_head)
@@ -61,8 +92,8 @@ def test_fleet_page_shows_the_live_node(browser, live_head, live_node, tmp_path)
     text = " ".join(r.text for r in rows)
     assert "node-a" in text and "online" in text and "smollm2" in text
     assert "smollm2" in browser.find_element(By.ID, "fleet-models").text
-    browser.save_screenshot(str(tmp_path / "fleet.png"))
-    assert (tmp_path / "fleet.png").stat().st_size > 10_000
+    assert_fits(browser, "the fleet page")
+    assert len(browser.get_screenshot_as_png()) > 10_000
 
 
 def test_drain_and_uncordon_a_node_from_the_changelist(browser, live_head, live_node):
@@ -95,26 +126,66 @@ def test_api_docs_page_lists_the_endpoints(browser, live_head):
     assert "/api/nodes/" in page and "/v1/chat/completions" in page
 
 
-def test_the_playground_streams_an_answer_with_the_node_and_usage(browser, live_head, live_node, tmp_path):
+# What the page's socket sends, kept for the test: the frames as the head gets them.
+_RECORD_FRAMES = """
+window.pgSent = [];
+const send = WebSocket.prototype.send;
+WebSocket.prototype.send = function (data) { window.pgSent.push(JSON.parse(data)); return send.call(this, data); };
+"""
+
+
+def _usage_figures(text: str) -> dict[str, str]:
+    """`node node-a · prompt 25 · cached 0 · completion 8 · finish stop · 1.2 s` as {"prompt": "25", ...}."""
+    return dict(re.findall(r"(node|prompt|cached|completion|finish) (\S+)", text))
+
+
+def test_the_playground_keeps_a_conversation_and_shows_usage_after_stop(browser, live_head, live_node):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
+
+    def ask(message: str, max_tokens: int) -> None:
+        box = browser.find_element(By.ID, "pg-max-tokens")
+        box.clear()
+        box.send_keys(str(max_tokens))
+        browser.find_element(By.ID, "pg-message").send_keys(message)
+        browser.find_element(By.ID, "pg-send").click()
+
+    def usage() -> dict[str, str]:
+        shown = WebDriverWait(browser, 120).until(
+            lambda b: b.find_element(By.ID, "pg-usage").text or b.find_element(By.ID, "pg-error").text)
+        assert not browser.find_element(By.ID, "pg-error").text, shown
+        return _usage_figures(shown)
 
     login(browser, live_head)
     browser.find_element(By.LINK_TEXT, "Playground").click()
     assert "smollm2" in browser.find_element(By.ID, "pg-model").text
+    browser.execute_script(_RECORD_FRAMES)
     browser.find_element(By.ID, "pg-system").send_keys("You are a friendly assistant.")
-    browser.find_element(By.ID, "pg-message").send_keys("Say hello")
-    max_tokens = browser.find_element(By.ID, "pg-max-tokens")
-    max_tokens.clear()
-    max_tokens.send_keys("32")
-    browser.find_element(By.ID, "pg-send").click()
-    usage = WebDriverWait(browser, 120).until(
-        lambda b: b.find_element(By.ID, "pg-usage").text or b.find_element(By.ID, "pg-error").text)
-    assert "node-a" in usage and "completion" in usage, usage
-    assert browser.find_element(By.ID, "pg-answer").text.strip()
-    assert not browser.find_element(By.ID, "pg-error").text
-    browser.save_screenshot(str(tmp_path / "playground.png"))
-    assert (tmp_path / "playground.png").stat().st_size > 10_000
+    ask("Say hello", 32)
+    first = usage()
+    assert first["node"] == "node-a" and int(first["completion"]) > 0, first
+    answer = browser.execute_script("return document.getElementById('pg-answer').textContent")
+    assert answer.strip()
+
+    ask("Now say goodbye", 16)  # the second turn is sent after the first, answer and all
+    second = usage()
+    sent = browser.execute_script("return window.pgSent.filter((f) => f.type === 'generate')")
+    assert sent[1]["messages"] == [
+        {"role": "system", "content": "You are a friendly assistant."}, {"role": "user", "content": "Say hello"},
+        {"role": "assistant", "content": answer}, {"role": "user", "content": "Now say goodbye"}], sent[1]
+    assert int(second["prompt"]) > int(first["prompt"]) + int(first["completion"])  # the node read them too
+    shown = browser.find_element(By.ID, "pg-conversation").text
+    assert shown.index("Say hello") < shown.index(answer.strip()[:20]) < shown.index("Now say goodbye"), shown
+    assert_fits(browser, "the playground")
+    screenshot(browser, "playground.png")
+
+    ask("Write a long story about a dragon and a knight.", 512)
+    WebDriverWait(browser, 120).until(lambda b: b.execute_script(
+        "return document.getElementById('pg-answer').textContent.length > 0"))
+    browser.find_element(By.ID, "pg-stop").click()
+    stopped = usage()  # what was read and made before the stop, not 0 / 0
+    assert stopped["finish"] == "cancelled" and int(stopped["prompt"]) > int(second["prompt"]), stopped
+    assert int(stopped["completion"]) > 0, stopped
 
 
 @pytest.fixture(scope="module")
@@ -195,10 +266,12 @@ def test_the_playground_sends_an_image_attachment_on_a_model_with_vision(browser
 
 
 def screenshot(browser, name: str) -> None:
-    SCREENSHOTS.mkdir(exist_ok=True)
-    path = SCREENSHOTS / name
-    browser.save_screenshot(str(path))
-    assert path.stat().st_size > 10_000
+    """Take the page's screenshot; write it to $FLEET_SCREENSHOTS/NAME when that is set (never into the tree)."""
+    png = browser.get_screenshot_as_png()
+    assert len(png) > 10_000  # a page, not a blank
+    if folder := os.environ.get("FLEET_SCREENSHOTS"):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / name).write_bytes(png)
 
 
 def node_row_text(browser, identity: str) -> str:
@@ -226,6 +299,7 @@ def test_the_fleet_page_shows_a_node_join_and_leave_without_a_reload(browser, li
                                          f"the joined node never showed: {node.log()}")
         assert browser.execute_script("return window.fleetPageMarker") == "set before the join"
         WebDriverWait(browser, 30).until(lambda b: "0 / 4" in node_row_text(b, "node-live-page"))  # its heartbeat
+        assert_fits(browser, "the fleet page with two nodes")
         screenshot(browser, "fleet-live.png")
     finally:
         node.stop()
@@ -259,6 +333,7 @@ def test_a_generations_page_shows_its_timeline_and_placement_evidence(browser, l
     assert chosen.startswith("node-a ") and chosen.endswith("chosen"), chosen
     headers = browser.find_element(By.CSS_SELECTOR, "#placement-1 thead").text.lower()  # the admin capitalises
     assert "tokens to read again" in headers and "load" in headers
+    assert_fits(browser, "a generation's page")
     screenshot(browser, "generation.png")
 
 
@@ -267,8 +342,31 @@ def test_a_nodes_page_shows_its_models_replicas_generations_and_link_history(bro
 
     login(browser, live_head)
     browser.get(f"{live_head.url}/admin/nodes/node/")
+    assert_fits(browser, "the nodes list")
     browser.find_element(By.LINK_TEXT, "node-a").click()
     assert "smollm2" in browser.find_element(By.ID, "node-models").text
     assert "joined" in browser.find_element(By.ID, "node-link-history").text
     assert browser.find_elements(By.CSS_SELECTOR, "#node-replicas tbody tr")
+    assert_fits(browser, "a node's page")
     screenshot(browser, "node.png")
+
+
+def test_the_generations_batches_files_and_keys_lists_fit_a_1400_px_window(browser, live_head, live_node):
+    from openai import OpenAI
+    from selenium.webdriver.common.by import By
+
+    client = OpenAI(base_url=f"{live_head.url}/v1", api_key=live_head.api_key, max_retries=0)
+    client.chat.completions.create(model="smollm2", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    line = {"custom_id": "a-rather-long-custom-id-0001", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "smollm2", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}}
+    upload = client.files.create(file=("a-batch-input-with-a-long-name.jsonl", json.dumps(line).encode() + b"\n"),
+                                 purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    login(browser, live_head)
+    for path, what, shows in [("inference_sessions/generation/", "the generations list", "smollm2"),
+                              ("api/batch/", "the batches list", batch.id), ("api/batchfile/", "the files list",
+                                                                             upload.id),
+                              ("api/apikey/", "the API keys list", "admin")]:
+        browser.get(f"{live_head.url}/admin/{path}")
+        assert shows in browser.find_element(By.ID, "result_list").text, what
+        assert_fits(browser, what)
