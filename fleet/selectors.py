@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from fleet.links import registry
 from nodes.models import Node
+from nodes.preparing import node_preparing_list
 from nodes.selectors import node_models_preparing
 from sessions.models import Generation
 
@@ -24,7 +25,8 @@ class NodeRow:
     tokens_per_s: float | None
     connected_here: bool
     beat: dict = field(default_factory=dict)  # the last heartbeat: KV use, tokens/s history, replicas
-    preparing: list[dict] = field(default_factory=list)  # deployed models it is pulling or loading, with progress
+    preparing: list[dict] = field(default_factory=list)  # models it is pulling or loading, with progress
+    joining: bool = False  # not joined yet: pulling or loading its own model (nodes.preparing), no record yet
 
 
 FIGURES = ("lanes", "lanes_busy", "kv_used", "kv_total", "tokens_per_s")
@@ -55,6 +57,7 @@ def fleet_overview() -> dict:
         beat = beats.get(liveness_key(str(node.id))) or {}
         rows.append(NodeRow(node, beat.get("lanes_busy"), beat.get("tokens_per_s"), str(node.id) in links, beat,
                             preparing.get(node.id, [])))
+    rows += _rows_joining(rows)
     since = timezone.now() - timedelta(hours=1)
     recent = Generation.objects.filter(created_at__gte=since)
     totals = recent.aggregate(
@@ -84,6 +87,23 @@ def fleet_overview() -> dict:
     }
 
 
+def _rows_joining(rows: list[NodeRow]) -> list[NodeRow]:
+    """Nodes pulling or loading their own model before they join: a known node's row lists it with its deployed
+    models on their way in; one the fleet has never seen gets a row of its own (no record yet)."""
+    joining = node_preparing_list()
+    known = {row.node.identity: row for row in rows}
+    new = []
+    for identity, entry in sorted(joining.items()):
+        shown = {key: entry[key] for key in ("model", "state", "progress", "percent")}
+        if identity in known:  # an online node has joined: what it said before is stale (a report that raced it)
+            if known[identity].node.state == Node.State.OFFLINE:
+                known[identity].preparing = [shown, *known[identity].preparing]
+        else:
+            node = Node(identity=identity, state="joining", address=entry["address"], lanes=0, context_window=0)
+            new.append(NodeRow(node, None, None, False, {}, [shown], joining=True))
+    return new
+
+
 def fleet_live(*, waiting: dict[str, int]) -> dict:
     """The live fleet page's snapshot as JSON: the overview's figures, each node's KV use, generations placed there
     and tokens/s over the last minutes, and each model's lanes busy and generations waiting (`waiting`: summed
@@ -107,8 +127,10 @@ def fleet_live(*, waiting: dict[str, int]) -> dict:
 def _live_node(row: NodeRow, placed: int | None) -> dict:
     node, beat = row.node, row.beat
     return {
-        "id": str(node.id), "identity": node.identity, "state": node.state, "models": node.models_served,
-        "url": reverse("admin:nodes_node_change", args=[node.id]), "lanes": node.lanes, "lanes_busy": row.lanes_busy,
+        "id": f"joining-{node.identity}" if row.joining else str(node.id), "identity": node.identity,
+        "state": node.state, "models": node.models_served,
+        "url": "" if row.joining else reverse("admin:nodes_node_change", args=[node.id]), "lanes": node.lanes,
+        "lanes_busy": row.lanes_busy,
         "placed": placed, "tokens_per_s": row.tokens_per_s, "kv_used": beat.get("kv_used"),
         "kv_total": beat.get("kv_total"), "history": beat.get("history") or [], "context_window": node.context_window,
         "address": node.address, "engine": node.engine,

@@ -30,7 +30,7 @@ from fleet.dbsweep import FramesSkipSweep
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
 from fleet.names import liveness_key, node_group, token_group
-from nodes import link_deploy, services, tokenizers
+from nodes import link_deploy, preparing, services, tokenizers
 from nodes import registry as model_registry
 from nodes.link.channel import SecureChannel
 from nodes.link.codes import REFUSALS, CloseCode
@@ -51,6 +51,7 @@ from nodes.link.messages import (
     LinkError,
     Models,
     ModelState,
+    Preparing,
     Pull,
     Refusal,
     Register,
@@ -358,6 +359,8 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
             await self.close(code=int(CloseCode.NORMAL))
         elif isinstance(msg, Pull) and not self.node_id:
             await self._on_pull(msg)
+        elif isinstance(msg, Preparing) and not self.node_id:
+            await preparing.on_preparing(self, msg)
         elif isinstance(msg, Bye):
             self.said_bye = True  # stopped on purpose: logged as left, not lost
             await self.close(code=1000)
@@ -469,6 +472,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         for warning in reg.warnings:
             log.warning("fleet node %r: %s", node.identity, warning)
         registry_.lanes.notify()
+        await preparing.node_preparing_forget(node.identity)
         fleet_changed()
         await link_deploy.forget_gone(self, reg.model_names)
         await link_deploy.send_deployments(self, joined=True)

@@ -230,3 +230,36 @@ async def test_a_node_stopped_on_purpose_says_goodbye_and_closes_normally(tmp_pa
         await task
     opened = [head_channel.open(frame) for frame in ws.frames]
     assert isinstance(opened[-1], Bye) and ws.closed == 1000
+
+
+async def test_a_node_on_its_way_in_reports_its_latest_state_until_it_joins_and_a_quick_load_none(monkeypatch,
+                                                                                                  tmp_path):
+    from nodes.agent import preparing
+    from nodes.link.messages import Preparing
+
+    monkeypatch.setattr(preparing, "FIRST_S", 0.05)
+    monkeypatch.setattr(preparing, "EVERY_S", 0.05)
+    node, asked = agent(tmp_path), []
+
+    async def ask(question):
+        asked.append(question)
+
+    monkeypatch.setattr(node, "_ask", ask)
+    quick = preparing.PreparingReports(node)
+    quick.start()
+    quick.set("smollm2", "loading")
+    await asyncio.sleep(0.01)
+    await quick.stop()  # loaded before FIRST_S: nothing said
+    assert asked == []
+    reports = preparing.PreparingReports(node)
+    reports.start()
+    reports.set("big", "pulling", 0.4)
+    await asyncio.sleep(0.08)
+    reports.set("big", "loading", 0.5)
+    await asyncio.sleep(0.1)
+    await reports.stop()
+    count = len(asked)
+    await asyncio.sleep(0.1)
+    assert len(asked) == count  # stopped: it registers now
+    assert asked[0] == Preparing(identity=node.config.identity, model="big", state="pulling", progress=0.4)
+    assert asked[-1] == Preparing(identity=node.config.identity, model="big", state="loading", progress=0.5)

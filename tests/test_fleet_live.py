@@ -17,6 +17,9 @@ from tests.test_node_consumer import (  # noqa: F401 - the fixtures apply here t
     _disconnect_all,
     _local_token,
     _refused,
+    closed_with,
+    communicator,
+    handshake,
     joined,
 )
 from tests.test_playground import session_cookie
@@ -110,6 +113,40 @@ async def test_a_node_pulling_and_loading_a_deployed_model_is_pushed_with_its_pr
     await snapshot_where(page, lambda f: node_named(f, "gpu-7")["preparing"] == [])
     await page.disconnect()
     await node.disconnect()
+
+
+async def say_preparing(state: str, progress: float, key=None) -> int:
+    """A node's `preparing` report, sent as node_join sends it before it joins; the close code the head answers."""
+    from nodes.link.messages import Preparing
+    from tests.test_node_consumer import NODE_KEY
+
+    comm = communicator()
+    assert (await comm.connect())[0]
+    channel = await handshake(comm, key=key or NODE_KEY)
+    await comm.send_to(bytes_data=channel.seal(Preparing(identity="gpu-7", model="smollm2", state=state,
+                                                         progress=progress)))
+    return await closed_with(comm)
+
+
+async def test_a_node_pulling_and_loading_its_own_model_before_it_joins_shows_on_an_open_page():
+    from nodes.link.noise import generate_static
+
+    page = await staff_page()
+    assert (await page.receive_json_from(timeout=5))["nodes"] == []
+    for state, progress in [("pulling", 0.25), ("loading", 0.5)]:
+        assert await say_preparing(state, progress) == 1000
+        frame = await snapshot_where(page, lambda f, s=state: node_named(f, "gpu-7")
+                                     and node_named(f, "gpu-7")["preparing"][0]["state"] == s)
+        shown = node_named(frame, "gpu-7")
+        assert (shown["state"], shown["url"], shown["preparing"]) == ("joining", "", [
+            {"model": "smollm2", "state": state, "progress": progress, "percent": int(progress * 100)}])
+    node, _ = await joined()  # it registers: in the fleet now, on its way in no longer
+    await snapshot_where(page, lambda f: node_named(f, "gpu-7")["state"] == "online")
+    assert await say_preparing("pulling", 0.9, key=generate_static()) == 4004  # not under another node's name
+    await node.disconnect()
+    frame = await snapshot_where(page, lambda f: node_named(f, "gpu-7")["state"] == "offline")
+    assert [(n["identity"], n["preparing"]) for n in frame["nodes"]] == [("gpu-7", [])]
+    await page.disconnect()
 
 
 async def test_a_burst_of_changes_is_one_push_now_and_one_at_the_end_of_the_interval():

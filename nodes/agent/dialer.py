@@ -47,6 +47,7 @@ from nodes.link.messages import (
     Heads,
     Heartbeat,
     LinkError,
+    Preparing,
     Pull,
     PullGrant,
     Refusal,
@@ -280,7 +281,14 @@ class NodeAgent:
         """(the head's address, its grant to pull `model`), asked as check_join asks; None when no head answers."""
         return await self._ask(Pull(identity=self.config.identity, model=model))
 
-    async def _ask(self, question: Check | Pull) -> tuple[str, PullGrant] | None:
+    async def report_preparing(self, model: str, state: str, progress: float) -> None:
+        """Tell the heads where this node stands while it pulls or loads its own model before it joins (the live
+        fleet page), asked as check_join asks. Best effort: a head that refuses, does not answer or does not know
+        the message changes nothing here (the join that follows says what is wrong)."""
+        with contextlib.suppress(Refused):
+            await self._ask(Preparing(identity=self.config.identity, model=model, state=state, progress=progress))
+
+    async def _ask(self, question: Check | Pull | Preparing) -> tuple[str, PullGrant] | None:
         heads = await self._heads()
         refusals: list[Refused] = []
         for head in heads:
@@ -296,7 +304,7 @@ class NodeAgent:
             raise refusals[0]
         return None
 
-    async def _ask_one(self, head: str, question: Check | Pull) -> tuple[str, PullGrant] | None:
+    async def _ask_one(self, head: str, question: Check | Pull | Preparing) -> tuple[str, PullGrant] | None:
         async with websockets.connect(_uri(head), open_timeout=10, close_timeout=2) as ws, _refusals() as link:
             channel = link.channel = await self._handshake(ws)
             await ws.send(channel.seal(question))

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from nodes.agent import keys, pull
 from nodes.agent.deploy import Deployer
@@ -18,6 +19,7 @@ from nodes.agent.engine.base import EngineConfig
 from nodes.agent.gguf_info import GgufError, read_gguf
 from nodes.agent.model_set import ModelSet
 from nodes.agent.models import ModelNotFound, is_registry_name, resolve_model, resolve_speech_model
+from nodes.agent.preparing import PreparingReports
 from nodes.agent.replicas import ReplicaConfigError, ReplicaSet, cpu_groups, gpu_groups
 from nodes.agent.window import Window, WindowError, device_memory, size_window
 from nodes.link import logs, trace
@@ -207,27 +209,28 @@ async def _run(options: NodeOptions, resolve_head) -> None:
                                labels=options.labels)
     agent: NodeAgent | None = None
     asker = NodeAgent(agent_config, None, resolve_head=resolve_head)
-    pulled = await pulled_model(options, asker) if options.mock is None and is_registry_name(options.model) else None
-    if options.mmproj and is_registry_name(options.mmproj):  # the head's registry entry for the projector
-        options = replace(options, mmproj=str(await pulled_model(replace(options, model=options.mmproj), asker)))
-    configs, name, why = engine_configs(options, pulled)
-
-    def forward(index: int):
-        def on_event(event):
-            if agent is not None:
-                agent.on_engine_event(engine.on_event(index, event) if isinstance(engine, ReplicaSet) else event)
-        return on_event
-
-    if pulled is None:
-        await asker.check_join()  # a pull asked already
-    workers = [EngineWorker(cfg, on_event=forward(i)) for i, cfg in enumerate(configs)]
-    engine = ReplicaSet(workers, model_name=name) if len(workers) > 1 else workers[0]
-    bar = pull.Progress(f"loading {name}", 100, figures=False)
+    reports = PreparingReports(asker)  # the live page shows the node on its way in, until it registers
+    reports.start()
     try:
-        info = await engine.start(on_progress=lambda fraction: bar(int(fraction * 100)))
-    except Exception as exc:
-        raise NodeError(f"the model could not be loaded: {exc}") from exc
-    bar(100)
+        pulled = await pulled_model(options, asker, lambda fraction: reports.set(options.model, "pulling", fraction)
+                                    ) if options.mock is None and is_registry_name(options.model) else None
+        if options.mmproj and is_registry_name(options.mmproj):  # the head's registry entry for the projector
+            options = replace(options, mmproj=str(await pulled_model(replace(options, model=options.mmproj), asker)))
+        configs, name, why = engine_configs(options, pulled)
+
+        def forward(index: int):
+            def on_event(event):
+                if agent is not None:
+                    agent.on_engine_event(engine.on_event(index, event) if isinstance(engine, ReplicaSet) else event)
+            return on_event
+
+        if pulled is None:
+            await asker.check_join()  # a pull asked already
+        workers = [EngineWorker(cfg, on_event=forward(i)) for i, cfg in enumerate(configs)]
+        engine = ReplicaSet(workers, model_name=name) if len(workers) > 1 else workers[0]
+        info = await _load(engine, name, reports)
+    finally:
+        await reports.stop()
     log.info("fleet node: %s loaded, context window %d tokens (%s), %d lanes", name, info["context_window"], why,
              info["lanes"])
     models = ModelSet(engine)
@@ -238,6 +241,22 @@ async def _run(options: NodeOptions, resolve_head) -> None:
         await agent.run()
     finally:
         await models.stop()
+
+
+async def _load(engine, name: str, reports: PreparingReports) -> dict[str, Any]:
+    """Start the engine: its load's progress on the terminal's bar and in the reports to the heads."""
+    bar = pull.Progress(f"loading {name}", 100, figures=False)
+    reports.set(name, "loading")
+
+    def progress(fraction: float) -> None:
+        bar(int(fraction * 100))
+        reports.set(name, "loading", fraction)
+    try:
+        info = await engine.start(on_progress=progress)
+    except Exception as exc:
+        raise NodeError(f"the model could not be loaded: {exc}") from exc
+    bar(100)
+    return info
 
 
 def deployer_for(options: NodeOptions, agent: NodeAgent, models: ModelSet) -> Deployer:

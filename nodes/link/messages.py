@@ -53,6 +53,7 @@ class MessageType(StrEnum):
     REFUSAL = "refusal"
     BUNDLE = "bundle"
     HEADS = "heads"
+    PREPARING = "preparing"
 
 
 class Feature(StrEnum):
@@ -276,6 +277,19 @@ class Pull(Message):
 
 
 @dataclass(slots=True)
+class Preparing(Message):
+    """node -> head, instead of Register, while the node pulls or loads its own model before it joins: where it
+    stands (`state` pulling or loading, `progress` 0..1), for the live fleet page. The head checks the key as for
+    Check, keeps it a short while (forgotten once the node registers or goes quiet) and closes the link (1000)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.PREPARING
+    identity: str
+    model: str
+    state: str
+    progress: float = 0.0
+
+
+@dataclass(slots=True)
 class PullGrant(Message):
     """head -> node: the registry's file for `model` and a short-lived grant to fetch it over HTTP.
 
@@ -395,6 +409,7 @@ REGISTRY: dict[str, type[Message]] = {
         Bye,
         Check,
         Pull,
+        Preparing,
         PullGrant,
         Deploy,
         Models,

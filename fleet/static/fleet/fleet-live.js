@@ -50,7 +50,8 @@
   function nodeRow(n) {
     let tr = document.getElementById("node-" + n.id);
     const cells = [];
-    const link = el("a", n.identity); link.href = n.url;
+    const link = el(n.url ? "a" : "span", n.identity);  // a node not joined yet has no page
+    if (n.url) link.href = n.url;
     cells.push(link);
     cells.push(el("span", n.state));
     cells.push(modelsCell(n));
