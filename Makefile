@@ -51,7 +51,7 @@ test: lint browser
 # docs/screenshots/ afresh: the page tests write what they take there (FLEET_SCREENSHOTS; a plain run writes none).
 screenshots: install browser
 	FLEET_SCREENSHOTS=docs/screenshots $(BIN)/python -m pytest -q tests/test_pages_browser.py \
-	  -k "join_and_leave or timeline or link_history or conversation"
+	  -k "way_in_join or timeline or link_history or conversation"
 
 bench: install
 	$(BIN)/python bench/engine.py

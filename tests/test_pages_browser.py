@@ -281,10 +281,13 @@ def node_row_text(browser, identity: str) -> str:
     return next((r.text for r in rows if identity in r.text), "")
 
 
-def test_the_fleet_page_shows_a_node_join_and_leave_without_a_reload(browser, live_head):
+def test_the_fleet_page_shows_a_node_on_its_way_in_join_and_leave_without_a_reload(browser, live_head):
+    import asyncio
+
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
+    from nodes.agent.dialer import AgentConfig, NodeAgent
     from tests.mock_node import start_mock_node
 
     login(browser, live_head)
@@ -293,10 +296,20 @@ def test_the_fleet_page_shows_a_node_join_and_leave_without_a_reload(browser, li
     browser.execute_script("window.fleetPageMarker = 'set before the join';")
     assert "node-live-page" not in browser.find_element(By.ID, "fleet-nodes").text
 
+    # On its way in: what node_join says while it pulls its model (its own key, from the home the node uses next)
+    config = AgentConfig(head=live_head.address, token=live_head.env["FLEET_LOCAL_NODE_TOKEN"],
+                         home=live_head.home / "node-node-live-page", identity="node-live-page")
+    asyncio.run(NodeAgent(config, None).report_preparing("smollm2-big", "pulling", 0.42))
+    WebDriverWait(browser, 30).until(lambda b: "joining" in node_row_text(b, "node-live-page"))
+    assert "smollm2-big: pulling 42%" in node_row_text(browser, "node-live-page")
+    assert browser.execute_script(  # in one script: each snapshot renders the row's cells anew
+        "return document.querySelector('#fleet-nodes .fleet-preparing progress').value") == 42
+
     node = start_mock_node(live_head, "node-live-page", lanes=4)
     try:
         WebDriverWait(browser, 60).until(lambda b: "online" in node_row_text(b, "node-live-page"),
                                          f"the joined node never showed: {node.log()}")
+        assert "pulling" not in node_row_text(browser, "node-live-page")  # joined: on its way in no longer
         assert browser.execute_script("return window.fleetPageMarker") == "set before the join"
         WebDriverWait(browser, 30).until(lambda b: "0 / 4" in node_row_text(b, "node-live-page"))  # its heartbeat
         assert_fits(browser, "the fleet page with two nodes")
