@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleet import metric_store, metrics
 from fleet.dispatch import Outcome
 from fleet.links import registry
+from fleet.waiting import CLASSES, RANKS, Waiter
 from nodes.consumers import liveness_key
 from nodes.link.codes import CloseCode
 from nodes.link.placement import NodeSlot
@@ -165,11 +166,25 @@ def test_live_gauges_come_from_placement_heartbeats_and_the_node_rows(scraper):
 def test_waiting_generations_are_counted_per_model(scraper, monkeypatch):
     from fleet import dispatch
 
-    monkeypatch.setattr(dispatch._waiters, "entries", [(1.0, "g1", "m", False), (2.0, "g2", "m", True),
-                                                           (1.0, "g3", "other", False)])
+    monkeypatch.setattr(dispatch._waiters, "entries", [("m", Waiter("g1", RANKS["normal"], 1.0)),
+                                                           ("m", Waiter("g2", RANKS["batch"], 2.0)),
+                                                           ("other", Waiter("g3", RANKS["normal"], 1.0))])
     got = scraper()
     assert value(got, "fleet_generations_waiting", model="m") == 2
     assert value(got, "fleet_generations_waiting", model="other") == 1
+
+
+def test_waiting_generations_are_counted_per_priority_and_per_key(scraper, monkeypatch):
+    from fleet import dispatch
+
+    monkeypatch.setattr(dispatch._waiters, "entries", [
+        ("m", Waiter("g1", RANKS["high"], 1.0, "k1", label="fk-one")),
+        ("m", Waiter("g2", RANKS["normal"], 2.0, "k2", label="fk-two")),
+        ("other", Waiter("g3", RANKS["normal"], 1.0, "k2", label="fk-two"))])
+    got = scraper()
+    assert [value(got, "fleet_generations_waiting_by_priority", priority=p) for p in CLASSES] == [1, 2, 0, 0]
+    assert value(got, "fleet_generations_waiting_by_key", key="fk-one") == 1
+    assert value(got, "fleet_generations_waiting_by_key", key="fk-two") == 2
 
 
 # --- several head processes -------------------------------------------------------------------------------------

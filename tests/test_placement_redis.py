@@ -34,6 +34,7 @@ async def test_a_lane_freed_in_another_head_process_wakes_the_generation_waiting
     import asyncio
 
     from fleet.links import LaneSignal
+    from fleet.waiting import RANKS, Waiter
     from fleet.placement_redis import RedisPlacementState
     from nodes.link.placement import NodeSlot
 
@@ -42,7 +43,7 @@ async def test_a_lane_freed_in_another_head_process_wakes_the_generation_waiting
     there.node_up(NodeSlot("a", "node-a", ["m"], 1))
     assert there.choose("m", [], gen_id="g1").node_id == "a"
     lanes = LaneSignal(here.aio.free_lanes, listen=here.aio.listen)
-    key = (False, 1.0, "g2")
+    key = Waiter("g2", RANKS["normal"], 1.0)
     lanes.join("m", key)
     while here.r.pubsub_numsub(here.lanes_channel)[0][1] == 0:  # the listener has subscribed
         await asyncio.sleep(0.01)
