@@ -102,7 +102,8 @@ async def test_a_burst_of_changes_is_one_push_now_and_one_at_the_end_of_the_inte
     second = await asyncio.wait_for(layer.receive(watcher), 5)
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(layer.receive(watcher), live.PUSH_EVERY_S * 4)
-    assert first == second == {"type": "fleet.changed", "process": live.PROCESS_ID, "waiting": {}}
+    assert first == second == {"type": "fleet.changed", "process": live.PROCESS_ID, "waiting": {},
+                               "classes": {"priority": {}, "key": {}}}
     await layer.group_discard(live.fleet_page_group(), watcher)
 
 
