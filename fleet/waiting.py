@@ -84,8 +84,8 @@ class ModelQueue:
         if at >= len(waiting) or waiting[at][2] != w:
             return
         if placed:
-            slot = self._finish[flow] + (at + 1) / max(w.weight, 1)
-            self._finish[flow] += 1 / max(w.weight, 1)
+            slot = self._finish[flow] + (at + 1) * _step(w)
+            self._finish[flow] += _step(w)
             self._clock[w.rank] = max(self._clock.get(w.rank, 0.0), slot)
         del waiting[at]
         if not waiting:
@@ -112,9 +112,14 @@ class ModelQueue:
             for flow, waiting in self._by_key.items():
                 base = self._finish[flow]
                 for at, (deadline, gen_id, w) in enumerate(waiting):
-                    slot = base + (at + 1) / max(w.weight, 1) if self.fair else 0.0
+                    slot = base + (at + 1) * _step(w) if self.fair else 0.0
                     rows.append((w.rank, slot, deadline, gen_id, w))
             rows.sort(key=lambda row: row[:4])
             self._order = [row[4] for row in rows]
             self._index = {w: at for at, w in enumerate(self._order)}
         return self._order
+
+
+def _step(w: Waiter) -> float:
+    """The virtual time one generation of its key takes: a key of weight 2 moves half as fast (twice the turns)."""
+    return 1 / max(w.weight, 1)

@@ -201,15 +201,18 @@ def test_head_processes_add_to_the_same_counts_through_redis(monkeypatch):
     one._writer = two._writer = threading.Thread(target=lambda: None)
     try:
         monkeypatch.setattr(metric_store, "local_waiting", lambda: {"m": 2})
+        monkeypatch.setattr(metric_store, "local_waiting_classes", lambda: {"priority": {"high": 2}, "key": {"k": 2}})
         one.add({"fleet_completion_tokens": {metrics.field_name(["m", "a"]): 5.0}})
         one.flush()
         monkeypatch.setattr(metric_store, "local_waiting", lambda: {"m": 1})
+        monkeypatch.setattr(metric_store, "local_waiting_classes", lambda: {"priority": {"low": 1}, "key": {"k": 1}})
         two.add({"fleet_completion_tokens": {metrics.field_name(["m", "a"]): 7.0}})
         two.flush()
         for store in (one, two):
             assert store.totals(["fleet_completion_tokens"]) == {
                 "fleet_completion_tokens": {metrics.field_name(["m", "a"]): 12.0}}
             assert store.waiting() == {"m": 3}
+            assert store.waiting_classes() == {"priority": {"high": 2, "low": 1}, "key": {"k": 3}}
         # A process that stops refreshing its waiting generations drops out when its key expires.
         assert 0 < one.r.ttl(f"{prefix}metrics:waiting:one") <= metric_store.WAITING_TTL_S
     finally:
