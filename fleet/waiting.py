@@ -1,11 +1,12 @@
 """The waiting room's order: which generation waiting for a lane of a model takes the next one that frees up.
 
 Classes first: `high`, `normal`, `low` (an API key's priority, or a lower one its request asked for), then batch
-lines. Within a class the keys take turns (start-time fair queueing, unit cost per generation): a key's waiting
-generations hold virtual slots 1/weight apart, and a key that starts waiting starts at the class's virtual clock
-(the slot of the last generation placed), so a key with one generation waiting gets a lane within a lane or two
-however many another key has waiting, and a key of weight 3 gets three lanes for each of a weight-1 key's. Within a
-key, deadline order. FLEET_WAITING_ORDER=deadline keeps the order from before fair shares (classes, then deadline
+lines. Within a class the keys take turns (start-time fair queueing, each generation costing one): a key's waiting
+generations hold virtual start slots 1/weight apart, from where its last placed one ended; a key that starts waiting
+starts at the class's virtual clock (the start slot of the last generation placed), so a key with one generation
+waiting gets the next free lane or the one after however many another key has waiting, a key gathers no credit
+while it waits for nothing, and a key of weight 3 gets three lanes for each of a weight-1 key's. Within a key,
+deadline order. FLEET_WAITING_ORDER=deadline keeps the order from before fair shares (classes, then deadline
 alone): bench/fairness.py measures both.
 
 The order is per head process (as the waiting room is): with several processes each orders its own waiters, and a
@@ -59,8 +60,8 @@ class ModelQueue:
     def __init__(self, fair: bool = True) -> None:
         self.fair = fair
         self._by_key: dict[tuple[int, str], list[tuple[float, str, Waiter]]] = {}  # deadline order within a key
-        self._finish: dict[tuple[int, str], float] = {}  # a key's last slot taken, per class
-        self._clock: dict[int, float] = {}  # per class: the slot of the last generation placed
+        self._finish: dict[tuple[int, str], float] = {}  # per class and key: where its last placed slot ended
+        self._clock: dict[int, float] = {}  # per class: the start slot of the last generation placed
         self._order: list[Waiter] | None = None
         self._index: dict[Waiter, int] = {}
 
@@ -84,7 +85,7 @@ class ModelQueue:
         if at >= len(waiting) or waiting[at][2] != w:
             return
         if placed:
-            slot = self._finish[flow] + (at + 1) * _step(w)
+            slot = self._finish[flow] + at * _step(w)
             self._finish[flow] += _step(w)
             self._clock[w.rank] = max(self._clock.get(w.rank, 0.0), slot)
         del waiting[at]
@@ -112,7 +113,7 @@ class ModelQueue:
             for flow, waiting in self._by_key.items():
                 base = self._finish[flow]
                 for at, (deadline, gen_id, w) in enumerate(waiting):
-                    slot = base + (at + 1) * _step(w) if self.fair else 0.0
+                    slot = base + at * _step(w) if self.fair else 0.0
                     rows.append((w.rank, slot, deadline, gen_id, w))
             rows.sort(key=lambda row: row[:4])
             self._order = [row[4] for row in rows]

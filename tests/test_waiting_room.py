@@ -58,9 +58,9 @@ def test_freed_lanes_go_to_keys_in_turn():
         queue.add(waiter(f"heavy-{i}", key="heavy", deadline=10.0 + i))
     assert serve(queue, 3) == ["heavy-0", "heavy-1", "heavy-2"]
     queue.add(waiter("light", key="light", deadline=50.0))
-    assert serve(queue, 2) == ["heavy-3", "light"]  # tied on its turn with heavy's next; the earlier deadline first
+    assert serve(queue, 2) == ["light", "heavy-3"]  # it starts at the clock, one slot before heavy's next
     queue.add(waiter("light-again", key="light", deadline=60.0))
-    assert serve(queue, 2) == ["heavy-4", "light-again"]
+    assert serve(queue, 2) == ["light-again", "heavy-4"]
 
 
 def test_deadline_order_alone_serves_a_flood_first():
@@ -92,8 +92,8 @@ def test_within_a_key_the_earliest_deadline_goes_first():
 
 
 def test_a_key_that_was_idle_starts_at_the_clock_not_ahead_of_the_others():
-    """A key with nothing waiting gathers no credit: back after others were served, it takes turns from now
-    (its first generation ties with the others' next, and its earlier deadline breaks the tie)."""
+    """A key with nothing waiting gathers no credit: back after others were served, it takes turns from the clock
+    (its first at the clock, a slot before the others' next; its earlier deadline breaks the ties after)."""
     queue = ModelQueue()
     queue.add(waiter("idle-0", key="idle", deadline=1.0))
     serve(queue, 1)
@@ -103,7 +103,7 @@ def test_a_key_that_was_idle_starts_at_the_clock_not_ahead_of_the_others():
     serve(queue, 6)
     for i in range(3):
         queue.add(waiter(f"idle-{i + 1}", key="idle", deadline=5.0))
-    assert order(queue)[:6] == ["idle-1", "busy-3", "other-3", "idle-2", "busy-4", "other-4"]
+    assert order(queue)[:6] == ["idle-1", "idle-2", "busy-3", "other-3", "idle-3", "busy-4"]
 
 
 # --- through the API, one lane -----------------------------------------------------------------------------------
