@@ -153,8 +153,10 @@ _waiters = _Waiters()
 # Generations of this process placed and not yet over, per (model, batch): batch lines keep to their share of a
 # model's lanes while interactive ones run or wait.
 _running: dict[tuple[str, bool], int] = {}
-# Batch lines of this process running on a node, per model: an interactive generation that finds no free lane
-# preempts one (it continues later from the tokens it has, token for token as if never stopped).
+# Generations of this process running on a node that a better class may preempt, per model: batch lines (an
+# interactive generation that finds no free lane preempts one) and, where FLEET_PREEMPTING_CLASSES names a class,
+# interactive ones of a lower class. A preempted one continues later from the tokens it has, token for token as if
+# never stopped.
 _preemptible: dict[str, set[GenerationStream]] = {}
 # When this process's waiting generations took a lane, per model (monotonic s): the queue's drain rate.
 _drained: dict[str, deque[float]] = {}
@@ -259,10 +261,10 @@ class GenerationStream:
                     yield event
                 return
             except _Preempted:
-                # a batch line whose lane went to an interactive generation: placed again, behind interactive
-                # traffic, to continue from the tokens it has; not a failed attempt
+                # its lane went to a generation of a higher class (a batch line's to an interactive one): placed
+                # again, in its own class, to continue from the tokens it has; not a failed attempt
                 self._preempting = False
-                self._failure = {"code": "preempted", "message": "an interactive generation took its lane",
+                self._failure = {"code": "preempted", "message": "a generation of a higher class took its lane",
                                  "at": self._preempted_at}
                 attempt -= 1
             except _NodeFailed as failed:
@@ -323,7 +325,7 @@ class GenerationStream:
                 if choice is not None:
                     placed = True
                     return choice
-                if first:
+                if first and not self.outcome.placement:  # never once it ran (a failover, a preempted one)
                     self._refuse_over_bound(reg, key)
                     first = False
                 left = self.deadline - time.time()
@@ -380,7 +382,7 @@ class GenerationStream:
         linked = set(reg.links)
         free = sum(s.free for s in nodes if model in s.models and s.schedulable and s.node_id in linked)
         if not self.batch and ahead >= free:
-            await self._preempt_a_batch_line(exclude=excluded | unable)
+            await self._preempt_a_lower_one(exclude=excluded | unable)
             free = sum(s.free for s in await reg.aplacement.nodes()
                        if model in s.models and s.schedulable and s.node_id in linked)
         if ahead >= free or not self._within_share(nodes):
@@ -411,14 +413,19 @@ class GenerationStream:
         self._counted = delta > 0
         _running[(self.spec.model, self.batch)] = _running.get((self.spec.model, self.batch), 0) + delta
 
-    async def _preempt_a_batch_line(self, *, exclude: set[str]) -> None:
-        """No lane for this interactive generation (nor for those ahead of it): take one from the batch line of its
-        model that started last here, on a node it may use. The cancel goes first, so the node reads it before this
-        generation and starts this one at its next step, as in a free lane."""
+    async def _preempt_a_lower_one(self, *, exclude: set[str]) -> None:
+        """No lane for this interactive generation (nor for those ahead of it): take one from a generation of its
+        model of a lower class (a batch line; an interactive one of a lower class too where FLEET_PREEMPTING_CLASSES
+        names this one's) on a node it may use: the lowest class first, then the one that started last here. The
+        cancel goes first, so the node reads it before this generation and starts this one at its next step, as in a
+        free lane."""
+        rank = self._waiter().rank
+        over_interactive = self.share.priority in settings.FLEET_PREEMPTING_CLASSES
         victims = [s for s in _preemptible.get(self.spec.model, ())
-                   if not s._preempting and s._current is not None and s._current[0] not in exclude]
+                   if not s._preempting and s._current is not None and s._current[0] not in exclude
+                   and (s.batch or (over_interactive and s._waiter().rank > rank))]
         if victims:
-            await max(victims, key=lambda s: s.outcome.placement.get("placed_at", 0.0)).preempt()
+            await max(victims, key=lambda s: (s._waiter().rank, s.outcome.placement.get("placed_at", 0.0))).preempt()
 
     async def preempt(self) -> None:
         """Give this batch line's lane to an interactive generation: freed now, the node told to stop it."""
@@ -426,7 +433,7 @@ class GenerationStream:
         self._preempting, self._preempted_at = True, time.time()
         await registry().lifecycle.apreempted(node_id, self.spec.gen_id)
         metrics.preempted(model=self.spec.model, node=link.identity)
-        await _cancel_quietly(link, self.spec.gen_id, "preempted by an interactive generation")
+        await _cancel_quietly(link, self.spec.gen_id, "preempted by a generation of a higher class")
 
     def _within_share(self, nodes) -> bool:
         """A batch line may take any free lane while no interactive generation of its model waits here, else only
@@ -477,7 +484,7 @@ class GenerationStream:
                 await link.send_generate(relay_gen, spec.to_dict())
             except LinkError as exc:  # the link broke as it was sent
                 raise _NodeFailed(ErrorCode.NODE_LOST, f"node {link.identity!r} could not be reached: {exc}") from None
-            if self.batch:
+            if self.batch or self._waiter().rank > 0:  # any but the best class may be preempted (by its rule)
                 _preemptible.setdefault(self.spec.model, set()).add(self)
             while True:
                 if relay.overflowed:
@@ -636,7 +643,7 @@ async def _cancel_quietly(link, gen_id: str, reason: str = "client went away") -
 
 
 class _Preempted(Exception):
-    """The node stopped a batch line whose lane an interactive generation took."""
+    """The node stopped a generation whose lane one of a higher class took."""
 
 
 class _NodeFailed(Exception):

@@ -263,6 +263,14 @@ if FLEET_WAITING_ORDER not in ("fair", "deadline"):
     sys.stderr.write(f"fleet: FLEET_WAITING_ORDER must be fair or deadline, not {FLEET_WAITING_ORDER!r}\n")
     sys.exit(2)
 FLEET_MAX_WAITING_PER_KEY = env_int("FLEET_MAX_WAITING_PER_KEY", 0)
+# Classes whose generations, finding no free lane, preempt a running one of a lower interactive class (comma-separated,
+# e.g. "high"); it continues later from its tokens. Batch lines are preempted by every interactive class whatever this.
+FLEET_PREEMPTING_CLASSES = frozenset(c.strip() for c in os.environ.get("FLEET_PREEMPTING_CLASSES", "").split(",")
+                                     if c.strip())
+if FLEET_PREEMPTING_CLASSES - {"high", "normal"}:
+    sys.stderr.write(f"fleet: FLEET_PREEMPTING_CLASSES names classes that may preempt a lower one: high, normal; not "
+                     f"{', '.join(sorted(FLEET_PREEMPTING_CLASSES - {'high', 'normal'}))}\n")
+    sys.exit(2)
 # Only `manage.py up` sets this, for its own head and node processes: a token made for that run under the reserved
 # id "local", accepted only from loopback and never through a proxy. Unset everywhere else: every node needs a token.
 FLEET_LOCAL_NODE_TOKEN = os.environ.get("FLEET_LOCAL_NODE_TOKEN", "").strip()

@@ -264,3 +264,38 @@ def test_keys_are_made_with_a_priority_and_a_weight_on_api_keys(client, admin_us
     bad = client.post("/api/keys/", {"name": "tenant", "priority": "urgent", "weight": 0},
                       content_type="application/json")
     assert bad.status_code == 400 and set(bad.json()) == {"priority", "weight"}
+
+
+def resumable_words(words: list[str]):
+    """A fake node's script: the words from where a resumed generation left off, one a batch; "high" answers at
+    once."""
+    def script(spec):
+        if spec["messages"][-1]["content"] == "high":
+            return Script(tokens=["now"], per_batch=1)
+        done = len(spec.get("resume_ids") or [])
+        return Script(tokens=words[done:], per_batch=1, delay=0.05, first_id=100 + done)
+
+    return script
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("preempting", [True, False])
+async def test_a_class_the_operator_names_preempts_a_lower_one_which_then_continues_exactly(api_user, settings,
+                                                                                            preempting):
+    settings.FLEET_PREEMPTING_CLASSES = frozenset({"high"} if preempting else ())
+    normal, high = await asyncio.to_thread(lambda: (key_of(api_user, "normal"), key_of(api_user, "high",
+                                                                                         priority="high")))
+    words = [f" w{i}" for i in range(12)]
+    link = add_fake_node(FakeLink(script=resumable_words(words)), lanes=1)
+    first = await ask("normal", normal)
+    await settle(link, 1)
+    fast = await start("POST", CHAT, key=high, body={"model": "smollm2", "messages": [
+        {"role": "user", "content": "high"}]})
+    await fast.wait(lambda e: e.finished, 10)
+    await first.wait(lambda e: e.finished, 10)
+    assert json.loads(b"".join(first.chunks))["choices"][0]["message"]["content"] == "".join(words)
+    if preempting:  # "high" ran before "normal" ended, which went on from where it stopped
+        assert contents(link) == ["normal", "high", "normal"] and len(link.cancelled) == 1
+        assert 0 < len(link.specs[2]["resume_ids"]) < len(words)
+    else:  # "high" waited for the lane
+        assert contents(link) == ["normal", "high"] and not link.cancelled
