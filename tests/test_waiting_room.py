@@ -299,3 +299,22 @@ async def test_a_class_the_operator_names_preempts_a_lower_one_which_then_contin
         assert 0 < len(link.specs[2]["resume_ids"]) < len(words)
     else:  # "high" waited for the lane
         assert contents(link) == ["normal", "high"] and not link.cancelled
+
+
+@pytest.mark.django_db
+def test_the_generations_page_says_how_long_it_waited_and_behind_how_many(staff_client_page):
+    from tests.factories import GenerationFactory
+
+    generation = GenerationFactory(placement={"node": "node-a", "cost": 1, "candidates": 1, "queue": {
+        "priority": "low", "position": 7, "waited_ms": 1234}})
+    page = staff_client_page.get(f"/admin/inference_sessions/generation/{generation.pk}/change/")
+    assert page.status_code == 200
+    assert "priority low, 7 ahead of it, waited 1234 ms for a lane" in page.content.decode()
+
+
+@pytest.fixture
+def staff_client_page(client):
+    from tests.factories import UserFactory
+
+    client.force_login(UserFactory(username="operator"))
+    return client
