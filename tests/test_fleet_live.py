@@ -91,6 +91,18 @@ async def test_a_node_joining_heartbeating_and_leaving_is_pushed_to_an_open_page
     await page.disconnect()
 
 
+async def test_the_page_sums_every_processs_waiting_generations_per_priority_and_key():
+    page = await staff_page()
+    await page.receive_json_from(timeout=5)
+    for process, classes in (("one", {"priority": {"high": 1, "normal": 2}, "key": {"fk-a": 3}}),
+                             ("two", {"priority": {"normal": 1}, "key": {"fk-a": 1}})):
+        await get_channel_layer().group_send(live.fleet_page_group(), {
+            "type": "fleet.changed", "process": process, "waiting": {"smollm2": 1}, "classes": classes})
+    frame = await snapshot_where(page, lambda f: f["totals"]["waiting_by_key"].get("fk-a") == 4)
+    assert frame["totals"]["waiting_by_priority"] == {"high": 1, "normal": 3}
+    await page.disconnect()
+
+
 async def test_a_burst_of_changes_is_one_push_now_and_one_at_the_end_of_the_interval():
     layer = get_channel_layer()
     watcher = await layer.new_channel()
