@@ -34,8 +34,8 @@ async def test_a_lane_freed_in_another_head_process_wakes_the_generation_waiting
     import asyncio
 
     from fleet.links import LaneSignal
-    from fleet.waiting import RANKS, Waiter
     from fleet.placement_redis import RedisPlacementState
+    from fleet.waiting import RANKS, Waiter
     from nodes.link.placement import NodeSlot
 
     prefix = f"fleet-rt-{uuid.uuid4().hex[:8]}:"
