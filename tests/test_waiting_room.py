@@ -318,3 +318,15 @@ def staff_client_page(client):
 
     client.force_login(UserFactory(username="operator"))
     return client
+
+
+def test_retry_after_is_the_time_the_lanes_take_to_serve_those_ahead_at_their_drain_rate(monkeypatch):
+    from fleet import dispatch
+
+    now = 1000.0
+    monkeypatch.setattr(dispatch.time, "monotonic", lambda: now)
+    monkeypatch.setattr(dispatch, "_drained", {"m": dispatch.deque([now - 10 + i * 0.5 for i in range(20)])})
+    assert dispatch.retry_after_s("m", 19) == 10  # 20 placed over the last 10 s: 2 a second; 20 to serve
+    assert dispatch.retry_after_s("m", 0) == 1
+    monkeypatch.setattr(dispatch, "_drained", {"m": dispatch.deque([now - 90.0, now - 61.0])})
+    assert dispatch.retry_after_s("m", 5) == dispatch.DRAIN_WINDOW_S  # nothing placed in the last minute
