@@ -131,6 +131,20 @@ def ask(content: str, bearer: str, **extra):
     return asyncio.ensure_future(start("POST", CHAT, key=bearer, body=body))
 
 
+async def queued(content: str, bearer: str, **extra):
+    """Ask, and return once the request waits in the waiting room (its key verified, its body parsed): the next
+    one asked joins after it."""
+    from fleet.dispatch import queue_length
+
+    before = queue_length()
+    exchange = await ask(content, bearer, **extra)
+    for _ in range(500):
+        if queue_length() > before:
+            return exchange
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{content!r} never joined the waiting room")
+
+
 async def free_lanes_one_by_one(link: FakeLink, count: int) -> None:
     for _ in range(count):
         running = len(link.specs)
@@ -150,10 +164,8 @@ async def test_a_high_priority_key_takes_the_next_lane_before_earlier_normal_one
     await ask("blocker", normal)
     await settle(link, 1)
     for i in range(3):
-        await ask(f"normal-{i}", normal)
-    await asyncio.sleep(0.3)
-    await ask("high", high)
-    await asyncio.sleep(0.3)  # in the waiting room (its key verified, its body parsed)
+        await queued(f"normal-{i}", normal)
+    await queued("high", high)
     await free_lanes_one_by_one(link, 2)
     assert contents(link) == ["blocker", "high", "normal-0"]
 
@@ -165,10 +177,8 @@ async def test_a_light_key_is_served_between_a_floods_requests(api_user):
     await ask("blocker", heavy)
     await settle(link, 1)
     for i in range(6):
-        await ask(f"heavy-{i}", heavy)
-    await asyncio.sleep(0.1)
-    await ask("light", light)
-    await asyncio.sleep(0.3)  # in the waiting room (its key verified, its body parsed)
+        await queued(f"heavy-{i}", heavy)
+    await queued("light", light)
     await free_lanes_one_by_one(link, 2)
     assert "light" in contents(link)[1:3]
 
@@ -179,10 +189,8 @@ async def test_a_request_may_lower_its_priority_under_its_keys(api_user):
     link = hanging_node()
     await ask("blocker", heavy)
     await settle(link, 1)
-    await ask("low", heavy, priority="low")
-    await asyncio.sleep(0.1)
-    await ask("normal", heavy)
-    await asyncio.sleep(0.3)  # in the waiting room (its key verified, its body parsed)
+    await queued("low", heavy, priority="low")
+    await queued("normal", heavy)
     await free_lanes_one_by_one(link, 1)
     assert contents(link) == ["blocker", "normal"]
 
@@ -193,8 +201,7 @@ async def test_a_key_over_its_bound_on_waiting_generations_gets_a_429_with_retry
     link = hanging_node()
     await ask("blocker", bounded)
     await settle(link, 1)
-    waiting = [await ask(f"waiting-{i}", bounded) for i in range(2)]
-    await asyncio.sleep(0.1)
+    waiting = [await queued(f"waiting-{i}", bounded) for i in range(2)]
     refused = await request("POST", CHAT, key=bounded, body={"model": "smollm2", "messages": [
         {"role": "user", "content": "one too many"}]})
     assert refused.status == 429, refused.chunks
@@ -212,8 +219,7 @@ async def test_the_setting_bounds_keys_without_their_own_figure(api_user, settin
     link = hanging_node()
     await ask("blocker", key)
     await settle(link, 1)
-    await ask("waiting", key)
-    await asyncio.sleep(0.1)
+    await queued("waiting", key)
     refused = await request("POST", CHAT, key=key, body={"model": "smollm2", "messages": [
         {"role": "user", "content": "over"}]})
     assert refused.status == 429
@@ -239,9 +245,9 @@ async def test_the_record_shows_its_place_in_the_queue_and_its_wait(api_user):
         tokens=["x"], hang=spec["messages"][-1]["content"].startswith("blocker"))), lanes=1)
     await ask("blocker", key)
     await settle(link, 1)
-    await ask("blocker-2", key)
-    third = await ask("third", key, priority="low")
-    await asyncio.sleep(0.3)
+    await queued("blocker-2", key)
+    third = await queued("third", key, priority="low")
+    await asyncio.sleep(0.3)  # waits 300 ms at least
     await free_lanes_one_by_one(link, 2)
     await third.wait(lambda e: e.finished, 5)
     for _ in range(100):  # written by the record writer thread, just after the stream's end
