@@ -336,3 +336,36 @@ def test_retry_after_is_the_time_the_lanes_take_to_serve_those_ahead_at_their_dr
     assert dispatch.retry_after_s("m", 0) == 1
     monkeypatch.setattr(dispatch, "_drained", {"m": dispatch.deque([now - 90.0, now - 61.0])})
     assert dispatch.retry_after_s("m", 5) == dispatch.DRAIN_WINDOW_S  # nothing placed in the last minute
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_on_the_websocket_the_bound_and_the_cap_are_error_frames(api_user):
+    from channels.routing import URLRouter
+    from channels.testing import WebsocketCommunicator
+
+    from fleet.dispatch import queue_length
+    from fleet.routing import websocket_urlpatterns
+
+    key = await asyncio.to_thread(key_of, api_user, "socket", max_waiting=1)
+    link = hanging_node()
+    comm = WebsocketCommunicator(URLRouter(websocket_urlpatterns), "/ws/v1/generate",
+                                 headers=[(b"authorization", f"Bearer {key}".encode())])
+    assert (await comm.connect())[0]
+    def generate(cid: str, **extra) -> dict:
+        return {"type": "generate", "id": cid, "model": "smollm2", "messages": [{"role": "user", "content": cid}],
+                **extra}
+
+    await comm.send_json_to(generate("capped", priority="high"))
+    capped = await comm.receive_json_from(timeout=5)
+    assert (capped["type"], capped["id"], capped["code"]) == ("error", "capped", "priority_not_allowed")
+    for cid in ("blocker", "waiting"):
+        await comm.send_json_to(generate(cid))
+    await settle(link, 1)
+    while queue_length() < 1:
+        await asyncio.sleep(0.01)
+    await comm.send_json_to(generate("over"))
+    over = await comm.receive_json_from(timeout=5)
+    while over["id"] != "over":  # the blocker's token frame
+        over = await comm.receive_json_from(timeout=5)
+    assert (over["id"], over["code"]) == ("over", "too_many_waiting") and over["retry_after"] >= 1
+    await comm.disconnect()
