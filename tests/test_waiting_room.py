@@ -369,3 +369,19 @@ async def test_on_the_websocket_the_bound_and_the_cap_are_error_frames(api_user)
         over = await comm.receive_json_from(timeout=5)
     assert (over["id"], over["code"]) == ("over", "too_many_waiting") and over["retry_after"] >= 1
     await comm.disconnect()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_the_responses_and_messages_apis_take_priority_too(api_user):
+    key = await asyncio.to_thread(key_of, api_user, "agents")
+    add_fake_node()
+    responses = await request("POST", "/v1/responses", key=key, body={"model": "smollm2", "input": "hi",
+                                                                       "priority": "high"})
+    assert responses.status == 400 and json.loads(b"".join(responses.chunks))["error"]["param"] == "priority"
+    messages = await request("POST", "/v1/messages", key=key, body={
+        "model": "smollm2", "max_tokens": 8, "priority": "high", "messages": [{"role": "user", "content": "hi"}]})
+    error = json.loads(b"".join(messages.chunks))
+    assert messages.status == 400 and error["type"] == "error" and "priority" in error["error"]["message"]
+    lowered = await request("POST", "/v1/messages", key=key, body={
+        "model": "smollm2", "max_tokens": 8, "priority": "low", "messages": [{"role": "user", "content": "hi"}]})
+    assert lowered.status == 200, lowered.chunks
