@@ -18,9 +18,10 @@ from sessions.selectors import expires_at
 class ApiKeyAdmin(admin.ModelAdmin):
     empty_hint = ("No API key. Add one and choose its owner: the key is shown once; clients send it as `Authorization: "
                   "Bearer …`.")
-    list_display = ("name", "prefix", "owner", "active", "requests_per_minute", "tokens_per_minute", "tokens_per_day",
-                    "concurrent_streams", "created_at", "last_used_at", "revoked_at")
-    list_filter = ("revoked_at",)
+    list_display = ("name", "prefix", "owner", "active", "priority", "weight", "requests_per_minute",
+                    "tokens_per_minute", "tokens_per_day", "concurrent_streams", "created_at", "last_used_at",
+                    "revoked_at")
+    list_filter = ("revoked_at", "priority")
     search_fields = ("name", "prefix", "owner__username")
     list_select_related = ("owner",)
     readonly_fields = ("prefix", "created_at", "last_used_at", "revoked_at")
@@ -28,6 +29,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
         (None, {"fields": ("name", "owner", "prefix", "created_at", "last_used_at", "revoked_at")}),
         ("Quotas (empty: the FLEET_QUOTA_* default; 0: unlimited)",
          {"fields": ApiKey.QUOTA_FIELDS}),
+        ("Share of a full fleet (priority class, weight among its class's keys, bound on waiting generations)",
+         {"fields": ApiKey.SHARE_FIELDS}),
     )
     autocomplete_fields = ()
     actions = ("revoke",)
@@ -41,7 +44,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
             super().save_model(request, obj, form, change)
             return
         key, secret = api_key_create(owner=obj.owner, name=obj.name,
-                                     quotas={f: getattr(obj, f) for f in ApiKey.QUOTA_FIELDS})
+                                     quotas={f: getattr(obj, f) for f in (*ApiKey.QUOTA_FIELDS, *ApiKey.SHARE_FIELDS)})
         obj.pk, obj.prefix, obj.key_hash = key.pk, key.prefix, key.key_hash
         obj._state.adding = False
         self.message_user(request, format_html("API key created; it is shown only this once: <code>{}</code>", secret),

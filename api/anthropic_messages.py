@@ -68,7 +68,7 @@ def messages_request(body: Any, *, api_key=None, user=None, counting: bool = Fal
     chat = {"response_format": fmt, "model": body.get("model"), "messages": messages, "stream": body.get("stream"),
             "max_tokens": None if counting else max_tokens, "stop": body.get("stop_sequences") or None,
             "tools": _tools(body.get("tools")), "tool_choice": _tool_choice(body.get("tool_choice")),
-            **{name: body.get(name) for name in ("temperature", "top_p", "top_k", "deadline_ms")}}
+            **{name: body.get(name) for name in ("temperature", "top_p", "top_k", "deadline_ms", "priority")}}
     try:
         gen = chat_request({k: v for k, v in chat.items() if v is not None}, api_key=api_key, user=user)
     except OpenAIError as exc:

@@ -184,7 +184,10 @@ class ClientStreamConsumer(FramesSkipSweep, AsyncJsonWebsocketConsumer):
                     seq += 1
                     await self.send_json(self._done(client_id, seq, run))
         except OpenAIError as exc:
-            await self.send_json(_error(client_id, seq + 1, exc.code or "error", exc.message, exc.param))
+            frame = _error(client_id, seq + 1, exc.code or "error", exc.message, exc.param)
+            if "Retry-After" in exc.headers:  # too many waiting for the key, every lane busy until the deadline
+                frame["retry_after"] = int(exc.headers["Retry-After"])
+            await self.send_json(frame)
         except Exception:  # the socket is closing under us; disconnect() cancels the generation
             log.debug("client stream %r: could not send", client_id, exc_info=True)
         finally:

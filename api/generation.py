@@ -15,12 +15,15 @@ from collections.abc import Awaitable
 from contextlib import suppress
 from typing import Any
 
+from django.conf import settings
+
 from api.errors import OpenAIError
 from api.quotas import Ticket, tokens_spent
 from api.specs import GenerationRequest
 from fleet import metrics, tracing
 from fleet.dispatch import Finished, GenerationError, Started, Tokens, generation_stream
 from fleet.timers import wait_done
+from fleet.waiting import Share
 from nodes.link.logs import generation_context
 from sessions.models import Generation
 from sessions.services import GenerationTrace, generation_record_async
@@ -28,6 +31,15 @@ from sessions.services import GenerationTrace, generation_record_async
 log = logging.getLogger("api")
 
 PENDING = object()  # next_event timed out; the stream goes on
+
+
+def share_for(request: GenerationRequest) -> Share:
+    """The request's key, class, weight and bound on waiting generations, for the waiting room."""
+    key = request.api_key
+    if key is None:
+        return Share(priority=request.priority)
+    bound = key.max_waiting if key.max_waiting is not None else settings.FLEET_MAX_WAITING_PER_KEY
+    return Share(key=str(key.pk), label=key.prefix, priority=request.priority, weight=key.weight, max_waiting=bound)
 
 
 class Run:
@@ -38,7 +50,8 @@ class Run:
         self.ticket = ticket  # the key's quota: settled with the tokens spent when the generation ends
         if ticket is not None:
             ticket.owned = True
-        self.stream = generation_stream(request.spec, deadline=request.deadline, batch=request.batch)
+        self.stream = generation_stream(request.spec, deadline=request.deadline, batch=request.batch,
+                                        share=share_for(request))
         # its spans: those of the request that made it (the /v1 wrapper's, or `trace`), ended when it is recorded
         self.trace = tracing.generation_begin(self, trace)
         self._events = self.stream.__aiter__()

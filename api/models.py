@@ -3,11 +3,18 @@
 import uuid
 
 from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 
 class ApiKey(models.Model):
-    """A bearer key for /v1, /api and the client websocket, with its quotas. Only a SHA-256 hash is stored."""
+    """A bearer key for /v1, /api and the client websocket, with its quotas and its share of a full fleet (priority
+    class, weight, bound on waiting generations: fleet/waiting.py). Only a SHA-256 hash is stored."""
+
+    class Priority(models.TextChoices):  # fleet.waiting.PRIORITIES, best first
+        HIGH = "high"
+        NORMAL = "normal"
+        LOW = "low"
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     name = models.CharField(max_length=200)
@@ -32,6 +39,19 @@ class ApiKey(models.Model):
     concurrent_streams = models.PositiveIntegerField(
         null=True, blank=True, help_text="Generations running at once. Empty: FLEET_QUOTA_CONCURRENT_STREAMS; "
         "0: unlimited.")
+    # The waiting room, when every lane of a model is busy (fleet/waiting.py).
+    SHARE_FIELDS = ("priority", "weight", "max_waiting")
+    priority = models.CharField(
+        max_length=10, choices=Priority.choices, default=Priority.NORMAL, help_text="Its generations' class when "
+        "the fleet is full: a higher class takes the next free lane first. A request may ask for this class or a "
+        "lower one (`priority`), never a higher one.")
+    weight = models.PositiveSmallIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(100)], help_text="Its share of freed lanes "
+        "against other keys of its class with generations waiting: a key of weight 2 gets two for each of a "
+        "weight-1 key's.")
+    max_waiting = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Generations it may have waiting for a lane in one head process; one more "
+        "gets a 429 with Retry-After. Empty: FLEET_MAX_WAITING_PER_KEY; 0: unbounded.")
 
     class Meta:
         ordering = ["-created_at"]

@@ -12,6 +12,7 @@ from typing import Any
 from django.conf import settings
 
 from api import specs
+from fleet.waiting import PRIORITIES
 
 IGNORED = {"description": "Accepted and ignored."}
 
@@ -83,6 +84,8 @@ def responses_request() -> dict[str, Any]:
         "temperature": _number(0, 2), "top_p": _number(0, 1), "top_k": _integer(0, 1_000_000),
         "seed": _integer(-2**63, 2**63 - 1), "stop": STOP,
         "deadline_ms": _integer(1, specs.MAX_DEADLINE_MS, "How long the request may wait for a lane and run."),
+        "priority": _opt({"type": "string", "enum": list(PRIORITIES)}, "Its class when every lane is busy, at most "
+                         "the key's (default: the key's)."),
         "metadata": _opt({"type": "object", "additionalProperties": STRING}, "Echoed back."),
         "store": _opt({"type": "boolean"}, "Keep the response for previous_response_id, GET and DELETE (default)."),
         "previous_response_id": _opt(STRING, "Continue a stored response's conversation."),
@@ -153,6 +156,8 @@ def messages_request() -> dict[str, Any]:
         "stop_sequences": STOP, "temperature": _number(0, 2), "top_p": _number(0, 1),
         "top_k": _integer(0, 1_000_000), "stream": _opt({"type": "boolean"}),
         "deadline_ms": _integer(1, specs.MAX_DEADLINE_MS),
+        "priority": _opt({"type": "string", "enum": list(PRIORITIES)}, "Its class when every lane is busy, at most "
+                         "the key's (default: the key's)."),
         "metadata": _opt({"type": "object", "properties": {"user_id": _opt(STRING)}}, "Accepted and ignored."),
         "output_config": _opt({"type": "object", "properties": {
             "format": _opt(_object(["type", "schema"], type=_kind("json_schema"), schema=SCHEMA)),

@@ -14,6 +14,7 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_GET
 
 from api import openapi_agents, specs, v1
+from fleet.waiting import PRIORITIES
 
 INT64 = 2**63 - 1
 
@@ -125,6 +126,8 @@ def _common() -> dict[str, Any]:
         "stream": _opt({"type": "boolean"}),
         "stream_options": _opt({"type": "object", "properties": {"include_usage": {}}}),
         "deadline_ms": _integer(1, specs.MAX_DEADLINE_MS, "How long the request may wait for a lane and run."),
+        "priority": _opt({"type": "string", "enum": list(PRIORITIES)}, "Its class when every lane is busy, at most "
+                         "the key's (default: the key's)."),
         "user": {"description": "Accepted and ignored."},
         "metadata": {"description": "Accepted and ignored."},
     }
@@ -221,7 +224,7 @@ ERRORS = {
     "405": "Another method than the one documented.",
     "413": "The body is over FLEET_MAX_BODY_BYTES.",
     "415": "The body is not `application/json`.",
-    "429": "Over the key's rate; `Retry-After` says when to retry.",
+    "429": "Over the key's rate, or its bound on generations waiting for a lane; `Retry-After` says when to retry.",
     "502": "The node failed the request.",
     "503": "Every lane serving the model stayed busy until the deadline; `Retry-After`.",
     "504": "The node did not answer in time.",
@@ -255,7 +258,7 @@ def v1_schema() -> dict[str, Any]:
                  "description": "OpenAI's /v1 shapes (chat, completions, embeddings, the Responses API), and "
                                 "Anthropic's Messages API at /v1/messages, served by a llama.cpp fleet. Errors are "
                                 "OpenAI's error object (Anthropic's on /v1/messages). "
-                                "Extensions (session, grammar, logit_bias_handle, deadline_ms, top_k, min_p, "
+                                "Extensions (session, grammar, logit_bias_handle, deadline_ms, priority, top_k, min_p, "
                                 "repeat_penalty, ignore_eos, batch_invariant, lora) are described in docs/api.md."},
         "servers": [{"url": "/"}],
         "security": [{"apiKey": []}],

@@ -76,7 +76,7 @@ def responses_request(body: Any, *, api_key=None, user=None) -> ResponsesRequest
     messages = input_messages(body.get("input"))
     chat = {"model": body.get("model"), "messages": messages, "stream": body.get("stream"),
             "tools": _tools(body.get("tools")), "tool_choice": _tool_choice(body.get("tool_choice")),
-            **_sampling(body), **_logprobs(body), **_text_format(body.get("text"))}
+            "priority": body.get("priority"), **_sampling(body), **_logprobs(body), **_text_format(body.get("text"))}
     try:
         gen = chat_request({k: v for k, v in chat.items() if v is not None}, api_key=api_key, user=user)
     except OpenAIError as exc:

@@ -57,7 +57,8 @@ class ApiKeySerializer(serializers.ModelSerializer):
     class Meta:
         model = ApiKey
         fields = ["id", "name", "prefix", "owner", "is_active", "created_at", "revoked_at", "last_used_at",
-                  "requests_per_minute", "tokens_per_minute", "tokens_per_day", "concurrent_streams", "limits"]
+                  "requests_per_minute", "tokens_per_minute", "tokens_per_day", "concurrent_streams", "limits",
+                  "priority", "weight", "max_waiting"]
         read_only_fields = ["id", "prefix", "is_active", "created_at", "revoked_at", "last_used_at",
                             "requests_per_minute", "tokens_per_minute", "tokens_per_day", "concurrent_streams"]
 

@@ -29,14 +29,16 @@ def _hash(key: str) -> str:
 
 def api_key_create(*, owner: AbstractBaseUser, name: str, quotas: dict[str, int | None] | None = None
                    ) -> tuple[ApiKey, str]:
-    """Make a key (`quotas`: its own limits by field name, None for the default); returns the row and the full key,
-    which is shown once and never stored."""
+    """Make a key (`quotas`: its own limits, and its share fields (priority, weight, max_waiting), by field name,
+    None for the default); returns the row and the full key, which is shown once and never stored."""
     name = name.strip()
     if not name:
         raise ValueError("an API key needs a name")
     prefix = KEY_PREFIX + secrets.token_hex(4)
     key = f"{prefix}.{secrets.token_urlsafe(32)}"
-    row = ApiKey.objects.create(name=name, owner=owner, prefix=prefix, key_hash=_hash(key), **(quotas or {}))
+    fields = {name: value for name, value in (quotas or {}).items()
+              if value is not None or name not in ("priority", "weight")}  # those two have defaults, not "empty"
+    row = ApiKey.objects.create(name=name, owner=owner, prefix=prefix, key_hash=_hash(key), **fields)
     return row, key
 
 

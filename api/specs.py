@@ -25,6 +25,7 @@ from api.images import IMAGE_PART_TYPES, image_part
 from api.tools import ToolPlan, tool_plan
 from fleet.aliases import aaliases, alias_resolve
 from fleet.selectors import acontext_windows, model_context_window
+from fleet.waiting import DEFAULT_PRIORITY, PRIORITIES, RANKS
 from nodes.link.spec import GenerateSpec
 from nodes.registry import media_ref
 from sessions import selectors
@@ -52,6 +53,7 @@ class GenerationRequest:
     new_messages: list[dict[str, Any]] = field(default_factory=list)
     api_key: Any = None
     batch: bool = False  # a batch line: placed below interactive generations (fleet.dispatch)
+    priority: str = DEFAULT_PRIORITY  # its class in the waiting room (fleet.waiting): its key's, or lower if asked
     api: str = ""  # the interface that asked, where it is not `kind`'s own ("responses", "messages")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -130,7 +132,26 @@ def _request(kind, spec, body, api_key, *, plan=None, session_id=None, new_messa
     _fits_a_link_frame(spec)
     return GenerationRequest(kind, spec, deadline, stream=stream, include_usage=stream and bool(
         options.get("include_usage")), tools=plan, session_id=session_id, new_messages=new_messages or [],
-        api_key=api_key)
+        api_key=api_key, priority=_priority(body, api_key))
+
+
+def _priority(body: dict[str, Any], api_key) -> str:
+    """The request's class in the waiting room: `priority` if given, no higher than its key's (the key's if not
+    given). Without a key (the admin playground's staff session) any class."""
+    if api_key is None:
+        allowed, default = PRIORITIES[0], DEFAULT_PRIORITY
+    else:
+        allowed = default = getattr(api_key, "priority", None) or DEFAULT_PRIORITY
+    asked = body.get("priority")
+    if asked is None:
+        return default
+    if asked not in PRIORITIES:
+        raise invalid(f"priority must be one of {', '.join(PRIORITIES)} (got {asked!r}).", param="priority")
+    if RANKS[asked] < RANKS[allowed]:
+        raise invalid(f"priority {asked!r} is above this API key's ({allowed!r}); ask for {allowed!r} or lower, or "
+                      "have staff raise the key's priority in the admin.", param="priority",
+                      code="priority_not_allowed")
+    return asked
 
 
 def _fits_a_link_frame(spec: GenerateSpec) -> None:
@@ -417,7 +438,7 @@ IN_PLACE_FIELDS = frozenset({
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "min_p", "top_k",
     "presence_penalty", "frequency_penalty", "repeat_penalty", "seed", "stop", "n", "logit_bias", "ignore_eos",
     "batch_invariant", "lora", "logprobs", "top_logprobs", "stream", "stream_options", "deadline_ms", "user",
-    "echo", "suffix", "best_of",
+    "echo", "suffix", "best_of", "priority",
 })
 
 

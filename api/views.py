@@ -122,7 +122,8 @@ class FleetTokenViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.R
 class ApiKeyViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                     mixins.DestroyModelMixin, viewsets.GenericViewSet):
     """Your own API keys (staff: everyone's). The key is shown once, in the create response; DELETE revokes it.
-    Quotas are set by staff in the admin; here they are read-only. Only staff create keys: quotas are per key, so a
+    Quotas are set by staff in the admin; here they are read-only. `priority`, `weight` and `max_waiting` (the key's
+    share of a full fleet) are set at creation or in the admin. Only staff create keys: quotas are per key, so a
     key that could mint another (at the defaults, or even at its own limits) would multiply what staff allowed it."""
 
     serializer_class = s.ApiKeySerializer
@@ -140,7 +141,9 @@ class ApiKeyViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retri
     def create(self, request, *args, **kwargs):
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        row, key = key_services.api_key_create(owner=request.user, name=serializer.validated_data["name"])
+        share = {f: serializer.validated_data[f] for f in ApiKey.SHARE_FIELDS if f in serializer.validated_data}
+        row, key = key_services.api_key_create(owner=request.user, name=serializer.validated_data["name"],
+                                               quotas=share)
         data = {**s.ApiKeySerializer(row).data, "key": key}  # the created-key shape: the row's fields and the key
         return Response(data, status=status.HTTP_201_CREATED)
 

@@ -38,7 +38,8 @@ class FleetPageConsumer(AsyncJsonWebsocketConsumer):
 
     async def connect(self) -> None:
         self.seq = 0
-        self.waiting: dict[str, tuple[dict[str, int], float]] = {}  # head process -> (waiting per model, when)
+        # head process -> (waiting per model, per priority class and per key, when)
+        self.waiting: dict[str, tuple[dict[str, int], dict[str, dict[str, int]], float]] = {}
         self.dirty = asyncio.Event()
         self.pusher: asyncio.Task | None = None
         await self.accept()
@@ -52,22 +53,32 @@ class FleetPageConsumer(AsyncJsonWebsocketConsumer):
         self.pusher = asyncio.ensure_future(self._push())
 
     async def fleet_changed(self, event: dict) -> None:
-        self.waiting[event["process"]] = (event["waiting"], time.monotonic())
+        self.waiting[event["process"]] = (event["waiting"], event.get("classes") or {}, time.monotonic())
         self.dirty.set()
 
     def _waiting(self) -> dict[str, int]:
         now, total = time.monotonic(), {}
-        for counts, at in self.waiting.values():
+        for counts, _, at in self.waiting.values():
             if now - at < WAITING_STALE_S:
                 for model, n in counts.items():
                     total[model] = total.get(model, 0) + n
+        return total
+
+    def _classes(self) -> dict[str, dict[str, int]]:
+        now, total = time.monotonic(), {"priority": {}, "key": {}}
+        for _, classes, at in self.waiting.values():
+            if now - at < WAITING_STALE_S:
+                for kind, counts in classes.items():
+                    bucket = total.setdefault(kind, {})
+                    for name, n in counts.items():
+                        bucket[name] = bucket.get(name, 0) + n
         return total
 
     async def _push(self) -> None:
         while True:
             await self.dirty.wait()
             self.dirty.clear()
-            snapshot = await database_sync_to_async(fleet_live)(waiting=self._waiting())
+            snapshot = await database_sync_to_async(fleet_live)(waiting=self._waiting(), classes=self._classes())
             self.seq += 1
             await self.send_json({"type": "fleet", "seq": self.seq, **snapshot})
             await asyncio.sleep(PUSH_EVERY_S)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,7 @@ from fleet import heads, metrics, tracing
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
 from fleet.reported import count_checked, prompt_tokens_bound
+from fleet.waiting import BATCH, RANKS, Share, Waiter
 from nodes.agent.vocab import BUILTINS, BYTES
 from nodes.link.codes import ErrorCode, FinishReason, retried_elsewhere
 from nodes.link.lifecycle import aplacement_keys
@@ -37,6 +40,9 @@ LINK_CHECK_S = 5.0
 # A generation waiting for a lane is woken by events (a lane freed, a node joined, here or in another head process);
 # it also looks again this often, in case a wake was lost with a Redis connection.
 WAKE_CHECK_S = 5.0
+# A key over its bound on waiting generations is told to come back when the lanes, at the rate they took waiting
+# generations over this window, would have served those ahead of it (this long when none was placed in it).
+DRAIN_WINDOW_S = 60
 # Which node errors are placed again elsewhere: nodes.link.codes.retried_elsewhere (the request's faults never; the
 # node's before the first token; after it only a lost node). At most MAX_ATTEMPTS placements, so a request that
 # crashes every engine it reaches (llama.cpp aborts on some inputs) still ends with a clear error.
@@ -125,27 +131,35 @@ class Outcome:
 
 
 class _Waiters:
-    """Generations waiting for a lane, so the earliest deadline gets the next free lane of its model; every
-    interactive generation goes before every batch line (batch lines keep deadline order among themselves). The
-    order itself, and the waking, is the registry's LaneSignal; these entries are what the counts report."""
+    """Generations waiting for a lane in this process, so that the next free lane of a model goes to the first in
+    the waiting room's order (fleet.waiting: priority class, batch lines last; keys in turn; deadline within a key).
+    The order itself, and the waking, is the registry's LaneSignal; these entries are what the counts report."""
 
     def __init__(self) -> None:
-        self.entries: list[tuple[float, str, str, bool]] = []  # (deadline, gen_id, model, batch)
+        self.entries: list[tuple[str, Waiter]] = []  # (model, waiter)
 
-    def ahead_of(self, gen_id: str, model: str, deadline: float, batch: bool = False) -> int:
-        return registry().lanes.ahead(model, (batch, deadline, gen_id))
+    def ahead_of(self, model: str, waiter: Waiter) -> int:
+        return registry().lanes.ahead(model, waiter)
 
     def interactive(self, model: str) -> int:
-        return registry().lanes.ahead(model, (True,))  # every interactive key sorts before any batch line's
+        return registry().lanes.above(model, RANKS[BATCH])
+
+    def of_key(self, key: str) -> int:
+        """This key's interactive generations waiting here, every model's."""
+        return sum(1 for _, w in self.entries if w.key == key and w.rank != RANKS[BATCH])
 
 
 _waiters = _Waiters()
 # Generations of this process placed and not yet over, per (model, batch): batch lines keep to their share of a
 # model's lanes while interactive ones run or wait.
 _running: dict[tuple[str, bool], int] = {}
-# Batch lines of this process running on a node, per model: an interactive generation that finds no free lane
-# preempts one (it continues later from the tokens it has, token for token as if never stopped).
+# Generations of this process running on a node that a better class may preempt, per model: batch lines (an
+# interactive generation that finds no free lane preempts one) and, where FLEET_PREEMPTING_CLASSES names a class,
+# interactive ones of a lower class. A preempted one continues later from the tokens it has, token for token as if
+# never stopped.
 _preemptible: dict[str, set[GenerationStream]] = {}
+# When this process's waiting generations took a lane, per model (monotonic s): the queue's drain rate.
+_drained: dict[str, deque[float]] = {}
 
 
 def queue_length() -> int:
@@ -155,18 +169,47 @@ def queue_length() -> int:
 def waiting_by_model() -> dict[str, int]:
     """This process's generations waiting for a lane, per model (the live fleet page sums every process's)."""
     counts: dict[str, int] = {}
-    for _, _, model, _ in _waiters.entries:
+    for model, _ in _waiters.entries:
         counts[model] = counts.get(model, 0) + 1
     return counts
+
+
+def waiting_by_class() -> dict[str, dict[str, int]]:
+    """This process's waiting generations per priority class and per API key (by its prefix)."""
+    counts: dict[str, dict[str, int]] = {"priority": {}, "key": {}}
+    for _, w in _waiters.entries:
+        counts["priority"][w.priority] = counts["priority"].get(w.priority, 0) + 1
+        if w.label:
+            counts["key"][w.label] = counts["key"].get(w.label, 0) + 1
+    return counts
+
+
+def _drain_note(model: str) -> None:
+    times = _drained.setdefault(model, deque(maxlen=4096))
+    times.append(time.monotonic())
+
+
+def retry_after_s(model: str, ahead: int) -> int:
+    """Seconds until the lanes, at the rate they took this process's waiting generations of `model` over the last
+    DRAIN_WINDOW_S, would have served `ahead` more (DRAIN_WINDOW_S when they took fewer than two)."""
+    times, now = _drained.get(model, deque()), time.monotonic()
+    while times and now - times[0] > DRAIN_WINDOW_S:
+        times.popleft()
+    if len(times) < 2:
+        return DRAIN_WINDOW_S
+    rate = len(times) / max(now - times[0], 1e-3)
+    return min(max(math.ceil((ahead + 1) / rate), 1), 10 * DRAIN_WINDOW_S)
 
 
 class GenerationStream:
     """One generation's life on the head: placement, relay, failover. Iterate it once."""
 
-    def __init__(self, spec: GenerateSpec, *, deadline: float, batch: bool = False):
+    def __init__(self, spec: GenerateSpec, *, deadline: float, batch: bool = False, share: Share | None = None):
         self.spec = spec
         self.deadline = deadline
         self.batch = batch
+        self.share = share or Share()
+        self._queued: dict[str, Any] | None = None  # its place when it first queued (the record's evidence)
         self._counted = False  # counted in _running (from its first placement to its end)
         self.keys: list[PrefixKey] | None = None  # the prompt's, once its model's tokenizer is known (_key)
         self.tokenizer: Any = None
@@ -218,10 +261,10 @@ class GenerationStream:
                     yield event
                 return
             except _Preempted:
-                # a batch line whose lane went to an interactive generation: placed again, behind interactive
-                # traffic, to continue from the tokens it has; not a failed attempt
+                # its lane went to a generation of a higher class (a batch line's to an interactive one): placed
+                # again, in its own class, to continue from the tokens it has; not a failed attempt
                 self._preempting = False
-                self._failure = {"code": "preempted", "message": "an interactive generation took its lane",
+                self._failure = {"code": "preempted", "message": "a generation of a higher class took its lane",
                                  "at": self._preempted_at}
                 attempt -= 1
             except _NodeFailed as failed:
@@ -249,24 +292,42 @@ class GenerationStream:
         metrics.placement_made(model=self.spec.model, evidence=evidence)
         tracing.placed(self.trace, evidence)
         if not self.outcome.placement:
+            queued = self._queued or {}
+            evidence["queue"] = {**queued, "waited_ms": round((evidence["placed_at"] - queued.get("at",
+                                                                evidence["placed_at"])) * 1000)}
+            metrics.admitted(priority=queued.get("priority", ""))
             self.outcome.placement = evidence
         else:
             self.outcome.placement.setdefault("failover", []).append({**evidence, "after": self._failure})
 
+    def _waiter(self) -> Waiter:
+        share = self.share
+        rank = RANKS[BATCH] if self.batch else RANKS.get(share.priority, RANKS["normal"])
+        return Waiter(self.spec.gen_id, rank, self.deadline, share.key, max(share.weight, 1), share.label)
+
     async def _place(self, excluded: set[str]):
-        """Reserve a lane, waiting in deadline order; past the deadline, fail without ever starting."""
+        """Reserve a lane, waiting in the waiting room's order (fleet.waiting); past the deadline, fail without
+        ever starting; over its key's bound on waiting generations, a 429 at once."""
         reg = registry()
         model = self.spec.model
-        entry, key = (self.deadline, self.spec.gen_id, model, self.batch), (self.batch, self.deadline, self.spec.gen_id)
+        key = self._waiter()
+        entry = (model, key)
         _waiters.entries.append(entry)
         reg.lanes.join(model, key)
+        if self._queued is None:
+            self._queued = {"priority": key.priority, "position": reg.lanes.ahead(model, key), "at": time.time()}
         tracing.queue_begin(self.trace)
         fleet_changed()
+        placed, first = False, True
         try:
             while True:
                 choice = await self._try_place(reg, excluded)
                 if choice is not None:
+                    placed = True
                     return choice
+                if first and not self.outcome.placement:  # never once it ran (a failover, a preempted one)
+                    self._refuse_over_bound(reg, key)
+                    first = False
                 left = self.deadline - time.time()
                 if left <= 0:
                     raise GenerationError("deadline_exceeded", "Every lane serving this model stayed busy until the "
@@ -275,9 +336,23 @@ class GenerationStream:
                 await reg.lanes.wait(key, min(left, WAKE_CHECK_S))
         finally:
             _waiters.entries.remove(entry)
-            reg.lanes.leave(model, key)
+            reg.lanes.leave(model, key, placed=placed)
+            if placed:
+                _drain_note(model)
             reg.lanes.notify()
             fleet_changed()  # placed (a lane taken), or gone from the queue
+
+    def _refuse_over_bound(self, reg, key: Waiter) -> None:
+        """A 429 when this generation, which found no lane, would put its key over its bound on waiting ones (batch
+        lines are bounded by their batch's concurrency instead)."""
+        bound = self.share.max_waiting
+        if self.batch or not bound or _waiters.of_key(key.key) <= bound:
+            return
+        wait = retry_after_s(self.spec.model, reg.lanes.ahead(self.spec.model, key))
+        raise GenerationError("too_many_waiting", f"This API key already has {bound} generations waiting for a lane "
+                              f"of {self.spec.model!r} (its bound); retry in {wait} s, when the lanes will have "
+                              "served those ahead of it at their current rate.", status=429, retry_after=wait,
+                              kind="rate_limit_error")
 
     async def _try_place(self, reg, excluded: set[str]):
         """A lane now if this generation's turn has come and one is free (None: wait for the next wake)."""
@@ -302,12 +377,12 @@ class GenerationStream:
         except GenerationError:  # refused by the snapshot: look again (an adapter may have just loaded)
             nodes = await reg.aplacement.nodes(fresh=True)
             unable = self._unable(nodes)
-        ahead = _waiters.ahead_of(self.spec.gen_id, model, self.deadline, self.batch)
+        ahead = _waiters.ahead_of(model, self._waiter())
         # placed only on nodes this process holds a link to (a node behind NAT may reach only some head processes)
         linked = set(reg.links)
         free = sum(s.free for s in nodes if model in s.models and s.schedulable and s.node_id in linked)
         if not self.batch and ahead >= free:
-            await self._preempt_a_batch_line(exclude=excluded | unable)
+            await self._preempt_a_lower_one(exclude=excluded | unable)
             free = sum(s.free for s in await reg.aplacement.nodes()
                        if model in s.models and s.schedulable and s.node_id in linked)
         if ahead >= free or not self._within_share(nodes):
@@ -338,14 +413,19 @@ class GenerationStream:
         self._counted = delta > 0
         _running[(self.spec.model, self.batch)] = _running.get((self.spec.model, self.batch), 0) + delta
 
-    async def _preempt_a_batch_line(self, *, exclude: set[str]) -> None:
-        """No lane for this interactive generation (nor for those ahead of it): take one from the batch line of its
-        model that started last here, on a node it may use. The cancel goes first, so the node reads it before this
-        generation and starts this one at its next step, as in a free lane."""
+    async def _preempt_a_lower_one(self, *, exclude: set[str]) -> None:
+        """No lane for this interactive generation (nor for those ahead of it): take one from a generation of its
+        model of a lower class (a batch line; an interactive one of a lower class too where FLEET_PREEMPTING_CLASSES
+        names this one's) on a node it may use: the lowest class first, then the one that started last here. The
+        cancel goes first, so the node reads it before this generation and starts this one at its next step, as in a
+        free lane."""
+        rank = self._waiter().rank
+        over_interactive = self.share.priority in settings.FLEET_PREEMPTING_CLASSES
         victims = [s for s in _preemptible.get(self.spec.model, ())
-                   if not s._preempting and s._current is not None and s._current[0] not in exclude]
+                   if not s._preempting and s._current is not None and s._current[0] not in exclude
+                   and (s.batch or (over_interactive and s._waiter().rank > rank))]
         if victims:
-            await max(victims, key=lambda s: s.outcome.placement.get("placed_at", 0.0)).preempt()
+            await max(victims, key=lambda s: (s._waiter().rank, s.outcome.placement.get("placed_at", 0.0))).preempt()
 
     async def preempt(self) -> None:
         """Give this batch line's lane to an interactive generation: freed now, the node told to stop it."""
@@ -353,7 +433,7 @@ class GenerationStream:
         self._preempting, self._preempted_at = True, time.time()
         await registry().lifecycle.apreempted(node_id, self.spec.gen_id)
         metrics.preempted(model=self.spec.model, node=link.identity)
-        await _cancel_quietly(link, self.spec.gen_id, "preempted by an interactive generation")
+        await _cancel_quietly(link, self.spec.gen_id, "preempted by a generation of a higher class")
 
     def _within_share(self, nodes) -> bool:
         """A batch line may take any free lane while no interactive generation of its model waits here, else only
@@ -404,7 +484,7 @@ class GenerationStream:
                 await link.send_generate(relay_gen, spec.to_dict())
             except LinkError as exc:  # the link broke as it was sent
                 raise _NodeFailed(ErrorCode.NODE_LOST, f"node {link.identity!r} could not be reached: {exc}") from None
-            if self.batch:
+            if self.batch or self._waiter().rank > 0:  # any but the best class may be preempted (by its rule)
                 _preemptible.setdefault(self.spec.model, set()).add(self)
             while True:
                 if relay.overflowed:
@@ -563,7 +643,7 @@ async def _cancel_quietly(link, gen_id: str, reason: str = "client went away") -
 
 
 class _Preempted(Exception):
-    """The node stopped a batch line whose lane an interactive generation took."""
+    """The node stopped a generation whose lane one of a higher class took."""
 
 
 class _NodeFailed(Exception):
@@ -583,6 +663,8 @@ def _status_for(code: str) -> int:
     }.get(code, 500)
 
 
-def generation_stream(spec: GenerateSpec, *, deadline: float, batch: bool = False) -> GenerationStream:
-    """`batch`: a batch job's line, placed after every interactive generation and within its share of lanes."""
-    return GenerationStream(spec, deadline=deadline, batch=batch)
+def generation_stream(spec: GenerateSpec, *, deadline: float, batch: bool = False,
+                      share: Share | None = None) -> GenerationStream:
+    """`batch`: a batch job's line, placed after every interactive generation and within its share of lanes.
+    `share`: its key, class and weight in the waiting room (fleet.waiting); none: the default class, no key."""
+    return GenerationStream(spec, deadline=deadline, batch=batch, share=share)

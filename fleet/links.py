@@ -8,7 +8,6 @@ in-process queue: no channel layer, no ORM, no re-encoding on the hot path.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
 from collections import deque
@@ -19,6 +18,7 @@ from typing import Any, Protocol
 from django.conf import settings
 
 from fleet.timers import wait_for_future
+from fleet.waiting import ModelQueue, Waiter
 from nodes.link.lifecycle import PlacementLifecycle, aio
 from nodes.link.placement import PlacementState
 
@@ -80,41 +80,48 @@ class Relay:
 
 
 class LaneSignal:
-    """Generations waiting for a lane, per model in the order lanes go to them (batch lines after interactive ones,
-    then by deadline), woken by events, never by polling: a lane freed or a node joined, in this process
-    (`notify`) or in another head process (the Redis placement's lanes channel). Each wake reads a model's free
-    lanes once and wakes that many of its first waiters (one at least: it may preempt a batch line), not all."""
+    """Generations waiting for a lane, per model in the order lanes go to them (fleet.waiting: priority classes,
+    batch lines last; keys in turn within a class; deadline within a key), woken by events, never by polling: a
+    lane freed or a node joined, in this process (`notify`) or in another head process (the Redis placement's lanes
+    channel). Each wake reads a model's free lanes once and wakes that many of its first waiters (one at least: it
+    may preempt a batch line), not all."""
 
-    def __init__(self, free_lanes: Callable[[str], Awaitable[int]], listen: Callable | None = None) -> None:
-        self._free_lanes, self._listen = free_lanes, listen
-        self._order: dict[str, list[tuple]] = {}  # model -> waiters' keys, sorted
-        self._events: dict[tuple, asyncio.Event] = {}
+    def __init__(self, free_lanes: Callable[[str], Awaitable[int]], listen: Callable | None = None,
+                 fair: bool = True) -> None:
+        self._free_lanes, self._listen, self._fair = free_lanes, listen, fair
+        self._order: dict[str, ModelQueue] = {}  # model -> its waiters, in order
+        self._events: dict[Waiter, asyncio.Event] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pass: asyncio.Task | None = None
         self._again = False
         self._listener: asyncio.Task | None = None
 
-    def join(self, model: str, key: tuple) -> None:
+    def join(self, model: str, key: Waiter) -> None:
         self._loop = asyncio.get_running_loop()
-        bisect.insort(self._order.setdefault(model, []), key)
+        self._order.setdefault(model, ModelQueue(self._fair)).add(key)
         self._events[key] = asyncio.Event()
         if self._listen is not None and (self._listener is None or self._listener.done()):
             self._listener = asyncio.ensure_future(self._listen(self.notify))
 
-    def leave(self, model: str, key: tuple) -> None:
-        keys = self._order.get(model, [])
-        at = bisect.bisect_left(keys, key)
-        if at < len(keys) and keys[at] == key:
-            del keys[at]
-        if not keys:
-            self._order.pop(model, None)
+    def leave(self, model: str, key: Waiter, *, placed: bool = False) -> None:
+        """`placed`: it leaves with a lane (its key's turn is used); else unserved."""
+        queue = self._order.get(model)
+        if queue is not None:
+            queue.remove(key, placed=placed)
+            if not len(queue):
+                del self._order[model]
         self._events.pop(key, None)
 
-    def ahead(self, model: str, key: tuple) -> int:
-        """How many of the model's waiters go before `key`."""
-        return bisect.bisect_left(self._order.get(model, []), key)
+    def ahead(self, model: str, key: Waiter) -> int:
+        """How many of the model's waiters go before `key` (a waiter of the model)."""
+        return self._order[model].ahead(key)
 
-    async def wait(self, key: tuple, timeout: float) -> None:
+    def above(self, model: str, rank: int) -> int:
+        """How many of the model's waiters are of a class better than `rank` (fleet.waiting.RANKS)."""
+        queue = self._order.get(model)
+        return queue.above(rank) if queue is not None else 0
+
+    async def wait(self, key: Waiter, timeout: float) -> None:
         """Until woken (at once if a wake came while this waiter was not asleep) or `timeout` s."""
         event = self._events[key]
         with contextlib.suppress(TimeoutError):
@@ -147,7 +154,8 @@ class LaneSignal:
             self._again = False
             for model in list(self._order):
                 free = await self._free_lanes(model)
-                for key in self._order.get(model, [])[:max(free, 1)]:
+                queue = self._order.get(model)
+                for key in queue.first(max(free, 1)) if queue is not None else ():
                     event = self._events.get(key)
                     if event is not None:
                         event.set()
@@ -168,7 +176,8 @@ class Registry:
         else:
             self.placement = PlacementState(load_tokens=settings.FLEET_LOAD_TOKENS)
         self.lanes = LaneSignal(lambda model: self.aplacement.free_lanes(model),
-                                listen=getattr(self.aplacement, "listen", None))
+                                listen=getattr(self.aplacement, "listen", None),
+                                fair=settings.FLEET_WAITING_ORDER == "fair")
 
     @property
     def aplacement(self) -> Any:

@@ -6,7 +6,8 @@ of streams starting and ending do not flood the channel layer; each page socket 
 and sends its browser one snapshot at most every PUSH_EVERY_S. The group is on the Redis layer when REDIS_URL is
 set, so a node linked to one head process shows on a page served by another.
 
-The message carries the sender's generations waiting for a lane, per model: they live in each process's
+The message carries the sender's generations waiting for a lane, per model (and per priority class and API key):
+they live in each process's
 dispatcher, so a page sums what every process last announced. A process with waiting generations re-announces
 them every ANNOUNCE_EVERY_S; a page forgets a process it has not heard from for WAITING_STALE_S.
 """
@@ -30,9 +31,10 @@ PROCESS_ID = uuid.uuid4().hex[:12]
 
 
 def changed_event() -> dict:
-    from fleet.dispatch import waiting_by_model
+    from fleet.dispatch import waiting_by_class, waiting_by_model
 
-    return {"type": "fleet.changed", "process": PROCESS_ID, "waiting": waiting_by_model()}
+    return {"type": "fleet.changed", "process": PROCESS_ID, "waiting": waiting_by_model(),
+            "classes": waiting_by_class()}
 
 
 class _Pusher:

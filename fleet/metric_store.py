@@ -4,11 +4,13 @@ A count is a float in a series of a metric family (`Totals`: family name -> seri
 each family is one Redis hash that every head process adds to with HINCRBYFLOAT, so a scrape of any process shows
 the fleet's figures. Adding never waits on Redis: the counts gather in this process and a writer thread sends them
 in one MULTI/EXEC as soon as they come (a failed write is kept and sent with the next). The generations waiting for
-a lane are per process: each writes its own into a hash that expires unless refreshed, and a scrape adds them up.
+a lane are per process (per model, and per priority class and API key): each writes its own into a hash that
+expires unless refreshed, and a scrape adds them up.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -39,6 +41,16 @@ def local_waiting() -> dict[str, int]:
     return waiting_by_model()
 
 
+def local_waiting_classes() -> dict[str, dict[str, int]]:
+    from fleet.dispatch import waiting_by_class
+
+    return waiting_by_class()
+
+
+def _class_fields(classes: dict[str, dict[str, int]]) -> dict[str, int]:
+    return {json.dumps([kind, name]): n for kind, counts in classes.items() for name, n in counts.items()}
+
+
 class LocalStore:
     """The counts of this process: the embedded default runs one head process."""
 
@@ -59,6 +71,9 @@ class LocalStore:
 
     def waiting(self) -> dict[str, int]:
         return local_waiting()
+
+    def waiting_classes(self) -> dict[str, dict[str, int]]:
+        return local_waiting_classes()
 
 
 class RedisStore:
@@ -106,7 +121,7 @@ class RedisStore:
     def _flush(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
-        waiting = local_waiting()
+        waiting, classes = local_waiting(), _class_fields(local_waiting_classes())
         pipe = self.r.pipeline(transaction=True)
         for family, series in pending.items():
             for name, value in series.items():
@@ -115,6 +130,11 @@ class RedisStore:
         pipe.delete(key)
         if waiting:
             pipe.hset(key, mapping=waiting)
+            pipe.expire(key, WAITING_TTL_S)
+        key = f"{self.p}waiting-class:{self.process}"
+        pipe.delete(key)
+        if classes:
+            pipe.hset(key, mapping=classes)
             pipe.expire(key, WAITING_TTL_S)
         try:
             pipe.execute()
@@ -134,6 +154,16 @@ class RedisStore:
         for key in self.r.scan_iter(f"{self.p}waiting:*"):
             for model, count in self.r.hgetall(key).items():
                 total[model] = total.get(model, 0) + int(count)
+        return total
+
+    def waiting_classes(self) -> dict[str, dict[str, int]]:
+        """Every process's waiting generations per priority class and per API key."""
+        total: dict[str, dict[str, int]] = {"priority": {}, "key": {}}
+        for key in self.r.scan_iter(f"{self.p}waiting-class:*"):
+            for field, count in self.r.hgetall(key).items():
+                kind, name = json.loads(field)
+                bucket = total.setdefault(kind, {})
+                bucket[name] = bucket.get(name, 0) + int(count)
         return total
 
     def clear(self) -> None:

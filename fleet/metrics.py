@@ -62,10 +62,12 @@ PREEMPTIONS = Family("fleet_preemptions", "Batch lines that gave their lane to a
                      "continues later from its tokens); node is where it ran", ("model", "node"))
 LINK_DROPS = Family("fleet_link_drops", "Links of registered nodes that closed", ("node",))
 LINK_REFUSALS = Family("fleet_link_refusals", "Node links the head refused, by close code", ("reason",))
+ADMITTED = Family("fleet_generations_admitted", "Generations that took a lane from the waiting room (their first "
+                  "placement), by priority class (high, normal, low, batch)", ("priority",))
 BLOB_BYTES = Family("fleet_blob_bytes_served", "Bytes of blobs (registry models, media such as audio) the head sent to "
                     "nodes; a node that holds a blob fetches nothing", ())
 COUNTED = (GENERATIONS, API_GENERATIONS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, TIME_TO_FIRST_TOKEN,
-           INTER_TOKEN_LATENCY, PLACEMENTS, FAILOVERS, PREEMPTIONS, LINK_DROPS, LINK_REFUSALS, BLOB_BYTES)
+           INTER_TOKEN_LATENCY, PLACEMENTS, FAILOVERS, PREEMPTIONS, ADMITTED, LINK_DROPS, LINK_REFUSALS, BLOB_BYTES)
 
 
 # --- counting, at the events -----------------------------------------------------------------------------------
@@ -159,6 +161,10 @@ def placement_made(*, model: str, evidence: dict) -> None:
     Counts().add(PLACEMENTS, (model, evidence.get("node", ""), placement_reason(evidence))).save()
 
 
+def admitted(*, priority: str) -> None:
+    Counts().add(ADMITTED, (priority,)).save()
+
+
 def failover(*, model: str, node: str, code: str) -> None:
     Counts().add(FAILOVERS, (model, node, code)).save()
 
@@ -197,6 +203,7 @@ class FleetCollector:
         for family in COUNTED:
             yield exposed(family, totals.get(family.name, {}))
         yield from live_gauges(current.waiting())
+        yield from waiting_gauges(current.waiting_classes())
 
 
 def exposed(family: Family, series: dict[str, float]) -> Metric:
@@ -263,6 +270,23 @@ def live_gauges(waiting: dict[str, int]) -> Iterator[Metric]:
     for model in sorted({m for s in slots for m in s.models} | set(waiting)):
         queued.add_metric([model], float(waiting.get(model, 0)))
     yield queued
+
+
+def waiting_gauges(classes: dict[str, dict[str, int]]) -> Iterator[Metric]:
+    """The waiting room per priority class (every class, 0 included) and per API key (by prefix: only keys with
+    generations waiting, so the series are bounded by the keys staff made)."""
+    from fleet.waiting import CLASSES
+
+    by_priority = GaugeMetricFamily("fleet_generations_waiting_by_priority", "Generations waiting for a free lane, "
+                                    "by priority class", labels=["priority"])
+    for name in CLASSES:
+        by_priority.add_metric([name], float(classes.get("priority", {}).get(name, 0)))
+    yield by_priority
+    by_key = GaugeMetricFamily("fleet_generations_waiting_by_key", "Generations waiting for a free lane, by API key "
+                               "(its prefix); keys with none waiting are left out", labels=["key"])
+    for name, n in sorted(classes.get("key", {}).items()):
+        by_key.add_metric([name], float(n))
+    yield by_key
 
 
 # --- the scrape ----------------------------------------------------------------------------------------------------

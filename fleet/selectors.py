@@ -104,10 +104,11 @@ def _rows_joining(rows: list[NodeRow]) -> list[NodeRow]:
     return new
 
 
-def fleet_live(*, waiting: dict[str, int]) -> dict:
+def fleet_live(*, waiting: dict[str, int], classes: dict[str, dict[str, int]] | None = None) -> dict:
     """The live fleet page's snapshot as JSON: the overview's figures, each node's KV use, generations placed there
     and tokens/s over the last minutes, and each model's lanes busy and generations waiting (`waiting`: summed
-    over every head process by the page's socket). Placement is read where it lives (Redis with REDIS_URL)."""
+    over every head process by the page's socket; `classes`: the same per priority class and per API key prefix).
+    Placement is read where it lives (Redis with REDIS_URL)."""
     overview = fleet_overview()
     placed = {slot.node_id: slot.running for slot in registry().placement.nodes()}
     nodes = [_live_node(row, placed.get(str(row.node.id))) for row in overview["nodes"]]
@@ -120,7 +121,9 @@ def fleet_live(*, waiting: dict[str, int]) -> dict:
                    "lanes_busy": overview["lanes_busy"], "lanes_total": overview["lanes_total"],
                    "waiting": sum(waiting.values()), "generations": hour["count"] or 0,
                    "completion_tokens": hour["completion_tokens"] or 0, "ttft_ms": hour["ttft_ms"],
-                   "by_status": hour["by_status"]},
+                   "by_status": hour["by_status"],
+                   "waiting_by_priority": (classes or {}).get("priority", {}),
+                   "waiting_by_key": (classes or {}).get("key", {})},
     }
 
 

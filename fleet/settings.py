@@ -254,6 +254,23 @@ FLEET_QUOTA_REQUESTS_PER_MINUTE = env_int("FLEET_QUOTA_REQUESTS_PER_MINUTE", 600
 FLEET_QUOTA_TOKENS_PER_MINUTE = env_int("FLEET_QUOTA_TOKENS_PER_MINUTE", 200_000)
 FLEET_QUOTA_TOKENS_PER_DAY = env_int("FLEET_QUOTA_TOKENS_PER_DAY", 0)
 FLEET_QUOTA_CONCURRENT_STREAMS = env_int("FLEET_QUOTA_CONCURRENT_STREAMS", 32)
+# The waiting room (fleet/waiting.py): with every lane of a model busy, "fair" hands freed lanes out by priority class,
+# then across API keys in turn (by each key's weight), then by deadline; "deadline" by class, then deadline alone.
+# A key may have at most FLEET_MAX_WAITING_PER_KEY generations waiting in one head process (0: unbounded; a key's own
+# figure in the admin replaces it); one more gets a 429 with Retry-After from the queue's drain rate.
+FLEET_WAITING_ORDER = os.environ.get("FLEET_WAITING_ORDER", "fair").strip() or "fair"
+if FLEET_WAITING_ORDER not in ("fair", "deadline"):
+    sys.stderr.write(f"fleet: FLEET_WAITING_ORDER must be fair or deadline, not {FLEET_WAITING_ORDER!r}\n")
+    sys.exit(2)
+FLEET_MAX_WAITING_PER_KEY = env_int("FLEET_MAX_WAITING_PER_KEY", 0)
+# Classes whose generations, finding no free lane, preempt a running one of a lower interactive class (comma-separated,
+# e.g. "high"); it continues later from its tokens. Batch lines are preempted by every interactive class whatever this.
+FLEET_PREEMPTING_CLASSES = frozenset(c.strip() for c in os.environ.get("FLEET_PREEMPTING_CLASSES", "").split(",")
+                                     if c.strip())
+if FLEET_PREEMPTING_CLASSES - {"high", "normal"}:
+    sys.stderr.write(f"fleet: FLEET_PREEMPTING_CLASSES names classes that may preempt a lower one: high, normal; not "
+                     f"{', '.join(sorted(FLEET_PREEMPTING_CLASSES - {'high', 'normal'}))}\n")
+    sys.exit(2)
 # Only `manage.py up` sets this, for its own head and node processes: a token made for that run under the reserved
 # id "local", accepted only from loopback and never through a proxy. Unset everywhere else: every node needs a token.
 FLEET_LOCAL_NODE_TOKEN = os.environ.get("FLEET_LOCAL_NODE_TOKEN", "").strip()

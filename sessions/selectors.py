@@ -162,9 +162,15 @@ def generation_attempts(*, generation: Generation) -> list[dict[str, Any]]:
 
 def generation_timeline(*, generation: Generation) -> list[dict[str, Any]]:
     """What happened to the generation, in order, each with its time and milliseconds since it was queued:
-    queued, placed, every failover, first token, and its end."""
+    queued (with its priority class, how many waited ahead of it and how long it waited), placed, every failover,
+    first token, and its end."""
     start = generation.created_at
-    events = [("queued", start, f"{generation.kind} on {generation.model}")]
+    queue = (generation.placement or {}).get("queue") or {}
+    queued = f"{generation.kind} on {generation.model}"
+    if queue:  # its place in the waiting room (fleet.waiting) as it joined, and how long it waited for a lane
+        queued += (f"; priority {queue.get('priority')}, {queue.get('position')} ahead of it, waited "
+                   f"{queue.get('waited_ms')} ms for a lane")
+    events = [("queued", start, queued)]
     for attempt in generation_attempts(generation=generation):
         if attempt["after"]:
             after = attempt["after"]

@@ -39,7 +39,7 @@ TIERS: dict[str, set[str]] = {
         "test_quotas.py", "test_record_inline.py", "test_request_path.py", "test_sessions_services.py",
         "test_settings.py", "test_socket_sessions.py", "test_threads.py", "test_tiers.py", "test_tokenizers.py",
         "test_transcriptions.py", "test_writer.py", "test_api_agents.py", "test_hardening.py", "test_head_pin.py",
-        "test_tracing.py", "test_up_command.py",
+        "test_tracing.py", "test_up_command.py", "test_waiting_room.py",
     },
     "real_procs": {
         "test_adapters_e2e.py", "test_api_e2e.py", "test_batches_e2e.py", "test_celery_worker.py",
@@ -48,6 +48,7 @@ TIERS: dict[str, set[str]] = {
         "test_multihead_e2e.py", "test_node_link_e2e.py", "test_node_trust_e2e.py", "test_replicas_e2e.py",
         "test_soak.py", "test_tokenizers_e2e.py", "test_transcriptions_e2e.py", "test_up_e2e.py",
         "test_vision_e2e.py", "test_agents_e2e.py", "test_hardening_e2e.py", "test_tracing_e2e.py",
+        "test_waiting_room_e2e.py",
     },
     "browser": {"test_model_admin_browser.py", "test_pages_browser.py"},
 }

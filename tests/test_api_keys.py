@@ -121,7 +121,7 @@ def test_a_quota_edited_in_the_admin_applies_at_once(owner, staff_client):
     assert async_to_sync(request)("GET", "/v1/models", key=key).headers["x-ratelimit-limit-requests"] == "600"
     response = staff_client.post(f"/admin/api/apikey/{row.pk}/change/", {
         "name": "app", "owner": owner.pk, "requests_per_minute": "7", "tokens_per_minute": "",
-        "tokens_per_day": "", "concurrent_streams": ""})
+        "tokens_per_day": "", "concurrent_streams": "", "priority": "normal", "weight": "1", "max_waiting": ""})
     assert response.status_code == 302, response.content
     assert async_to_sync(request)("GET", "/v1/models", key=key).headers["x-ratelimit-limit-requests"] == "7"
 

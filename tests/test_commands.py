@@ -60,6 +60,17 @@ def test_create_api_key_prints_it_once():
     assert info.value.returncode == 2 and "no user named 'ghost'" in str(info.value)
 
 
+def test_create_api_key_takes_the_keys_share_of_a_full_fleet():
+    UserFactory(username="dev")
+    call_command("create_api_key", "--user", "dev", "--name", "tenant", "--priority", "high", "--weight", "3",
+                 "--max-waiting", "20", stdout=StringIO())
+    row = ApiKey.objects.get()
+    assert (row.priority, row.weight, row.max_waiting) == ("high", 3, 20)
+    with pytest.raises(CommandError) as info:
+        call_command("create_api_key", "--user", "dev", "--name", "tenant", "--weight", "0")
+    assert info.value.returncode == 2 and "--weight must be from 1 to 100" in str(info.value)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

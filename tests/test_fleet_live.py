@@ -149,6 +149,18 @@ async def test_a_node_pulling_and_loading_its_own_model_before_it_joins_shows_on
     await page.disconnect()
 
 
+async def test_the_page_sums_every_processs_waiting_generations_per_priority_and_key():
+    page = await staff_page()
+    await page.receive_json_from(timeout=5)
+    for process, classes in (("one", {"priority": {"high": 1, "normal": 2}, "key": {"fk-a": 3}}),
+                             ("two", {"priority": {"normal": 1}, "key": {"fk-a": 1}})):
+        await get_channel_layer().group_send(names.fleet_page_group(), {
+            "type": "fleet.changed", "process": process, "waiting": {"smollm2": 1}, "classes": classes})
+    frame = await snapshot_where(page, lambda f: f["totals"]["waiting_by_key"].get("fk-a") == 4)
+    assert frame["totals"]["waiting_by_priority"] == {"high": 1, "normal": 3}
+    await page.disconnect()
+
+
 async def test_a_burst_of_changes_is_one_push_now_and_one_at_the_end_of_the_interval():
     layer = get_channel_layer()
     watcher = await layer.new_channel()
@@ -160,7 +172,8 @@ async def test_a_burst_of_changes_is_one_push_now_and_one_at_the_end_of_the_inte
     second = await asyncio.wait_for(layer.receive(watcher), 5)
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(layer.receive(watcher), live.PUSH_EVERY_S * 4)
-    assert first == second == {"type": "fleet.changed", "process": live.PROCESS_ID, "waiting": {}}
+    assert first == second == {"type": "fleet.changed", "process": live.PROCESS_ID, "waiting": {},
+                               "classes": {"priority": {}, "key": {}}}
     await layer.group_discard(names.fleet_page_group(), watcher)
 
 

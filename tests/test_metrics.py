@@ -15,6 +15,7 @@ from fleet import metric_store, metrics
 from fleet.dispatch import Outcome
 from fleet.links import registry
 from fleet.names import liveness_key
+from fleet.waiting import CLASSES, RANKS, Waiter
 from nodes.link.codes import CloseCode
 from nodes.link.placement import NodeSlot
 from tests.factories import NodeFactory, UserFactory
@@ -165,11 +166,25 @@ def test_live_gauges_come_from_placement_heartbeats_and_the_node_rows(scraper):
 def test_waiting_generations_are_counted_per_model(scraper, monkeypatch):
     from fleet import dispatch
 
-    monkeypatch.setattr(dispatch._waiters, "entries", [(1.0, "g1", "m", False), (2.0, "g2", "m", True),
-                                                           (1.0, "g3", "other", False)])
+    monkeypatch.setattr(dispatch._waiters, "entries", [("m", Waiter("g1", RANKS["normal"], 1.0)),
+                                                           ("m", Waiter("g2", RANKS["batch"], 2.0)),
+                                                           ("other", Waiter("g3", RANKS["normal"], 1.0))])
     got = scraper()
     assert value(got, "fleet_generations_waiting", model="m") == 2
     assert value(got, "fleet_generations_waiting", model="other") == 1
+
+
+def test_waiting_generations_are_counted_per_priority_and_per_key(scraper, monkeypatch):
+    from fleet import dispatch
+
+    monkeypatch.setattr(dispatch._waiters, "entries", [
+        ("m", Waiter("g1", RANKS["high"], 1.0, "k1", label="fk-one")),
+        ("m", Waiter("g2", RANKS["normal"], 2.0, "k2", label="fk-two")),
+        ("other", Waiter("g3", RANKS["normal"], 1.0, "k2", label="fk-two"))])
+    got = scraper()
+    assert [value(got, "fleet_generations_waiting_by_priority", priority=p) for p in CLASSES] == [1, 2, 0, 0]
+    assert value(got, "fleet_generations_waiting_by_key", key="fk-one") == 1
+    assert value(got, "fleet_generations_waiting_by_key", key="fk-two") == 2
 
 
 # --- several head processes -------------------------------------------------------------------------------------
@@ -186,15 +201,18 @@ def test_head_processes_add_to_the_same_counts_through_redis(monkeypatch):
     one._writer = two._writer = threading.Thread(target=lambda: None)
     try:
         monkeypatch.setattr(metric_store, "local_waiting", lambda: {"m": 2})
+        monkeypatch.setattr(metric_store, "local_waiting_classes", lambda: {"priority": {"high": 2}, "key": {"k": 2}})
         one.add({"fleet_completion_tokens": {metrics.field_name(["m", "a"]): 5.0}})
         one.flush()
         monkeypatch.setattr(metric_store, "local_waiting", lambda: {"m": 1})
+        monkeypatch.setattr(metric_store, "local_waiting_classes", lambda: {"priority": {"low": 1}, "key": {"k": 1}})
         two.add({"fleet_completion_tokens": {metrics.field_name(["m", "a"]): 7.0}})
         two.flush()
         for store in (one, two):
             assert store.totals(["fleet_completion_tokens"]) == {
                 "fleet_completion_tokens": {metrics.field_name(["m", "a"]): 12.0}}
             assert store.waiting() == {"m": 3}
+            assert store.waiting_classes() == {"priority": {"high": 2, "low": 1}, "key": {"k": 3}}
         # A process that stops refreshing its waiting generations drops out when its key expires.
         assert 0 < one.r.ttl(f"{prefix}metrics:waiting:one") <= metric_store.WAITING_TTL_S
     finally:

@@ -35,6 +35,7 @@ async def test_a_lane_freed_in_another_head_process_wakes_the_generation_waiting
 
     from fleet.links import LaneSignal
     from fleet.placement_redis import RedisPlacementState
+    from fleet.waiting import RANKS, Waiter
     from nodes.link.placement import NodeSlot
 
     prefix = f"fleet-rt-{uuid.uuid4().hex[:8]}:"
@@ -42,7 +43,7 @@ async def test_a_lane_freed_in_another_head_process_wakes_the_generation_waiting
     there.node_up(NodeSlot("a", "node-a", ["m"], 1))
     assert there.choose("m", [], gen_id="g1").node_id == "a"
     lanes = LaneSignal(here.aio.free_lanes, listen=here.aio.listen)
-    key = (False, 1.0, "g2")
+    key = Waiter("g2", RANKS["normal"], 1.0)
     lanes.join("m", key)
     while here.r.pubsub_numsub(here.lanes_channel)[0][1] == 0:  # the listener has subscribed
         await asyncio.sleep(0.01)

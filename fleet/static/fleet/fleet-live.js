@@ -108,6 +108,10 @@
     setText("card-nodes", t.nodes);
     setText("card-lanes", `${t.lanes_busy} / ${t.lanes_total}`);
     setText("card-waiting", t.waiting);
+    const classes = ["high", "normal", "low", "batch"].map((p) => `${p} ${(t.waiting_by_priority || {})[p] || 0}`);
+    setText("fleet-waiting-priority", classes.join(", "));
+    const keys = Object.entries(t.waiting_by_key || {}).sort((a, b) => b[1] - a[1]).slice(0, 10);
+    setText("fleet-waiting-keys", keys.map(([k, v]) => `${k} ${v}`).join(", ") || "none");
     setText("card-generations", t.generations);
     setText("card-tokens", t.completion_tokens);
     setText("card-ttft", t.ttft_ms ? `${Math.round(t.ttft_ms)} ms` : "–");

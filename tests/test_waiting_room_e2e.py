@@ -1,0 +1,59 @@
+"""The waiting room on a real head: the session's shared daphne head, a mock-engine node of one lane serving a model
+of its own (so the shared head's other tests never place there), keys made in the head's database."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.live import wait_for
+from tests.mock_node import start_mock_node
+
+MODEL = "waiting-room-mock"
+_KEYS = """
+import json
+from django.contrib.auth import get_user_model
+from api.services import api_key_create
+admin = get_user_model().objects.get(username="admin")
+print(json.dumps({name: api_key_create(owner=admin, name=f"waiting-room {name}", quotas=share)[1]
+                  for name, share in {"normal": {}, "high": {"priority": "high"}}.items()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def one_lane(live_head):
+    node = start_mock_node(live_head, "waiting-room-node", model=MODEL, lanes=1, decode_tps=20.0)
+    served = lambda: MODEL in httpx.get(f"{live_head.url}/v1/models",  # noqa: E731
+                                        headers={"Authorization": f"Bearer {live_head.api_key}"}).text
+    wait_for(served, 120, f"the mock node never served {MODEL}: {node.log()}")
+    yield live_head
+    node.stop()
+
+
+async def first_token_at(client: httpx.AsyncClient, key: str, tokens: int) -> float:
+    body = {"model": MODEL, "stream": True, "max_tokens": tokens, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hello"}]}
+    async with client.stream("POST", "/v1/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {key}"}) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        at = None
+        async for line in resp.aiter_lines():
+            if at is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                at = time.monotonic()
+        return at
+
+
+async def test_a_high_priority_key_gets_the_next_lane_before_normal_ones_that_came_first(one_lane):
+    keys = json.loads(one_lane.manage("shell", "-c", _KEYS).stdout.strip().splitlines()[-1])
+    async with httpx.AsyncClient(base_url=one_lane.url, timeout=60) as client:
+        blocker = asyncio.create_task(first_token_at(client, keys["normal"], 30))  # holds the lane 1.5 s
+        await asyncio.sleep(0.5)
+        normals = [asyncio.create_task(first_token_at(client, keys["normal"], 4)) for _ in range(3)]
+        await asyncio.sleep(0.3)
+        high = asyncio.create_task(first_token_at(client, keys["high"], 4))
+        await asyncio.gather(blocker, high, *normals)
+    assert high.result() < min(n.result() for n in normals)
