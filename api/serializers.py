@@ -180,7 +180,7 @@ class LogitBiasHandleSerializer(serializers.ModelSerializer):
 
 
 class GenerationSerializer(serializers.ModelSerializer):
-    node_identity = serializers.CharField(source="node.identity", read_only=True, default=None)
+    node_identity = serializers.CharField(source="node.identity", read_only=True, default=None, allow_null=True)
 
     class Meta:
         model = Generation

@@ -229,7 +229,7 @@ def test_the_fuzzers_sent_enough_requests(request):
 
 
 @pytest.mark.parametrize("who", ["developer", "staff"])
-def test_the_management_api_holds_to_its_schema_across_calls(fuzz_head, who):
+def test_the_management_api_holds_to_its_schema_across_calls(fuzz_head, who, tmp_path):
     """Schemathesis' stateful phase over /api, by its own command line against the head's served schema: sequences
     that create an object and then read, change or delete it (links inferred from the schema's responses and path
     parameters), with the conformance checks on every response and the stateful ones (a deleted object is gone, a
@@ -241,7 +241,8 @@ def test_the_management_api_holds_to_its_schema_across_calls(fuzz_head, who):
          "--phases", "stateful", "-H", f"Authorization: Bearer {key}", "--max-examples", str(4 * EXAMPLES),
          "--exclude-checks", "positive_data_acceptance,negative_data_rejection", "--generation-database", "none",
          "--no-color", "--request-timeout", "30", "--continue-on-failure"],
-        capture_output=True, text=True, timeout=900, env={**os.environ, "SCHEMATHESIS_HOOKS": ""})
+        capture_output=True, text=True, timeout=900, env={**os.environ, "SCHEMATHESIS_HOOKS": ""},
+        cwd=tmp_path)  # its request cache (.schemathesis/) there: no replay of another run's requests
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
     generated = re.search(r"(\d+) generated", run.stdout)
     assert generated and int(generated[1]) >= 4 * EXAMPLES, run.stdout[-3000:]  # the phase ran, and chained

@@ -98,6 +98,7 @@ def _every_message() -> list[messages.Message]:
         messages.Heads(heads=["ws://10.0.0.1:8001/ws/node/", "ws://10.0.0.2:8001/ws/node/"]),
         messages.Check(identity="node-a"),
         messages.Pull(identity="node-a", model="tiny-chat"),
+        messages.Preparing(identity="node-a", model="tiny-chat", state="pulling", progress=0.25),
         messages.PullGrant(model="tiny-chat", sha256="ab" * 32, size=98362432, path="/models/blobs/" + "ab" * 32,
                            grant="signed", expires_s=900.0),
         messages.Deploy(models=[{"name": "tiny-chat", "sha256": "ab" * 32, "lanes": 4, "context": 0}]),

@@ -1,5 +1,6 @@
-"""The waiting room on a real head: the session's shared daphne head, a mock-engine node of one lane serving a model
-of its own (so the shared head's other tests never place there), keys made in the head's database."""
+"""The waiting room on a real head: a daphne head of this module's own (on the session's shared one a node whose
+model the head does not serve takes the head's only model's name, and the shared head's other tests would place on
+it), a mock-engine node of one lane, keys made in the head's database."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.live import wait_for
+from tests.live import make_head, wait_for
 from tests.mock_node import start_mock_node
 
 MODEL = "waiting-room-mock"
@@ -25,13 +26,19 @@ print(json.dumps({name: api_key_create(owner=admin, name=f"waiting-room {name}",
 
 
 @pytest.fixture(scope="module")
-def one_lane(live_head):
-    node = start_mock_node(live_head, "waiting-room-node", model=MODEL, lanes=1, decode_tps=20.0)
-    served = lambda: MODEL in httpx.get(f"{live_head.url}/v1/models",  # noqa: E731
-                                        headers={"Authorization": f"Bearer {live_head.api_key}"}).text
-    wait_for(served, 120, f"the mock node never served {MODEL}: {node.log()}")
-    yield live_head
+def one_lane(tmp_path_factory):
+    head = make_head(tmp_path_factory.mktemp("waiting-room"))
+    head.start()
+    node = start_mock_node(head, "waiting-room-node", model=MODEL, lanes=1, decode_tps=20.0)
+    served = lambda: MODEL in httpx.get(f"{head.url}/v1/models",  # noqa: E731
+                                        headers={"Authorization": f"Bearer {head.api_key}"}).text
+    try:
+        wait_for(served, 120, f"the mock node never served {MODEL}")
+    except AssertionError as exc:  # its log as it stands then, not as it stood when the node started
+        raise AssertionError(f"{exc}: {node.log()}") from None
+    yield head
     node.stop()
+    head.stop()
 
 
 async def first_token_at(client: httpx.AsyncClient, key: str, tokens: int) -> float:
