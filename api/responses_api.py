@@ -26,7 +26,7 @@ from api.v1 import json_body, openai_view, respond
 from fleet.dispatch import Tokens
 from sessions import selectors
 from sessions.models import StoredResponse
-from sessions.services import stored_response_create, stored_response_delete
+from sessions.services import nul_problem, stored_response_create, stored_response_delete
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 IGNORED_INCLUDES = {"reasoning.encrypted_content", "message.input_image.image_url"}  # nothing of theirs to add
@@ -68,6 +68,11 @@ def responses_request(body: Any, *, api_key=None, user=None) -> ResponsesRequest
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
     _refuse(body)
+    store = body.get("store", True) is not False
+    if store:  # kept for previous_response_id as sent, and PostgreSQL cannot hold a NUL character
+        for name, value in body.items():
+            if problem := nul_problem(name, "a field's name") or nul_problem(value, name):
+                raise invalid(f"{problem}; send it with store: false, or without the NUL.", param=name)
     previous = _previous(body.get("previous_response_id"), user)
     history = list(previous.messages) if previous is not None else []
     instructions = body.get("instructions")
@@ -84,8 +89,7 @@ def responses_request(body: Any, *, api_key=None, user=None) -> ResponsesRequest
     gen.api = "responses"
     system = [{"role": "system", "content": instructions}] if instructions else []
     gen.spec.messages = _for_node(system + history + gen.new_messages, gen.tools)
-    store = body.get("store", True)
-    return ResponsesRequest(gen, body, history, _items(body.get("input"), gen.gen_id), previous, store is not False)
+    return ResponsesRequest(gen, body, history, _items(body.get("input"), gen.gen_id), previous, store)
 
 
 def _refuse(body: dict[str, Any]) -> None:

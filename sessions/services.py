@@ -310,9 +310,11 @@ def stored_response_expire(*, ttl_days: int) -> int:
 
 def stored_response_create(*, response_id: str, model: str, api_key=None, previous: StoredResponse | None = None,
                            messages: list[dict], input_items: list[dict], body: dict) -> StoredResponse:
+    """The client's input is refused with a NUL in it (api.responses_api); a NUL the model wrote is kept as U+FFFD, as
+    in a generation's record."""
     return StoredResponse.objects.create(
         id=response_id, model=model, api_key=api_key, owner=api_key.owner if api_key is not None else None,
-        previous=previous, messages=messages, input_items=input_items, body=body)
+        previous=previous, messages=_jsonable(messages), input_items=_jsonable(input_items), body=_jsonable(body))
 
 
 def stored_response_delete(*, stored: StoredResponse) -> None:

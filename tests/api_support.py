@@ -244,8 +244,9 @@ async def request(method: str, path: str, *, timeout: float = 10.0, **kwargs) ->
 
 
 
-async def written_rows(query, *, attempts: int = 50, interval: float = 0.05) -> list:
-    """What the sync `query` returns once it returns rows: a generation is recorded a moment after its stream ends.
+async def written_rows(query, *, attempts: int = 200, interval: float = 0.05) -> list:
+    """What the sync `query` returns once it returns rows (within about 10 s: a loaded machine's writer thread can lag
+    seconds): a generation is recorded a moment after its stream ends.
 
     The tests' SQLite database lives in memory with a shared cache, where a read that meets another connection's
     uncommitted write to its table fails at once ("database table is locked") instead of waiting as a read of the

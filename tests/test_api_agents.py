@@ -173,6 +173,22 @@ async def test_what_a_fleet_cannot_honour_is_a_4xx_naming_the_field(bearer):
     assert not link.specs
 
 
+async def test_a_nul_in_what_a_response_keeps_is_a_400_and_with_store_false_it_is_answered(bearer):
+    """PostgreSQL cannot hold a NUL character: a request that would be stored with one is refused on every backend
+    (the stored conversation is what was sent, or nothing), naming the field; unstored, it is answered."""
+    link = add_fake_node()
+    for extra, param in [({"input": "Hi\u0000"}, "input"), ({"instructions": "\u0000"}, "instructions"),
+                         ({"metadata": {"k\u0000": "v"}}, "metadata")]:
+        ex = await request("POST", "/v1/responses", key=bearer, body={"model": "smollm2", "input": "Hi", **extra})
+        assert ex.status == 400 and ex.json()["error"]["param"] == param, (extra, ex.json())
+        assert "NUL" in ex.json()["error"]["message"]
+    assert not link.specs
+    ex = await request("POST", "/v1/responses", key=bearer, body={"model": "smollm2", "input": "Hi\u0000",
+                                                                  "store": False})
+    assert ex.status == 200 and len(link.specs) == 1
+    assert not await sync_to_async(StoredResponse.objects.exists)()
+
+
 async def test_text_format_json_schema_is_the_node_grammar_and_a_length_cut_is_incomplete(bearer):
     link = add_fake_node()
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}

@@ -1,6 +1,7 @@
 """The node agent's dialer on its own: when it redials, and when it tells the head its engine is down or back."""
 
 import asyncio
+import contextlib
 
 import pytest
 from websockets.exceptions import ConnectionClosedError
@@ -263,3 +264,29 @@ async def test_a_node_on_its_way_in_reports_its_latest_state_until_it_joins_and_
     assert len(asked) == count  # stopped: it registers now
     assert asked[0] == Preparing(identity=node.config.identity, model="big", state="pulling", progress=0.4)
     assert asked[-1] == Preparing(identity=node.config.identity, model="big", state="loading", progress=0.5)
+
+
+async def test_the_reports_end_even_when_a_report_loses_the_cancel(monkeypatch, tmp_path):
+    """A report whose await finished as the cancel came (Python 3.11's `asyncio.wait_for` then returns its result
+    and the cancel is lost): stop() returns at once all the same, and the task ends at its next turn, so the node
+    goes on to register instead of waiting behind its reports for ever."""
+    from nodes.agent import preparing
+
+    monkeypatch.setattr(preparing, "FIRST_S", 0.0)
+    monkeypatch.setattr(preparing, "EVERY_S", 0.05)
+    node, asked = agent(tmp_path), []
+
+    async def deaf_to_the_cancel(question):
+        asked.append(question)
+        with contextlib.suppress(asyncio.CancelledError):  # a lost cancel, from outside: the report returns
+            await asyncio.sleep(0.2)
+
+    monkeypatch.setattr(node, "_ask", deaf_to_the_cancel)
+    reports = preparing.PreparingReports(node)
+    reports.start()
+    reports.set("big", "loading", 0.9)
+    await asyncio.sleep(0.02)
+    assert len(asked) == 1
+    await asyncio.wait_for(reports.stop(), 2)
+    await asyncio.sleep(0.2)
+    assert reports.task.done() and len(asked) == 1  # no report after stop()

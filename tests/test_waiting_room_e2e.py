@@ -35,6 +35,8 @@ def one_lane(tmp_path_factory):
     try:
         wait_for(served, 120, f"the mock node never served {MODEL}")
     except AssertionError as exc:  # its log as it stands then, not as it stood when the node started
+        node.stop()
+        head.stop()
         raise AssertionError(f"{exc}: {node.log()}") from None
     yield head
     node.stop()
