@@ -31,6 +31,7 @@ from sessions.services import GenerationTrace, generation_record_async
 log = logging.getLogger("api")
 
 PENDING = object()  # next_event timed out; the stream goes on
+_RECORDING: set[asyncio.Task] = set()  # the records being made: held here so that none is collected half-way
 
 
 def share_for(request: GenerationRequest) -> Share:
@@ -167,6 +168,14 @@ class Run:
         if self.recorded:
             return
         self.recorded = True
+        # A client may leave as its answer ends (a socket closed right after its `done` cancels the consumer's task):
+        # the quota's settlement, the metrics and the record are made all the same, in a task a cancel cannot reach.
+        task = asyncio.ensure_future(self._settle_and_record(status, error))
+        _RECORDING.add(task)
+        task.add_done_callback(_RECORDING.discard)
+        await asyncio.shield(task)
+
+    async def _settle_and_record(self, status: str, error: str) -> None:
         request = self.request
         outcome = self.stream.outcome
         if self.ticket is not None:

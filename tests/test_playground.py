@@ -1,5 +1,7 @@
 """The admin playground: the page, and the client websocket opened with a staff session instead of an API key."""
 
+import asyncio
+
 import pytest
 from asgiref.sync import sync_to_async
 from channels.routing import URLRouter
@@ -66,6 +68,29 @@ async def test_a_staff_session_streams_and_the_generation_is_recorded_without_a_
     await comm.disconnect()
     rows = await written_rows(lambda: list(Generation.objects.values_list("status", "api_key_id")))
     assert rows == [("done", None)]
+
+
+async def test_a_client_that_leaves_as_its_answer_ends_still_leaves_a_record(monkeypatch):
+    """The socket closed right after its `done` cancels the consumer's task, which is then making the record (here
+    held up in the metrics' model lookup, a Redis and database read on PostgreSQL + Redis): the record is made."""
+    from fleet import metrics
+
+    lookup = metrics.amodel_label
+
+    async def slow_lookup(name):
+        await asyncio.sleep(0.3)
+        return await lookup(name)
+
+    monkeypatch.setattr(metrics, "amodel_label", slow_lookup)
+    add_fake_node(FakeLink(script=Script(delay=0.01, per_batch=1)))
+    comm = await open_socket(await sync_to_async(session_cookie)(is_staff=True, is_superuser=False))
+    await comm.send_json_to({"type": "generate", "id": "pg-1", "model": "smollm2", "max_tokens": 8,
+                             "messages": [{"role": "user", "content": "Say hello"}]})
+    while (await comm.receive_json_from(timeout=5))["type"] not in ("done", "error"):
+        pass
+    await comm.disconnect()
+    rows = await written_rows(lambda: list(Generation.objects.values_list("status", flat=True)))
+    assert rows == ["done"]
 
 
 @pytest.mark.parametrize("user_fields, reason", [
