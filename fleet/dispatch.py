@@ -17,7 +17,7 @@ from typing import Any
 
 from django.conf import settings
 
-from fleet import heads, metrics, tracing
+from fleet import heads, loading, metrics, tracing
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
 from fleet.reported import count_checked, prompt_tokens_bound
@@ -226,6 +226,7 @@ class GenerationStream:
         self._preempted_at = 0.0
         self._evicted: list[str] = []  # what the node's lane choice evicted (its accepted), forgotten at the end
         self.trace: tracing.GenTrace | None = None  # its spans (set by api.generation.Run while tracing is on)
+        self._loading: dict[str, Any] | None = None  # it waited for an on-demand load: since when, on which node
 
     def ready(self) -> bool:
         """Whether the next step only hands on a token batch that is here already: the node's next frame is the
@@ -295,6 +296,11 @@ class GenerationStream:
             queued = self._queued or {}
             evidence["queue"] = {**queued, "waited_ms": round((evidence["placed_at"] - queued.get("at",
                                                                 evidence["placed_at"])) * 1000)}
+            if self._loading is not None:  # the wait was for a node to load its model on demand
+                evidence["queue"]["loading"] = {"node": self._loading["node"], "since": self._loading["at"],
+                                                "ms": round((evidence["placed_at"] - self._loading["at"]) * 1000)}
+            if not self.batch:
+                loading.waited(self.spec.model, evidence["queue"]["waited_ms"] / 1000)
             metrics.admitted(priority=queued.get("priority", ""))
             self.outcome.placement = evidence
         else:
@@ -361,6 +367,8 @@ class GenerationStream:
         if not any(model in s.models for s in nodes):
             nodes = await reg.aplacement.nodes(fresh=True)  # a node that just joined: not refused for a stale view
         serving = [s for s in nodes if model in s.models]
+        if not serving and await self._load_on_demand():
+            return None  # waits in its model's queue (keep-alives flow; its deadline holds) until a node serves it
         if not serving:
             if self._failure and self._failure["code"] != "preempted":  # its node went mid-generation: say so
                 raise GenerationError(self._failure["code"], f"{self._failure['message']}, and no other node serves "
@@ -386,6 +394,8 @@ class GenerationStream:
             free = sum(s.free for s in await reg.aplacement.nodes()
                        if model in s.models and s.schedulable and s.node_id in linked)
         if ahead >= free or not self._within_share(nodes):
+            if self._queued and not self.batch:  # an on-demand model whose queue waits: one more replica
+                await loading.ascale(model, time.time() - self._queued["at"])
             return None
         counting = not self._counted
         if counting:  # counted before choosing, which may await Redis: two batch lines must not both pass the share
@@ -397,6 +407,24 @@ class GenerationStream:
         if choice is None and counting:
             self._count(-1)
         return choice
+
+    async def _load_on_demand(self) -> bool:
+        """No node serves the model: when it is an on-demand registry model, have a node load it (or find its load
+        under way) and say so in the record and the trace; False when it is not one. A 503 with the figures when it
+        fits on no node."""
+        try:
+            decision = await loading.aload(self.spec.model)
+        except loading.NoRoom as exc:
+            raise GenerationError("model_cannot_fit", str(exc), status=503, retry_after=30,
+                                  kind="server_error") from None
+        if decision is None:
+            return False
+        if self._loading is None:
+            self._loading = {"at": time.time(), "node": decision.node or ""}
+            tracing.loading(self.trace, self.spec.model, decision.node or "")
+        elif decision.node:
+            self._loading["node"] = decision.node
+        return True
 
     async def _key(self, nodes) -> None:
         """The prompt's prefix keys, with the tokenizer of the nodes serving its model: once per generation, off the

@@ -1,0 +1,72 @@
+"""The dispatcher's side of on-demand models (nodes.on_demand): a generation whose model no node serves asks for a load
+and waits in its model's queue meanwhile; a model whose generations wait too long asks for one more replica.
+
+The decisions are the nodes app's (database, off the event loop); this module counts them (/metrics), logs them and
+keeps, per model, the waits of this process's placed generations that the scale rule reads (p50 over the last
+FLEET_ON_DEMAND_SCALE_WINDOW_S seconds above FLEET_ON_DEMAND_SCALE_WAIT_S).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+
+from channels.db import database_sync_to_async
+from django.conf import settings
+
+from fleet import metrics
+from nodes import on_demand
+
+log = logging.getLogger("fleet")
+
+WAITS_KEPT = 256  # per model: enough samples for a p50 over the window at hundreds of generations a second
+SCALE_EVERY_S = 5.0  # a model asks for another replica at most this often from one process
+
+_waits: dict[str, deque[tuple[float, float]]] = {}  # model -> (placed at, seconds waited)
+_scaled_at: dict[str, float] = {}
+
+
+class NoRoom(Exception):
+    """Raised to the dispatcher: the model is on demand and fits on no node (the message has the figures)."""
+
+
+def changes_counted(changes: list[on_demand.Change]) -> None:
+    for change in changes:
+        metrics.on_demand_change(model=change.model, node=change.node, loaded=change.loaded, reason=change.reason)
+        log.info("fleet on demand: %s %s on %r: %s", "loading" if change.loaded else "unloading", change.model,
+                 change.node, change.why)
+
+
+async def aload(model: str) -> on_demand.Decision | None:
+    """Load `model` where it fits (None: it is not an on-demand model). NoRoom when no node can hold it."""
+    try:
+        decision = await database_sync_to_async(on_demand.on_demand_place)(name=model)
+    except on_demand.NoRoom as exc:
+        raise NoRoom(str(exc)) from None
+    if decision is not None:
+        changes_counted(decision.changes)
+    return decision
+
+
+def waited(model: str, seconds: float) -> None:
+    """A generation of `model` was placed after waiting `seconds` in its queue."""
+    _waits.setdefault(model, deque(maxlen=WAITS_KEPT)).append((time.monotonic(), seconds))
+
+
+async def ascale(model: str, waiting_s: float) -> None:
+    """A generation of `model` has waited `waiting_s` for a lane: one more replica when the p50 of the waits of the
+    last window (this one's included) is past the setting; at most once each SCALE_EVERY_S from this process."""
+    limit = settings.FLEET_ON_DEMAND_SCALE_WAIT_S
+    now = time.monotonic()
+    if waiting_s < limit or now - _scaled_at.get(model, -1e9) < SCALE_EVERY_S:
+        return
+    recent = [s for at, s in _waits.get(model, ()) if now - at <= settings.FLEET_ON_DEMAND_SCALE_WINDOW_S]
+    if statistics.median([*recent, waiting_s]) < limit:
+        return
+    _scaled_at[model] = now
+    why = f"its generations waited {waiting_s:.1f} s for a lane (over {limit:g} s)"
+    decision = await database_sync_to_async(on_demand.on_demand_scale)(name=model, why=why)
+    if decision is not None:
+        changes_counted(decision.changes)
