@@ -86,6 +86,7 @@ class Deployer:
         self.memory_budget, self.on_demand, self.mock = memory_budget, on_demand, mock
         self.held: dict[str, int] = {"": primary_bytes}  # model -> bytes its loaded worker holds ("": the primary)
         self.unloading: set[asyncio.Task] = set()  # drains under way: a load waits for them (they make its room)
+        self.fitting = asyncio.Lock()  # a load's fit check and its reservation in `held`, one load at a time
         self.tasks: dict[str, asyncio.Task] = {}  # name -> its load or unload
         self.last: dict[str, ModelState] = {}  # name -> the last state reported
         self.adapters_wanted: dict[str, dict[str, str]] = {}  # base -> {adapter: sha256}, as the head last said
@@ -216,10 +217,11 @@ class Deployer:
             lanes, context = int(spec.get("lanes") or 1), int(spec.get("context") or 0)
             if self.unloading:  # what the head unloaded to make room for this one: gone first
                 await asyncio.gather(*self.unloading, return_exceptions=True)
-            available, memory = await self.available()
-            window = await asyncio.to_thread(deployed_window, path, lanes=lanes, context=context,
-                                             available=available, memory=memory)
-            self.held[name] = await asyncio.to_thread(footprint, path, lanes=lanes, window=window)
+            async with self.fitting:  # two loads at once must not both count the same free bytes
+                available, memory = await self.available()
+                window = await asyncio.to_thread(deployed_window, path, lanes=lanes, context=context,
+                                                 available=available, memory=memory)
+                self.held[name] = await asyncio.to_thread(footprint, path, lanes=lanes, window=window)
             worker = self.make_worker(EngineConfig(model_path=str(path), model_name=name, lanes=lanes,
                                                    max_context=window, batch_invariant=self.batch_invariant,
                                                    mmproj_path=str(projector) if projector else None, mock=self.mock))

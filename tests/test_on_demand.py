@@ -1,0 +1,251 @@
+"""On-demand models on the head (nodes.on_demand, /api/models/<id>/, /v1's 503): where a model is loaded, what is
+unloaded to make room, what idles out, and the errors a client or an operator sees."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.cache import cache
+from rest_framework.test import APIClient
+
+from fleet.names import liveness_key
+from nodes import on_demand
+from nodes.deployments import node_deployments
+from nodes.models import Deployment, LinkEvent, Model, NodeModel
+from tests.api_support import request
+from tests.factories import NodeFactory, UserFactory
+
+pytest_plugins = ["tests.api_fixtures"]
+
+GB = 1_000_000_000
+# 0.1 GB of weights, 23,040 bytes of KV a token: 4 lanes x 2,048 tokens (the settings' default) need 0.34 GB free
+WEIGHTS, KV = 100_000_000, 23040
+NEED = WEIGHTS + 4 * 2048 * KV / 0.8
+
+
+def registry_model(name: str, **fields) -> Model:
+    return Model.objects.create(name=name, sha256=f"{len(name):02x}" * 32, size=WEIGHTS, architecture="llama",
+                                quantization="Q8_0", context_length=8192, kv_bytes_per_token=KV,
+                                on_demand=fields.pop("on_demand", True), **fields)
+
+
+def node_with(identity: str, *, free: float, on_demand_ok: bool = True, models: dict | None = None, **fields):
+    """A node online whose last heartbeat says `free` bytes are free for another model (and each model's figures)."""
+    node = NodeFactory(identity=identity, **fields)
+    cache.set(liveness_key(str(node.pk)), {"memory_free": int(free), "on_demand": on_demand_ok,
+                                           "models": models or {}}, 60)
+    return node
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    cache.clear()
+    yield
+    cache.clear()
+
+
+# --- where it loads -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_a_model_loads_on_the_node_with_most_room_and_that_node_is_told_to_load_it(django_capture_on_commit_callbacks):
+    registry_model("qwen")
+    node_with("small", free=NEED + 1)
+    roomy = node_with("roomy", free=NEED * 3)
+    node_with("refuser", free=NEED * 10, on_demand_ok=False)  # node_join --no-on-demand
+    with django_capture_on_commit_callbacks(execute=False) as told:
+        decision = on_demand.on_demand_place(name="qwen")
+    assert decision.node == "roomy" and len(told) == 1
+    assert node_deployments(node_id=roomy.pk) == [{"name": "qwen", "sha256": "04" * 32, "lanes": 4, "context": 2048}]
+    assert LinkEvent.objects.get(node=roomy).kind == LinkEvent.Kind.LOADED
+    assert on_demand.on_demand_place(name="qwen").node is None  # loading already: the next request waits for it
+
+
+@pytest.mark.django_db
+def test_a_model_not_on_demand_is_left_alone():
+    registry_model("fixed", on_demand=False)
+    node_with("roomy", free=NEED * 3)
+    assert on_demand.on_demand_place(name="fixed") is None and on_demand.on_demand_place(name="nothing") is None
+    assert not NodeModel.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_deployments_labels_choose_the_nodes_it_may_load_on():
+    model = registry_model("qwen")
+    Deployment.objects.create(model=model, labels={"gpu": "a100"}, lanes=2, context=1024)
+    node_with("roomy", free=NEED * 3)
+    labelled = node_with("labelled", free=NEED, labels={"gpu": "a100"})
+    assert on_demand.on_demand_place(name="qwen").node == "labelled"
+    assert node_deployments(node_id=labelled.pk)[0]["lanes"] == 2  # the deployment's shape
+
+
+@pytest.mark.django_db
+def test_what_a_node_was_asked_to_load_counts_against_its_room_until_it_serves_it():
+    registry_model("one")
+    registry_model("two")
+    node_with("only", free=NEED * 1.5)
+    assert on_demand.on_demand_place(name="one").node == "only"
+    with pytest.raises(on_demand.NoRoom):
+        on_demand.on_demand_place(name="two")
+
+
+@pytest.mark.django_db
+def test_no_room_anywhere_names_the_need_and_each_nodes_room():
+    registry_model("big")
+    node_with("gpu-1", free=0.2 * GB)
+    node_with("gpu-2", free=GB, on_demand_ok=False)
+    with pytest.raises(on_demand.NoRoom) as refused:
+        on_demand.on_demand_place(name="big")
+    message = str(refused.value)
+    assert "'big' is loaded on demand, and no node has room for it: it needs 0.34 GB (0.10 GB of weights, 4 lanes " \
+           "x 2,048 tokens of KV at 23,040 bytes a token" in message
+    assert "gpu-1 0.20 GB free" in message and "gpu-2 takes no on-demand model" in message
+
+
+# --- making room: least recently used first -------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_room_is_made_by_unloading_the_least_recently_used_idle_on_demand_model(django_capture_on_commit_callbacks):
+    for name in ("old", "busy", "recent", "pinned", "new"):
+        registry_model(name)
+    figures = {"old": {"lanes_busy": 0, "idle_s": 300}, "busy": {"lanes_busy": 1, "idle_s": 0},
+               "recent": {"lanes_busy": 0, "idle_s": 5}, "pinned": {"lanes_busy": 0, "idle_s": 900}}
+    node = node_with("full", free=NEED * 0.5, models=figures)
+    for name in figures:
+        NodeModel.objects.create(node=node, model=name, state="serving", on_demand=True)
+    Deployment.objects.create(model=Model.objects.get(name="pinned"), nodes=["full"])
+    with django_capture_on_commit_callbacks(execute=False):
+        decision = on_demand.on_demand_place(name="new")
+    assert decision.node == "full"
+    unloaded = [(c.model, c.reason) for c in decision.changes if not c.loaded]
+    assert unloaded == [("old", "room")]  # the least recently used that runs nothing and no deployment pins
+    wanted = {row["name"] for row in node_deployments(node_id=node.pk)}
+    assert wanted == {"busy", "recent", "pinned", "new"}  # `old` leaves the node's list: it drains and unloads
+
+
+@pytest.mark.django_db
+def test_nothing_is_unloaded_when_even_all_idle_ones_would_not_make_room():
+    registry_model("old")
+    registry_model("new")
+    node = node_with("full", free=0, models={"old": {"lanes_busy": 1}})
+    NodeModel.objects.create(node=node, model="old", state="serving", on_demand=True)
+    with pytest.raises(on_demand.NoRoom):
+        on_demand.on_demand_place(name="new")
+    assert NodeModel.objects.get(model="old").on_demand
+
+
+# --- idle, and scaled -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_a_replica_idle_past_its_keep_alive_unloads_down_to_the_minimum():
+    registry_model("a", keep_alive_s=60)
+    registry_model("b", keep_alive_s=60, min_replicas=1)
+    node = node_with("n1", free=0)
+    for name in ("a", "b"):
+        NodeModel.objects.create(node=node, model=name, state="serving", on_demand=True)
+    assert on_demand.on_demand_idle(node_id=node.pk, idle={"a": 59, "b": 600}) == []
+    changes = on_demand.on_demand_idle(node_id=node.pk, idle={"a": 61, "b": 600})
+    assert [(c.model, c.reason, c.why) for c in changes] == [("a", "idle", "idle for 61 s (keep-alive 60 s)")]
+    assert on_demand.on_demand_keep_alive(node_id=node.pk) == {"b": 60}
+
+
+@pytest.mark.django_db
+def test_a_waiting_queue_adds_a_replica_elsewhere_up_to_the_maximum():
+    registry_model("hot", max_replicas=2)
+    first = node_with("n1", free=0)
+    NodeModel.objects.create(node=first, model="hot", state="serving", on_demand=True)
+    node_with("n2", free=NEED * 2)
+    decision = on_demand.on_demand_scale(name="hot", why="waited")
+    assert decision.node == "n2" and decision.changes[0].reason == "queue"
+    NodeModel.objects.filter(model="hot").update(state="serving")
+    node_with("n3", free=NEED * 2)
+    assert on_demand.on_demand_scale(name="hot", why="waited") is None  # at its maximum
+
+
+# --- the API and the admin -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def staff():
+    api = APIClient()
+    api.force_authenticate(UserFactory(username="operator"))
+    return api
+
+
+@pytest.mark.django_db
+def test_patch_sets_the_on_demand_fields_and_get_shows_them(staff):
+    model = registry_model("qwen", on_demand=False)
+    answer = staff.patch(f"/api/models/{model.pk}/", {"on_demand": True, "min_replicas": 0, "max_replicas": 3,
+                                                      "keep_alive_s": 120}, format="json")
+    assert answer.status_code == 200, answer.content
+    shown = staff.get(f"/api/models/{model.pk}/").json()
+    assert (shown["on_demand"], shown["min_replicas"], shown["max_replicas"], shown["keep_alive_s"]) == \
+        (True, 0, 3, 120)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("body, words", [
+    ({"min_replicas": 3, "max_replicas": 2}, "0 <= min_replicas <= max_replicas"),
+    ({"max_replicas": 0}, "greater than or equal to 1"),
+    ({"keep_alive_s": 0}, "greater than or equal to 1"),
+    ({"keep_alive_s": 10**9}, "keep_alive_s must be from 1"),
+    ({"on_demand": "maybe"}, "valid boolean"),
+    ({"name": "renamed"}, "read-only"),
+])
+def test_bad_on_demand_settings_are_400s_that_say_what_to_change(staff, body, words):
+    model = registry_model("qwen")
+    answer = staff.patch(f"/api/models/{model.pk}/", body, format="json")
+    assert answer.status_code == 400 and words in answer.content.decode(), answer.content
+
+
+@pytest.mark.django_db
+def test_an_adapter_cannot_be_on_demand(staff):
+    base = registry_model("qwen")
+    adapter = Model.objects.create(name="style", sha256="cd" * 32, size=10, architecture="llama", quantization="F32",
+                                   context_length=0, kv_bytes_per_token=0, kind=Model.Kind.ADAPTER, base=base)
+    answer = staff.patch(f"/api/models/{adapter.pk}/", {"on_demand": True}, format="json")
+    assert answer.status_code == 400 and "put the base on demand" in answer.json()["detail"]
+
+
+@pytest.mark.django_db
+def test_turning_on_demand_off_unloads_what_the_head_loaded(staff):
+    model = registry_model("qwen")
+    node = node_with("n1", free=0)
+    NodeModel.objects.create(node=node, model="qwen", state="serving", on_demand=True)
+    assert staff.patch(f"/api/models/{model.pk}/", {"on_demand": False}, format="json").status_code == 200
+    assert node_deployments(node_id=node.pk) == []
+
+
+@pytest.mark.django_db
+def test_the_admin_edits_the_on_demand_settings_and_refuses_bad_ones(client):
+    model = registry_model("qwen", on_demand=False)
+    client.force_login(UserFactory(username="operator"))
+    url = f"/admin/nodes/model/{model.pk}/change/"
+    bad = client.post(url, {"on_demand": "on", "min_replicas": "2", "max_replicas": "1", "keep_alive_s": "60"})
+    assert bad.status_code == 200 and "min_replicas" in bad.content.decode()
+    good = client.post(url, {"on_demand": "on", "min_replicas": "0", "max_replicas": "2", "keep_alive_s": "60"})
+    assert good.status_code == 302
+    model.refresh_from_db()
+    assert model.on_demand and model.max_replicas == 2
+
+
+# --- what a client sees ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_model_that_fits_nowhere_is_a_503_with_the_figures_in_each_apis_shape(bearer):
+    from asgiref.sync import sync_to_async
+
+    await sync_to_async(registry_model)("big")
+    await sync_to_async(node_with)("gpu-1", free=0.2 * GB)
+    body = {"model": "big", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    openai_style = await request("POST", "/v1/chat/completions", key=bearer, body=body)
+    assert openai_style.status == 503, openai_style.body
+    error = openai_style.json()["error"]
+    assert error["code"] == "model_cannot_fit" and error["type"] == "server_error"
+    assert "no node has room" in error["message"] and "gpu-1 0.20 GB free" in error["message"]
+    anthropic_style = await request("POST", "/v1/messages", key=bearer, body=body)
+    answer = anthropic_style.json()
+    assert answer["type"] == "error" and "no node has room" in answer["error"]["message"]
+    assert set(answer["error"]) == {"type", "message"}
