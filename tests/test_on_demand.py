@@ -215,6 +215,7 @@ def test_turning_on_demand_off_unloads_what_the_head_loaded(staff):
     NodeModel.objects.create(node=node, model="qwen", state="serving", on_demand=True)
     assert staff.patch(f"/api/models/{model.pk}/", {"on_demand": False}, format="json").status_code == 200
     assert node_deployments(node_id=node.pk) == []
+    assert LinkEvent.objects.get(node=node).detail == "qwen: the model is no longer on demand"
 
 
 @pytest.mark.django_db

@@ -123,7 +123,9 @@ def test_each_deployed_model_says_how_long_it_has_run_nothing(monkeypatch):
         node.models.last_used["a"] -= 30  # its last generation ended 30 s ago
         idle = node.models.stats()["models"]["a"]["idle_s"]
         await node.models.submit(GenerateSpec(gen_id="g1", model="a", prompt="hi"))
+        node.models.last_used["a"] -= 30
         running = node.models.stats()["models"]["a"]["idle_s"]
-        return idle, running
-    idle, running = asyncio.run(run())
-    assert idle >= 30 and running == 0.0
+        node.models.on_event(Done(gen_id="g1", seq=1, finish_reason="stop", usage={}, timings={}))
+        return idle, running, node.models.stats()["models"]["a"]["idle_s"]
+    idle, running, ended = asyncio.run(run())
+    assert idle >= 30 and running == 0.0 and ended < 30  # idle from the end of its last generation

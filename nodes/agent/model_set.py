@@ -131,7 +131,6 @@ class ModelSet:
             await self.primary.submit(spec)
             return
         self.where[spec.gen_id] = engine
-        self._used(engine)
         await engine.submit(spec)
 
     def _used(self, engine: Any) -> None:
