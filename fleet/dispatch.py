@@ -291,6 +291,7 @@ class GenerationStream:
         # written once at the end with the rest.
         evidence = {**choice.evidence(), "placed_at": time.time()}
         metrics.placement_made(model=self.spec.model, evidence=evidence)
+        loading.placed(choice.node_id, self.spec.model.partition(":")[0])
         tracing.placed(self.trace, evidence)
         if not self.outcome.placement:
             queued = self._queued or {}

@@ -26,6 +26,7 @@ SCALE_EVERY_S = 5.0  # a model asks for another replica at most this often from 
 
 _waits: dict[str, deque[tuple[float, float]]] = {}  # model -> (placed at, seconds waited)
 _scaled_at: dict[str, float] = {}
+_placed: dict[tuple[str, str], float] = {}  # (node id, model) -> when this process last placed a generation there
 
 
 class NoRoom(Exception):
@@ -42,12 +43,18 @@ def changes_counted(changes: list[on_demand.Change]) -> None:
 async def aload(model: str) -> on_demand.Decision | None:
     """Load `model` where it fits (None: it is not an on-demand model). NoRoom when no node can hold it."""
     try:
-        decision = await database_sync_to_async(on_demand.on_demand_place)(name=model)
+        decision = await database_sync_to_async(on_demand.on_demand_place)(name=model, placed=dict(_placed))
     except on_demand.NoRoom as exc:
         raise NoRoom(str(exc)) from None
     if decision is not None:
         changes_counted(decision.changes)
     return decision
+
+
+def placed(node_id: str, model: str) -> None:
+    """A generation of `model` was placed on the node: the least-recently-used choice reads it (a node's heartbeat
+    may be a second older than this)."""
+    _placed[node_id, model] = time.time()
 
 
 def waited(model: str, seconds: float) -> None:

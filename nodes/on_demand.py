@@ -16,6 +16,7 @@ its own `--model` or a model a deployment pins there.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 from django.conf import settings
@@ -31,6 +32,7 @@ from nodes.models import Deployment, LinkEvent, Model, Node, NodeModel
 from nodes.services import link_event_record
 
 PENDING = (ModelPhase.PULLING, ModelPhase.LOADING)
+UNHEARD = "has sent no heartbeat yet"
 FAILED_FOR_S = 60  # a node whose load of a model failed is not asked to load it again for this long
 
 
@@ -85,17 +87,19 @@ def on_demand_model(name: str) -> Model | None:
     return Model.objects.filter(name=name, on_demand=True, kind=Model.Kind.MODEL).first()
 
 
-def on_demand_place(*, name: str, why: str = "a request found no node serving it") -> Decision | None:
+def on_demand_place(*, name: str, why: str = "a request found no node serving it",
+                    placed: dict | None = None) -> Decision | None:
     """A generation of `name` found no node serving it: load it where it fits (making room, least recently used
     first). None: not an on-demand registry model. A Decision whose node is None: a load is under way already.
-    Raises NoRoom with the figures when no node can hold it."""
+    Raises NoRoom with the figures when no node can hold it. `placed`: {(node id, model): when this head process
+    last placed a generation there}, fresher than the nodes' heartbeats (which may be a second old)."""
     model = on_demand_model(name)
     if model is None:
         return None
     if NodeModel.objects.filter(model=name, node__state=Node.State.ONLINE).filter(
             Q(on_demand=True, state__in=PENDING) | Q(state=ModelPhase.DRAINING)).exists():
         return Decision()  # loading, or being unloaded (loaded again once that is done)
-    return _load_somewhere(model, why=why, evict=True)
+    return _load_somewhere(model, why=why, evict=True, placed=placed or {})
 
 
 def on_demand_scale(*, name: str, why: str) -> Decision | None:
@@ -114,14 +118,17 @@ def on_demand_scale(*, name: str, why: str) -> Decision | None:
 
 
 @transaction.atomic
-def _load_somewhere(model: Model, *, why: str, evict: bool) -> Decision:
+def _load_somewhere(model: Model, *, why: str, evict: bool, placed: dict | None = None) -> Decision:
     need = required_bytes(model)
     candidates, refusals = _candidates(model)
     fits = [(free, node) for node, free in candidates if free >= need]
     if fits:
         node = max(fits, key=lambda f: (f[0], f[1].identity))[1]
         return _load_on(node, model, why=why, kind="request" if evict else "queue", victims=[])
-    plans = [(plan, node) for node, free in candidates if evict and (plan := _room(node, free, need)) is not None]
+    plans = [(plan, node) for node, free in candidates
+             if evict and (plan := _room(node, free, need, placed or {})) is not None]
+    if not plans and any(why.endswith(UNHEARD) for why in refusals):
+        return Decision()  # a node that just joined has not said its room yet: its first heartbeat is due at once
     if not plans:
         free = ", ".join(f"{node.identity} {gb(free)} free" for node, free in candidates)
         raise NoRoom(f"The model {model.name!r} is loaded on demand, and no node has room for it: it needs "
@@ -146,9 +153,10 @@ def _candidates(model: Model) -> tuple[list[tuple[Node, int]], list[str]]:
             continue
         if failed := cache.get(_failed_key(model.name, node.pk)):
             refusals.append(f"{node.identity} failed to load it: {failed}")
+        elif not beat:
+            refusals.append(f"{node.identity} {UNHEARD}")
         elif not beat.get("on_demand", False):
-            refusals.append(f"{node.identity} takes no on-demand model (node_join --no-on-demand, or no heartbeat "
-                            "yet)")
+            refusals.append(f"{node.identity} takes no on-demand model (node_join --no-on-demand)")
         elif labelled and not any(d.matches(node) for d in labelled):
             refusals.append(f"{node.identity} lacks the labels its deployment asks for")
         else:
@@ -166,17 +174,21 @@ def _pending_bytes() -> dict:
     return pending
 
 
-def _room(node: Node, free: int, need: int) -> list[tuple[NodeModel, float]] | None:
+def _room(node: Node, free: int, need: int, placed: dict) -> list[tuple[NodeModel, float]] | None:
     """The on-demand models to unload from `node` so `need` fits, least recently used first (only those running no
-    generation, and none a deployment pins there); None when unloading all of them would not be enough."""
+    generation, and none a deployment pins there); None when unloading all of them would not be enough.
+
+    A model's idle time is its heartbeat's `idle_s` aged by the beat's age, or the time since this process last placed
+    a generation of it there when that is later; one placed there after the beat may be running: not unloaded."""
     beat = cache.get(liveness_key(str(node.pk))) or {}
-    figures = beat.get("models") or {}
+    figures, beat_at, now = beat.get("models") or {}, float(beat.get("at", 0.0)), time.time()
     pinned = {d.model.name for d in Deployment.objects.select_related("model") if d.matches(node)}
     idle = []
     for pair in NodeModel.objects.filter(node=node, on_demand=True, state=ModelPhase.SERVING).exclude(model__in=pinned):
-        own = figures.get(pair.model) or {}
-        if not own.get("lanes_busy", 0):
-            idle.append((pair, float(own.get("idle_s", 0.0))))
+        own, last = figures.get(pair.model) or {}, placed.get((str(node.pk), pair.model), 0.0)
+        if not own.get("lanes_busy", 0) and last <= beat_at:
+            since_beat = float(own.get("idle_s", 0.0)) + max(now - beat_at, 0.0) if beat_at else 0.0
+            idle.append((pair, min(since_beat, now - last) if last else since_beat))
     sizes = {m.name: required_bytes(m) for m in Model.objects.filter(name__in=[p.model for p, _ in idle])}
     chosen = []
     for pair, idle_s in sorted(idle, key=lambda p: -p[1]):

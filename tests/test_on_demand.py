@@ -3,8 +3,11 @@ unloaded to make room, what idles out, and the errors a client or an operator se
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from django.core.cache import cache
+from django.db import transaction
 from rest_framework.test import APIClient
 
 from fleet.names import liveness_key
@@ -32,7 +35,7 @@ def node_with(identity: str, *, free: float, on_demand_ok: bool = True, models: 
     """A node online whose last heartbeat says `free` bytes are free for another model (and each model's figures)."""
     node = NodeFactory(identity=identity, **fields)
     cache.set(liveness_key(str(node.pk)), {"memory_free": int(free), "on_demand": on_demand_ok,
-                                           "models": models or {}}, 60)
+                                           "models": models or {}, "at": time.time() - 1}, 60)
     return node
 
 
@@ -89,6 +92,15 @@ def test_what_a_node_was_asked_to_load_counts_against_its_room_until_it_serves_i
 
 
 @pytest.mark.django_db
+def test_a_node_that_has_not_said_its_room_yet_is_waited_for():
+    registry_model("qwen")
+    node_with("full", free=0)
+    NodeFactory(identity="just-joined")  # online, its first heartbeat not in yet
+    assert on_demand.on_demand_place(name="qwen").node is None  # waits (no 503) for that heartbeat
+    assert not NodeModel.objects.exists()
+
+
+@pytest.mark.django_db
 def test_no_room_anywhere_names_the_need_and_each_nodes_room():
     registry_model("big")
     node_with("gpu-1", free=0.2 * GB)
@@ -121,6 +133,22 @@ def test_room_is_made_by_unloading_the_least_recently_used_idle_on_demand_model(
     assert unloaded == [("old", "room")]  # the least recently used that runs nothing and no deployment pins
     wanted = {row["name"] for row in node_deployments(node_id=node.pk)}
     assert wanted == {"busy", "recent", "pinned", "new"}  # `old` leaves the node's list: it drains and unloads
+
+
+@pytest.mark.django_db
+def test_a_model_this_head_placed_after_the_nodes_last_heartbeat_is_not_the_one_unloaded():
+    for name in ("old", "recent", "new"):
+        registry_model(name)
+    node = node_with("full", free=NEED * 0.5, models={"old": {"lanes_busy": 0, "idle_s": 300},
+                                                       "recent": {"lanes_busy": 0, "idle_s": 5}})
+    for name in ("old", "recent"):
+        NodeModel.objects.create(node=node, model=name, state="serving", on_demand=True)
+    with transaction.atomic():  # placed just before the beat: its idle time is since then, not the beat's 300 s
+        decision = on_demand.on_demand_place(name="new", placed={(str(node.pk), "old"): time.time() - 2})
+        assert [c.model for c in decision.changes if not c.loaded] == ["recent"]
+        transaction.set_rollback(True)
+    decision = on_demand.on_demand_place(name="new", placed={(str(node.pk), "old"): time.time()})
+    assert [c.model for c in decision.changes if not c.loaded] == ["recent"]  # `old` was just asked for again
 
 
 @pytest.mark.django_db
@@ -250,3 +278,14 @@ async def test_a_model_that_fits_nowhere_is_a_503_with_the_figures_in_each_apis_
     answer = anthropic_style.json()
     assert answer["type"] == "error" and "no node has room" in answer["error"]["message"]
     assert set(answer["error"]) == {"type", "message"}
+
+
+@pytest.mark.django_db
+def test_the_live_page_says_why_a_model_is_loading_on_demand():
+    from nodes.selectors import node_models_preparing
+
+    registry_model("qwen")
+    node = node_with("roomy", free=NEED * 3)
+    on_demand.on_demand_place(name="qwen")
+    assert node_models_preparing()[node.pk] == [{"model": "qwen", "state": "pulling", "progress": 0.0, "percent": 0,
+                                                  "why": "on demand: a request found no node serving it"}]
