@@ -38,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
@@ -101,12 +102,15 @@ async def one(client: httpx.AsyncClient, key: str, model: str, i: int, rows: lis
                                  headers={"Authorization": f"Bearer {key}"}) as resp:
             row["gen"] = resp.headers.get("x-fleet-generation")
             if resp.status_code != 200:
-                row["error"] = resp.status_code
+                body = (await resp.aread()).decode(errors="replace")
+                row["error"] = f"{resp.status_code} {json.loads(body).get('error', {}).get('code', '')}"
                 return
             async for line in resp.aiter_lines():
                 if row["ttft_ms"] is None and line.startswith("data: {") and '"content":"' in line \
                         and '"content":""' not in line:
                     row["ttft_ms"] = (time.perf_counter() - start) * 1000
+                if line.startswith("data: {") and '"error"' in line:
+                    row["error"] = json.loads(line[6:])["error"].get("code", "stream error")
     except httpx.HTTPError as exc:
         row["error"] = repr(exc)
 
@@ -150,8 +154,8 @@ def figures(rows: list[dict], moved: dict[str, float], minutes: float) -> dict:
     """The report's figures; a load is cold when it was the first of that model on that node (it pulled)."""
     pulled: set[tuple[str, str]] = set()
     cold, warm, hot, waited = [], [], [], 0
-    seen_loads: set[tuple[str, str, float]] = set()
-    for row in sorted(rows, key=lambda r: r["start"]):
+    load_end: dict[tuple[str, str], float] = {}  # (model, node) -> when the requests of its current load were placed
+    for row in sorted(rows, key=lambda r: r.get("loading", {}).get("since", 0) if r.get("loading") else r["start"]):
         if row["ttft_ms"] is None:
             continue
         loading = row.get("loading")
@@ -159,17 +163,19 @@ def figures(rows: list[dict], moved: dict[str, float], minutes: float) -> dict:
             hot.append(row["ttft_ms"])
             continue
         waited += 1
-        key = (row["model"], loading["node"], round(loading["since"]))
-        if any(k[:2] == key[:2] and abs(k[2] - key[2]) <= 1 for k in seen_loads):
-            continue  # a later request waiting for the same load: only each load's first request is counted
-        seen_loads.add(key)
-        (warm if (row["model"], loading["node"]) in pulled else cold).append(row["ttft_ms"])
-        pulled.add((row["model"], loading["node"]))
+        key, placed_at = (row["model"], loading["node"]), loading["since"] + loading["ms"] / 1000
+        if loading["since"] <= load_end.get(key, -1.0):  # began waiting before that load was done: the same load
+            load_end[key] = max(load_end[key], placed_at)
+            continue
+        load_end[key] = placed_at  # the first request of a load: only these are counted as cold or warm
+        (warm if key in pulled else cold).append(row["ttft_ms"])
+        pulled.add(key)
     total = len(rows) or 1
     return {"ttft_ms_p50": {"cold": p50(cold), "warm": p50(warm), "hot": p50(hot)},
             "loads_per_min": round(moved["load"] / minutes, 2), "unloads_per_min": round(moved["unload"] / minutes, 2),
             "waited_for_load_share": round(waited / total, 3),
             "failed_share": round(sum(1 for r in rows if r["ttft_ms"] is None) / total, 3),
+            "failures": dict(Counter(str(r.get("error", "no token")) for r in rows if r["ttft_ms"] is None)),
             "requests": len(rows), "loads_counted": {"cold": len(cold), "warm": len(warm)}}
 
 

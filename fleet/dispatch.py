@@ -298,7 +298,8 @@ class GenerationStream:
             evidence["queue"] = {**queued, "waited_ms": round((evidence["placed_at"] - queued.get("at",
                                                                 evidence["placed_at"])) * 1000)}
             if self._loading is not None:  # the wait was for a node to load its model on demand
-                evidence["queue"]["loading"] = {"node": self._loading["node"], "since": self._loading["at"],
+                evidence["queue"]["loading"] = {"node": self._loading["node"] or choice.identity,
+                                                "since": self._loading["at"],
                                                 "ms": round((evidence["placed_at"] - self._loading["at"]) * 1000)}
             if not self.batch:
                 loading.waited(self.spec.model, evidence["queue"]["waited_ms"] / 1000)
