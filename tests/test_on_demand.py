@@ -289,3 +289,25 @@ def test_the_live_page_says_why_a_model_is_loading_on_demand():
     on_demand.on_demand_place(name="qwen")
     assert node_models_preparing()[node.pk] == [{"model": "qwen", "state": "pulling", "progress": 0.0, "percent": 0,
                                                   "why": "on demand: a request found no node serving it"}]
+
+
+async def test_one_more_replica_is_asked_for_when_the_p50_wait_passes_the_setting(monkeypatch, settings):
+    from fleet import loading
+
+    settings.FLEET_ON_DEMAND_SCALE_WAIT_S, settings.FLEET_ON_DEMAND_SCALE_WINDOW_S = 2.0, 30
+    asked = []
+    monkeypatch.setattr(loading, "_waits", {})
+    monkeypatch.setattr(loading, "_scaled_at", {})
+    monkeypatch.setattr(loading.on_demand, "on_demand_scale", lambda **kw: asked.append(kw) or None)
+    for seconds in (0.1, 0.2, 0.1):  # placed quickly over the last window
+        loading.waited("hot", seconds)
+    await loading.ascale("hot", 2.5)  # one waits long, but the p50 (0.15 s with it) is below 2 s
+    assert asked == []
+    for seconds in (3.0, 4.0, 3.5):
+        loading.waited("hot", seconds)
+    await loading.ascale("hot", 1.0)  # p50 is past 2 s, but this one has not waited 2 s
+    assert asked == []
+    await loading.ascale("hot", 2.5)
+    assert [kw["name"] for kw in asked] == ["hot"] and "waited 2.5 s" in asked[0]["why"]
+    await loading.ascale("hot", 9.0)  # at most once every SCALE_EVERY_S from this process
+    assert len(asked) == 1

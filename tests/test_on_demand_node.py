@@ -129,3 +129,13 @@ def test_each_deployed_model_says_how_long_it_has_run_nothing(monkeypatch):
         return idle, running, node.models.stats()["models"]["a"]["idle_s"]
     idle, running, ended = asyncio.run(run())
     assert idle >= 30 and running == 0.0 and ended < 30  # idle from the end of its last generation
+
+
+def test_a_budget_never_promises_more_than_the_device_has_free(monkeypatch):
+    import nodes.agent.deploy as deploy
+
+    node, _, _ = deployer(monkeypatch, budget=HELD * 3)
+    monkeypatch.setattr(deploy, "device_memory", lambda: (HELD, "VRAM"))
+    assert asyncio.run(node.available()) == (HELD, "VRAM")
+    monkeypatch.setattr(deploy, "device_memory", lambda: (HELD * 10, "VRAM"))
+    assert asyncio.run(node.available()) == (HELD * 3, "the node's memory budget")

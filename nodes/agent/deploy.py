@@ -261,10 +261,11 @@ class Deployer:
 
     async def available(self) -> tuple[int, str]:
         """(bytes free for another model, which memory): the budget less what the loaded models (and those loading)
-        hold, else the device's free memory (which already lacks what they hold)."""
-        if self.memory_budget:
-            return max(self.memory_budget - sum(self.held.values()), 0), "the node's memory budget"
-        return await asyncio.to_thread(device_memory)
+        hold, and never more than the device has free (which already lacks what they hold); else the device's."""
+        device, memory = await asyncio.to_thread(device_memory)
+        if self.memory_budget and (left := max(self.memory_budget - sum(self.held.values()), 0)) < device:
+            return left, "the node's memory budget"
+        return device, memory
 
     async def memory_free(self) -> int:
         """What the heartbeat says is free for another model (0 on a --no-on-demand node: none is placed here)."""
