@@ -337,6 +337,11 @@ class GenerationStream:
                     self._refuse_over_bound(reg, key)
                     first = False
                 left = self.deadline - time.time()
+                if left <= 0 and self._loading is not None and not self.outcome.placement:
+                    on = f" on {self._loading['node']!r}" if self._loading["node"] else ""
+                    raise GenerationError("deadline_exceeded", f"The model {model!r} was still loading on demand{on} "
+                                          "at the request's deadline; retry shortly (it is being loaded) or raise "
+                                          "deadline_ms.", status=503, retry_after=5, kind="server_error")
                 if left <= 0:
                     raise GenerationError("deadline_exceeded", "Every lane serving this model stayed busy until the "
                                           "request's deadline; retry later or raise deadline_ms.", status=503,

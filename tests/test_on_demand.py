@@ -311,3 +311,17 @@ async def test_one_more_replica_is_asked_for_when_the_p50_wait_passes_the_settin
     assert [kw["name"] for kw in asked] == ["hot"] and "waited 2.5 s" in asked[0]["why"]
     await loading.ascale("hot", 9.0)  # at most once every SCALE_EVERY_S from this process
     assert len(asked) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_request_waiting_for_a_load_still_ends_at_its_deadline_saying_so(bearer):
+    from asgiref.sync import sync_to_async
+
+    await sync_to_async(registry_model)("qwen")
+    await sync_to_async(node_with)("roomy", free=NEED * 3)  # room, but its load never comes here (no such node)
+    body = {"model": "qwen", "max_tokens": 4, "deadline_ms": 500, "messages": [{"role": "user", "content": "Hi"}]}
+    answer = await request("POST", "/v1/chat/completions", key=bearer, body=body)
+    assert answer.status == 503, answer.body
+    error = answer.json()["error"]
+    assert error["code"] == "deadline_exceeded" and "was still loading on demand on 'roomy'" in error["message"]
+    assert await sync_to_async(NodeModel.objects.filter(model="qwen", on_demand=True, node__identity="roomy").exists)()
