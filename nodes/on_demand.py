@@ -127,7 +127,7 @@ def _load_somewhere(model: Model, *, why: str, evict: bool, placed: dict | None 
         return _load_on(node, model, why=why, kind="request" if evict else "queue", victims=[])
     plans = [(plan, node) for node, free in candidates
              if evict and (plan := _room(node, free, need, placed or {})) is not None]
-    if not plans and any(why.endswith(UNHEARD) for why in refusals):
+    if not plans and any(r.endswith(UNHEARD) for r in refusals):
         return Decision()  # a node that just joined has not said its room yet: its first heartbeat is due at once
     if not plans:
         free = ", ".join(f"{node.identity} {gb(free)} free" for node, free in candidates)
