@@ -3,6 +3,7 @@ unloaded to make room, what idles out, and the errors a client or an operator se
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from fleet.names import liveness_key
 from nodes import on_demand
 from nodes.deployments import node_deployments
 from nodes.models import Deployment, LinkEvent, Model, NodeModel
-from tests.api_support import request
+from tests.api_support import FakeLink, add_fake_node, request, start, written_rows
 from tests.factories import NodeFactory, UserFactory
 
 pytest_plugins = ["tests.api_fixtures"]
@@ -291,6 +292,7 @@ def test_the_live_page_says_why_a_model_is_loading_on_demand():
                                                   "why": "on demand: a request found no node serving it"}]
 
 
+@pytest.mark.django_db(transaction=True)
 async def test_one_more_replica_is_asked_for_when_the_p50_wait_passes_the_setting(monkeypatch, settings):
     from fleet import loading
 
@@ -325,3 +327,62 @@ async def test_a_request_waiting_for_a_load_still_ends_at_its_deadline_saying_so
     error = answer.json()["error"]
     assert error["code"] == "deadline_exceeded" and "was still loading on demand on 'roomy'" in error["message"]
     assert await sync_to_async(NodeModel.objects.filter(model="qwen", on_demand=True, node__identity="roomy").exists)()
+
+
+@pytest.fixture
+def fast_sse(monkeypatch):
+    monkeypatch.setattr("api.sse.HEADER_WAIT_S", 0.05)
+    monkeypatch.setattr("api.sse.KEEPALIVE_S", 0.05)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_stream_keeps_alive_while_its_model_loads_then_runs_there_and_its_record_says_it_waited(
+        bearer, fast_sse):
+    from asgiref.sync import sync_to_async
+
+    from sessions.models import Generation
+
+    await sync_to_async(registry_model)("qwen")
+    node = await sync_to_async(node_with)("roomy", free=NEED * 3)
+    body = {"model": "qwen", "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
+    ex = await start("POST", "/v1/chat/completions", key=bearer, body=body)
+    await ex.wait(lambda e: e.body.count(b": keep-alive") >= 2)  # waiting for the load, the client hears from us
+    assert not any(c["choices"][0]["delta"].get("content") for c in ex.data() if c["choices"])  # no token yet
+    add_fake_node(FakeLink(node_id=str(node.pk), identity="roomy"), model="qwen")  # the node serves it now
+    await ex.wait(lambda e: e.finished)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in ex.data()[:-1] if c["choices"]) == \
+        "Hello, world!"
+    (record,) = await written_rows(lambda: list(Generation.objects.filter(model="qwen").values("placement",
+                                                                                                "status")))
+    loading = record["placement"]["queue"]["loading"]
+    assert record["status"] == "done" and loading["node"] == "roomy" and loading["ms"] > 0
+
+    # the node fills up; its last heartbeat (a second old) has not seen that generation: qwen is not the one to go
+    from fleet import loading as head_loading
+
+    for name in ("older", "third"):
+        await sync_to_async(registry_model)(name)
+    await sync_to_async(NodeModel.objects.filter(model="qwen").update)(state="serving")
+    await sync_to_async(NodeModel.objects.create)(node=node, model="older", state="serving", on_demand=True)
+    await sync_to_async(node_with)("full", free=0)  # a second node, full, with nothing to unload
+    cache.set(liveness_key(str(node.pk)), {"memory_free": int(NEED * 0.5), "on_demand": True, "at": time.time() - 1,
+                                           "models": {"qwen": {"lanes_busy": 0, "idle_s": 300},
+                                                      "older": {"lanes_busy": 0, "idle_s": 100}}}, 60)
+    decision = await head_loading.aload("third")
+    assert [c.model for c in decision.changes if not c.loaded] == ["older"]
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_an_anthropic_stream_pings_while_its_model_loads_and_ends_with_why_at_its_deadline(bearer, fast_sse):
+    from asgiref.sync import sync_to_async
+
+    await sync_to_async(registry_model)("qwen")
+    await sync_to_async(node_with)("roomy", free=NEED * 3)
+    body = {"model": "qwen", "max_tokens": 4, "stream": True, "deadline_ms": 600,
+            "messages": [{"role": "user", "content": "Hi"}]}
+    ex = await request("POST", "/v1/messages", key=bearer, body=body)
+    names = [line[len("event: "):] for block in ex.events() for line in block.split("\n")
+             if line.startswith("event: ")]
+    assert "ping" in names and names[-1] == "error", names
+    error = json.loads(ex.events()[-1].split("data: ", 1)[1])
+    assert error["type"] == "error" and "still loading on demand on 'roomy'" in error["error"]["message"]
