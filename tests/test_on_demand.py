@@ -298,8 +298,6 @@ async def test_one_more_replica_is_asked_for_when_the_p50_wait_passes_the_settin
 
     settings.FLEET_ON_DEMAND_SCALE_WAIT_S, settings.FLEET_ON_DEMAND_SCALE_WINDOW_S = 2.0, 30
     asked = []
-    monkeypatch.setattr(loading, "_waits", {})
-    monkeypatch.setattr(loading, "_scaled_at", {})
     monkeypatch.setattr(loading.on_demand, "on_demand_scale", lambda **kw: asked.append(kw) or None)
     for seconds in (0.1, 0.2, 0.1):  # placed quickly over the last window
         loading.waited("hot", seconds)
@@ -386,3 +384,18 @@ async def test_an_anthropic_stream_pings_while_its_model_loads_and_ends_with_why
     assert "ping" in names and names[-1] == "error", names
     error = json.loads(ex.events()[-1].split("data: ", 1)[1])
     assert error["type"] == "error" and "still loading on demand on 'roomy'" in error["error"]["message"]
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_generations_waiting_for_a_load_do_not_ask_the_database_at_every_wake(monkeypatch):
+    from fleet import loading
+
+    asked = []
+    monkeypatch.setattr(loading.on_demand, "on_demand_place",
+                        lambda **kw: asked.append(kw["name"]) or on_demand.Decision(node="roomy"))
+    for _ in range(5):  # five waiters woken at once, or one woken five times
+        assert (await loading.aload("qwen")) is not None
+    assert asked == ["qwen"]
+    monkeypatch.setattr(loading, "LOOK_AGAIN_S", 0.0)
+    await loading.aload("qwen")
+    assert asked == ["qwen", "qwen"]
