@@ -3,6 +3,7 @@ unloaded to make room, what idles out, and the errors a client or an operator se
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -399,3 +400,33 @@ async def test_generations_waiting_for_a_load_do_not_ask_the_database_at_every_w
     monkeypatch.setattr(loading, "LOOK_AGAIN_S", 0.0)
     await loading.aload("qwen")
     assert asked == ["qwen", "qwen"]
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_generation_sent_to_a_model_its_node_just_unloaded_waits_for_it_to_load_again(bearer):
+    from asgiref.sync import sync_to_async
+
+    from fleet.links import registry
+    from sessions.models import Generation
+    from tests.api_support import Script
+
+    await sync_to_async(registry_model)("qwen")
+    gone = await sync_to_async(node_with)("unloading", free=0)
+    roomy = await sync_to_async(node_with)("roomy", free=NEED * 3)
+
+    def unloaded(spec):  # the node let qwen go (made room for another) as this generation reached it
+        registry().placement.node_models(str(gone.pk), ["other"], 2)
+        return Script(error=("engine_unavailable", "this node unloaded 'qwen'; place it on a node serving it"))
+    add_fake_node(FakeLink(node_id=str(gone.pk), identity="unloading", script=unloaded), model="qwen")
+    body = {"model": "qwen", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    ex = await start("POST", "/v1/chat/completions", key=bearer, body=body)
+    pair = NodeModel.objects.filter(model="qwen", node__identity="roomy", on_demand=True)
+    for _ in range(100):  # it went back to qwen's queue, where a node with room is loading it
+        if await sync_to_async(pair.exists)():
+            break
+        await asyncio.sleep(0.05)
+    add_fake_node(FakeLink(node_id=str(roomy.pk), identity="roomy"), model="qwen")
+    await ex.wait(lambda e: e.finished)
+    assert ex.status == 200 and ex.json()["choices"][0]["message"]["content"] == "Hello, world!"
+    (record,) = await written_rows(lambda: list(Generation.objects.filter(model="qwen").values("nodes_used")))
+    assert record["nodes_used"] == ["unloading", "roomy"]
