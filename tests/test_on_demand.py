@@ -329,6 +329,21 @@ async def test_a_request_waiting_for_a_load_still_ends_at_its_deadline_saying_so
 
 
 @pytest.fixture
+def exported(monkeypatch):
+    """Tracing on for this test, into memory (as tests/test_tracing.py does); off again after it."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from nodes.link import trace
+
+    for name in ("ENABLED", "_provider", "_tracer"):
+        monkeypatch.setattr(trace, name, getattr(trace, name))
+    monkeypatch.setattr(trace, "spans", {})
+    exporter = InMemorySpanExporter()
+    trace.setup("test", exporter=exporter)
+    return exporter
+
+
+@pytest.fixture
 def fast_sse(monkeypatch):
     monkeypatch.setattr("api.sse.HEADER_WAIT_S", 0.05)
     monkeypatch.setattr("api.sse.KEEPALIVE_S", 0.05)
@@ -336,7 +351,7 @@ def fast_sse(monkeypatch):
 
 @pytest.mark.django_db(transaction=True)
 async def test_a_stream_keeps_alive_while_its_model_loads_then_runs_there_and_its_record_says_it_waited(
-        bearer, fast_sse):
+        bearer, fast_sse, exported):
     from asgiref.sync import sync_to_async
 
     from sessions.models import Generation
@@ -355,6 +370,8 @@ async def test_a_stream_keeps_alive_while_its_model_loads_then_runs_there_and_it
                                                                                                 "status")))
     loading = record["placement"]["queue"]["loading"]
     assert record["status"] == "done" and loading["node"] == "roomy" and loading["ms"] > 0
+    queue = next(span for span in exported.get_finished_spans() if span.name == "fleet.queue")
+    assert [(e.name, e.attributes["fleet.node"]) for e in queue.events][:1] == [("fleet.loading", "roomy")]
 
     # the node fills up; its last heartbeat (a second old) has not seen that generation: qwen is not the one to go
     from fleet import loading as head_loading
