@@ -27,7 +27,7 @@ BUDGET_GB = "0.5"
 def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("on-demand")
     head = make_head(tmp, extra_env={"FLEET_ON_DEMAND_LANES": "2", "FLEET_ON_DEMAND_CONTEXT": "1024",
-                                     "FLEET_HEARTBEAT_S": "1"})
+                                     "FLEET_HEARTBEAT_S": "1", "FLEET_ON_DEMAND_SCALE_WAIT_S": "0.5"})
     for name in NAMES:
         head.manage("model_add", bundled_model_path(), "--name", name)
     head.start()
@@ -41,6 +41,7 @@ def fleet(tmp_path_factory):
                 answer = client.patch(f"/api/models/{model['id']}/", json={"on_demand": True})
                 assert answer.status_code == 200 and answer.json()["on_demand"] is True, answer.text
         yield head, nodes
+        nodes.pop("od-mock2", None)  # stopped by its test
     finally:
         for node in nodes.values():
             node.stop()
@@ -72,13 +73,20 @@ def served(head) -> set[str]:
         return {m["id"] for m in client.get("/v1/models").json()["data"]}
 
 
-def changes(head) -> dict[tuple[str, str, str], float]:
-    """(model, change, reason) -> count, from /metrics' fleet_on_demand_changes_total."""
+def serving(head) -> dict[str, list[str]]:
+    """node -> the models it serves now, as /api/nodes/ shows them."""
+    with api(head) as client:
+        return {n["identity"]: n["models_served"] for n in client.get("/api/nodes/").json()["results"]}
+
+
+def changes(head, nodes=("od-real",)) -> dict[tuple[str, str, str], float]:
+    """(model, change, reason) -> count, from /metrics' fleet_on_demand_changes_total (only on `nodes`: never the
+    node started with --no-on-demand)."""
     text = httpx.get(f"{head.url}/metrics", headers={"Authorization": f"Bearer {head.env['FLEET_METRICS_TOKEN']}"}).text
     out = {}
     for labels, value in re.findall(r"^fleet_on_demand_changes_total\{(.*?)\} (\S+)$", text, re.M):
         tags = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        assert tags["node"] == "od-real"  # never the node started with --no-on-demand
+        assert tags["node"] in nodes, tags
         out[tags["model"], tags["change"], tags["reason"]] = float(value)
     return out
 
@@ -112,3 +120,32 @@ def test_an_idle_on_demand_model_unloads_after_its_keep_alive(fleet):
     wait_for(lambda: "od-c" not in served(head), 30, f"od-c did not unload when idle: {served(head)}")
     assert "od-a" in served(head)  # its keep-alive is the default 15 minutes
     assert changes(head)[("od-c", "unload", "idle")] == 1
+
+
+def test_a_queue_that_waits_gets_one_more_replica_on_a_node_with_room(fleet):
+    """od-a runs on the real node (2 lanes); a flood makes its generations wait past FLEET_ON_DEMAND_SCALE_WAIT_S
+    (0.5 s here), and a node that joins with room takes a second replica (max_replicas 2)."""
+    import concurrent.futures
+
+    head, nodes = fleet
+    with api(head) as client:
+        model = next(m for m in client.get("/api/models/").json()["results"] if m["name"] == "od-a")
+        assert client.patch(f"/api/models/{model['id']}/", json={"max_replicas": 2}).status_code == 200
+    nodes["od-mock2"] = start_mock_node(head, "od-mock2", model="mock-c", lanes=2,
+                                        options={"memory_budget": 200_000_000, "offline": False})
+    try:
+        head.wait_nodes(3, timeout=120)
+        client = openai.OpenAI(base_url=f"{head.url}/v1", api_key=head.api_key, max_retries=0, timeout=120)
+
+        def one(i):
+            answer = client.chat.completions.with_raw_response.create(
+                model="od-a", max_tokens=48, messages=[{"role": "user", "content": f"Count to ten, {i}"}])
+            return answer.headers["x-fleet-generation"]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(one, range(12)))
+        wait_for(lambda: changes(head, nodes=("od-real", "od-mock2")).get(("od-a", "load", "queue")) == 1, 60,
+                 f"no second replica of od-a: {changes(head, nodes=('od-real', 'od-mock2'))}")
+        wait_for(lambda: "od-a" in serving(head).get("od-mock2", []), 60, "od-mock2 never served od-a")
+        assert "od-a" in serving(head)["od-real"]  # the first replica stays
+    finally:
+        nodes["od-mock2"].stop()
