@@ -447,3 +447,18 @@ async def test_a_generation_sent_to_a_model_its_node_just_unloaded_waits_for_it_
     assert ex.status == 200 and ex.json()["choices"][0]["message"]["content"] == "Hello, world!"
     (record,) = await written_rows(lambda: list(Generation.objects.filter(model="qwen").values("nodes_used")))
     assert record["nodes_used"] == ["unloading", "roomy"]
+
+
+@pytest.mark.django_db
+def test_a_generations_timeline_shows_its_wait_for_an_on_demand_load():
+    from sessions.selectors import generation_timeline
+    from tests.factories import GenerationFactory
+
+    generation = GenerationFactory(model="qwen")
+    start = generation.created_at.timestamp()
+    generation.placement = {"node": "roomy", "placed_at": start + 3.2, "cost": 0, "ranking": [],
+                            "queue": {"priority": "normal", "position": 0, "waited_ms": 3200,
+                                      "loading": {"node": "roomy", "since": start + 0.01, "ms": 3190}}}
+    steps = [(e["what"], e["detail"]) for e in generation_timeline(generation=generation)]
+    assert ("loading", "qwen loading on demand on roomy: 3190 ms") in steps
+    assert [what for what, _ in steps][:3] == ["queued", "loading", "placed"]
