@@ -40,6 +40,7 @@ LINK_CHECK_S = 5.0
 # A generation waiting for a lane is woken by events (a lane freed, a node joined, here or in another head process);
 # it also looks again this often, in case a wake was lost with a Redis connection.
 WAKE_CHECK_S = 5.0
+LOADING_CHECK_S = 1.0
 # A key over its bound on waiting generations is told to come back when the lanes, at the rate they took waiting
 # generations over this window, would have served those ahead of it (this long when none was placed in it).
 DRAIN_WINDOW_S = 60
@@ -346,7 +347,9 @@ class GenerationStream:
                     raise GenerationError("deadline_exceeded", "Every lane serving this model stayed busy until the "
                                           "request's deadline; retry later or raise deadline_ms.", status=503,
                                           retry_after=1, kind="server_error")
-                await reg.lanes.wait(key, min(left, WAKE_CHECK_S))
+                # waiting for an on-demand load, it also looks again each second: the room it waits for is told by
+                # heartbeats (a drained model's memory), which wake no lane
+                await reg.lanes.wait(key, min(left, LOADING_CHECK_S if self._loading else WAKE_CHECK_S))
         finally:
             _waiters.entries.remove(entry)
             reg.lanes.leave(model, key, placed=placed)

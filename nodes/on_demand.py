@@ -129,6 +129,8 @@ def _load_somewhere(model: Model, *, why: str, evict: bool, placed: dict | None 
              if evict and (plan := _room(node, free, need, placed or {})) is not None]
     if not plans and any(r.endswith(UNHEARD) for r in refusals):
         return Decision()  # a node that just joined has not said its room yet: its first heartbeat is due at once
+    if not plans and evict and any(_room(node, free, need, placed or {}, recent=True) for node, free in candidates):
+        return Decision()  # room once what this process placed since a node's last heartbeat is seen to be idle
     if not plans:
         free = ", ".join(f"{node.identity} {gb(free)} free" for node, free in candidates)
         raise NoRoom(f"The model {model.name!r} is loaded on demand, and no node has room for it: it needs "
@@ -174,19 +176,21 @@ def _pending_bytes() -> dict:
     return pending
 
 
-def _room(node: Node, free: int, need: int, placed: dict) -> list[tuple[NodeModel, float]] | None:
+def _room(node: Node, free: int, need: int, placed: dict, *,
+          recent: bool = False) -> list[tuple[NodeModel, float]] | None:
     """The on-demand models to unload from `node` so `need` fits, least recently used first (only those running no
     generation, and none a deployment pins there); None when unloading all of them would not be enough.
 
     A model's idle time is its heartbeat's `idle_s` aged by the beat's age, or the time since this process last placed
-    a generation of it there when that is later; one placed there after the beat may be running: not unloaded."""
+    a generation of it there when that is later; one placed there after the beat may be running: not unloaded
+    (`recent`: counted too, to tell whether waiting for the next heartbeat may make room)."""
     beat = cache.get(liveness_key(str(node.pk))) or {}
     figures, beat_at, now = beat.get("models") or {}, float(beat.get("at", 0.0)), time.time()
     pinned = {d.model.name for d in Deployment.objects.select_related("model") if d.matches(node)}
     idle = []
     for pair in NodeModel.objects.filter(node=node, on_demand=True, state=ModelPhase.SERVING).exclude(model__in=pinned):
         own, last = figures.get(pair.model) or {}, placed.get((str(node.pk), pair.model), 0.0)
-        if not own.get("lanes_busy", 0) and last <= beat_at:
+        if not own.get("lanes_busy", 0) and (last <= beat_at or recent):
             since_beat = float(own.get("idle_s", 0.0)) + max(now - beat_at, 0.0) if beat_at else 0.0
             idle.append((pair, min(since_beat, now - last) if last else since_beat))
     sizes = {m.name: required_bytes(m) for m in Model.objects.filter(name__in=[p.model for p, _ in idle])}

@@ -154,6 +154,19 @@ def test_a_model_this_head_placed_after_the_nodes_last_heartbeat_is_not_the_one_
 
 
 @pytest.mark.django_db
+def test_when_only_models_placed_since_the_last_heartbeat_could_make_room_it_waits_for_the_next_one():
+    for name in ("a", "b", "new"):
+        registry_model(name)
+    node = node_with("full", free=0, models={"a": {"lanes_busy": 0, "idle_s": 30}, "b": {"lanes_busy": 0, "idle_s": 9}})
+    for name in ("a", "b"):
+        NodeModel.objects.create(node=node, model=name, state="serving", on_demand=True)
+    now = time.time()
+    decision = on_demand.on_demand_place(name="new", placed={(str(node.pk), "a"): now, (str(node.pk), "b"): now})
+    assert decision.node is None and not decision.changes  # no 503: its next heartbeat says whether they run
+    assert not NodeModel.objects.filter(model="new").exists()
+
+
+@pytest.mark.django_db
 def test_nothing_is_unloaded_when_even_all_idle_ones_would_not_make_room():
     registry_model("old")
     registry_model("new")
