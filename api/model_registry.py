@@ -16,7 +16,7 @@ from rest_framework.parsers import BaseParser
 from rest_framework.response import Response
 
 from api.views import IsStaff
-from nodes import registry
+from nodes import on_demand, registry
 from nodes.models import Model, ModelAlias
 
 
@@ -28,8 +28,21 @@ class ModelSerializer(serializers.ModelSerializer):
     class Meta:
         model = Model
         fields = ["id", "name", "kind", "base", "sha256", "size", "architecture", "quantization", "context_length",
-                  "kv_bytes_per_token", "chat_template", "created_at", "updated_at"]
+                  "kv_bytes_per_token", "chat_template", "on_demand", "min_replicas", "max_replicas", "keep_alive_s",
+                  "created_at", "updated_at"]
         read_only_fields = fields
+
+
+class ModelOnDemandSerializer(serializers.Serializer):
+    """What PATCH may change: whether the model loads on demand, its replicas' bounds and keep-alive."""
+
+    on_demand = serializers.BooleanField(required=False, help_text="Loaded where there is room when a request names "
+                                         "it and no node serves it; unloaded when idle.")
+    min_replicas = serializers.IntegerField(required=False, min_value=0, help_text="Replicas kept however idle.")
+    max_replicas = serializers.IntegerField(required=False, min_value=1,
+                                            help_text="The most replicas loaded while its queue waits.")
+    keep_alive_s = serializers.IntegerField(required=False, min_value=1,
+                                            help_text="Seconds a replica may sit idle before it is unloaded.")
 
 
 class ModelCreateSerializer(serializers.Serializer):
@@ -88,6 +101,22 @@ class ModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Dest
         if self.lookup_field not in self.kwargs:
             raise NotFound("an upload is not a model")
         return super().get_object()
+
+    @extend_schema(request=ModelOnDemandSerializer, responses={200: ModelSerializer},
+                   summary="Set on demand, its replicas' bounds and keep-alive")
+    def partial_update(self, request, *args, **kwargs):
+        model = self.get_object()
+        form = ModelOnDemandSerializer(data=request.data)
+        form.is_valid(raise_exception=True)
+        unknown = sorted(set(request.data) - set(form.fields)) if isinstance(request.data, dict) else []
+        if unknown:
+            raise ValidationError({name: ["read-only: only on_demand, min_replicas, max_replicas and keep_alive_s "
+                                          "can be changed"] for name in unknown})
+        try:
+            model = on_demand.model_on_demand_update(model=model, **form.validated_data)
+        except on_demand.OnDemandError as exc:
+            raise ValidationError({"detail": str(exc)}) from None
+        return Response(ModelSerializer(model).data)
 
     @extend_schema(summary="Delete (its file goes when no other name uses it)")
     def destroy(self, request, *args, **kwargs):

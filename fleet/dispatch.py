@@ -17,7 +17,7 @@ from typing import Any
 
 from django.conf import settings
 
-from fleet import heads, metrics, tracing
+from fleet import heads, loading, metrics, tracing
 from fleet.links import NodeLost, registry
 from fleet.live import fleet_changed
 from fleet.reported import count_checked, prompt_tokens_bound
@@ -40,6 +40,7 @@ LINK_CHECK_S = 5.0
 # A generation waiting for a lane is woken by events (a lane freed, a node joined, here or in another head process);
 # it also looks again this often, in case a wake was lost with a Redis connection.
 WAKE_CHECK_S = 5.0
+LOADING_CHECK_S = 1.0
 # A key over its bound on waiting generations is told to come back when the lanes, at the rate they took waiting
 # generations over this window, would have served those ahead of it (this long when none was placed in it).
 DRAIN_WINDOW_S = 60
@@ -226,6 +227,7 @@ class GenerationStream:
         self._preempted_at = 0.0
         self._evicted: list[str] = []  # what the node's lane choice evicted (its accepted), forgotten at the end
         self.trace: tracing.GenTrace | None = None  # its spans (set by api.generation.Run while tracing is on)
+        self._loading: dict[str, Any] | None = None  # it waited for an on-demand load: since when, on which node
 
     def ready(self) -> bool:
         """Whether the next step only hands on a token batch that is here already: the node's next frame is the
@@ -290,11 +292,18 @@ class GenerationStream:
         # written once at the end with the rest.
         evidence = {**choice.evidence(), "placed_at": time.time()}
         metrics.placement_made(model=self.spec.model, evidence=evidence)
+        loading.placed(choice.node_id, self.spec.model.partition(":")[0])
         tracing.placed(self.trace, evidence)
         if not self.outcome.placement:
             queued = self._queued or {}
             evidence["queue"] = {**queued, "waited_ms": round((evidence["placed_at"] - queued.get("at",
                                                                 evidence["placed_at"])) * 1000)}
+            if self._loading is not None:  # the wait was for a node to load its model on demand
+                evidence["queue"]["loading"] = {"node": self._loading["node"] or choice.identity,
+                                                "since": self._loading["at"],
+                                                "ms": round((evidence["placed_at"] - self._loading["at"]) * 1000)}
+            if not self.batch:
+                loading.waited(self.spec.model, evidence["queue"]["waited_ms"] / 1000)
             metrics.admitted(priority=queued.get("priority", ""))
             self.outcome.placement = evidence
         else:
@@ -329,11 +338,18 @@ class GenerationStream:
                     self._refuse_over_bound(reg, key)
                     first = False
                 left = self.deadline - time.time()
+                if left <= 0 and self._loading is not None and not self.outcome.placement:
+                    on = f" on {self._loading['node']!r}" if self._loading["node"] else ""
+                    raise GenerationError("deadline_exceeded", f"The model {model!r} was still loading on demand{on} "
+                                          "at the request's deadline; retry shortly (it is being loaded) or raise "
+                                          "deadline_ms.", status=503, retry_after=5, kind="server_error")
                 if left <= 0:
                     raise GenerationError("deadline_exceeded", "Every lane serving this model stayed busy until the "
                                           "request's deadline; retry later or raise deadline_ms.", status=503,
                                           retry_after=1, kind="server_error")
-                await reg.lanes.wait(key, min(left, WAKE_CHECK_S))
+                # waiting for an on-demand load, it also looks again each second: the room it waits for is told by
+                # heartbeats (a drained model's memory), which wake no lane
+                await reg.lanes.wait(key, min(left, LOADING_CHECK_S if self._loading else WAKE_CHECK_S))
         finally:
             _waiters.entries.remove(entry)
             reg.lanes.leave(model, key, placed=placed)
@@ -361,6 +377,8 @@ class GenerationStream:
         if not any(model in s.models for s in nodes):
             nodes = await reg.aplacement.nodes(fresh=True)  # a node that just joined: not refused for a stale view
         serving = [s for s in nodes if model in s.models]
+        if not serving and await self._load_on_demand():
+            return None  # waits in its model's queue (keep-alives flow; its deadline holds) until a node serves it
         if not serving:
             if self._failure and self._failure["code"] != "preempted":  # its node went mid-generation: say so
                 raise GenerationError(self._failure["code"], f"{self._failure['message']}, and no other node serves "
@@ -386,6 +404,8 @@ class GenerationStream:
             free = sum(s.free for s in await reg.aplacement.nodes()
                        if model in s.models and s.schedulable and s.node_id in linked)
         if ahead >= free or not self._within_share(nodes):
+            if self._queued and not self.batch:  # an on-demand model whose queue waits: one more replica
+                await loading.ascale(model, time.time() - self._queued["at"])
             return None
         counting = not self._counted
         if counting:  # counted before choosing, which may await Redis: two batch lines must not both pass the share
@@ -397,6 +417,24 @@ class GenerationStream:
         if choice is None and counting:
             self._count(-1)
         return choice
+
+    async def _load_on_demand(self) -> bool:
+        """No node serves the model: when it is an on-demand registry model, have a node load it (or find its load
+        under way) and say so in the record and the trace; False when it is not one. A 503 with the figures when it
+        fits on no node."""
+        try:
+            decision = await loading.aload(self.spec.model)
+        except loading.NoRoom as exc:
+            raise GenerationError("model_cannot_fit", str(exc), status=503, retry_after=30,
+                                  kind="server_error") from None
+        if decision is None:
+            return False
+        if self._loading is None:
+            self._loading = {"at": time.time(), "node": decision.node or ""}
+            tracing.loading(self.trace, self.spec.model, decision.node or "")
+        elif decision.node:
+            self._loading["node"] = decision.node
+        return True
 
     async def _key(self, nodes) -> None:
         """The prompt's prefix keys, with the tokenizer of the nodes serving its model: once per generation, off the

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from django.conf import settings
 
+from fleet.loading_state import LoadingState
 from fleet.timers import wait_for_future
 from fleet.waiting import ModelQueue, Waiter
 from nodes.link.lifecycle import PlacementLifecycle, aio
@@ -162,7 +163,8 @@ class LaneSignal:
 
 
 class Registry:
-    """Process-wide: links by node id, relays by generation id, the placement state and the lane signal."""
+    """Process-wide: links by node id, relays by generation id, the placement state, the lane signal and what
+    on-demand loading remembers."""
 
     def __init__(self) -> None:
         self.links: dict[str, LinkHandle] = {}
@@ -178,6 +180,7 @@ class Registry:
         self.lanes = LaneSignal(lambda model: self.aplacement.free_lanes(model),
                                 listen=getattr(self.aplacement, "listen", None),
                                 fair=settings.FLEET_WAITING_ORDER == "fair")
+        self.loading = LoadingState()  # on-demand models: this process's placements and queue waits (fleet.loading)
 
     @property
     def aplacement(self) -> Any:

@@ -66,8 +66,12 @@ ADMITTED = Family("fleet_generations_admitted", "Generations that took a lane fr
                   "placement), by priority class (high, normal, low, batch)", ("priority",))
 BLOB_BYTES = Family("fleet_blob_bytes_served", "Bytes of blobs (registry models, media such as audio) the head sent to "
                     "nodes; a node that holds a blob fetches nothing", ())
+ON_DEMAND = Family("fleet_on_demand_changes", "On-demand models loaded or unloaded (change), by reason: request (a "
+                   "request found no node serving it), queue (its generations waited), room (unloaded, least recently "
+                   "used, to make room), idle (past its keep-alive)", ("model", "node", "change", "reason"))
 COUNTED = (GENERATIONS, API_GENERATIONS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, TIME_TO_FIRST_TOKEN,
-           INTER_TOKEN_LATENCY, PLACEMENTS, FAILOVERS, PREEMPTIONS, ADMITTED, LINK_DROPS, LINK_REFUSALS, BLOB_BYTES)
+           INTER_TOKEN_LATENCY, PLACEMENTS, FAILOVERS, PREEMPTIONS, ADMITTED, LINK_DROPS, LINK_REFUSALS, BLOB_BYTES,
+           ON_DEMAND)
 
 
 # --- counting, at the events -----------------------------------------------------------------------------------
@@ -171,6 +175,10 @@ def failover(*, model: str, node: str, code: str) -> None:
 
 def preempted(*, model: str, node: str) -> None:
     Counts().add(PREEMPTIONS, (model, node)).save()
+
+
+def on_demand_change(*, model: str, node: str, loaded: bool, reason: str) -> None:
+    Counts().add(ON_DEMAND, (model, node, "load" if loaded else "unload", reason)).save()
 
 
 def blob_served(*, size: int) -> None:

@@ -321,6 +321,13 @@ except ValueError as exc:
     sys.stderr.write(f"fleet: {exc}\n")
     sys.exit(2)
 
+# On-demand models (nodes.on_demand): each replica's lanes and context (a deployment of the model sets its own), and
+# when a model's generations wait longer than SCALE_WAIT_S (p50 over SCALE_WINDOW_S) one more replica is loaded.
+FLEET_ON_DEMAND_LANES = env_int("FLEET_ON_DEMAND_LANES", 4)
+FLEET_ON_DEMAND_CONTEXT = env_int("FLEET_ON_DEMAND_CONTEXT", 2048)
+FLEET_ON_DEMAND_SCALE_WAIT_S = float(os.environ.get("FLEET_ON_DEMAND_SCALE_WAIT_S", "2"))
+FLEET_ON_DEMAND_SCALE_WINDOW_S = env_int("FLEET_ON_DEMAND_SCALE_WINDOW_S", 30)
+
 # Batches (/v1/batches): a Celery worker sends each line to a head process's /v1 at this address.
 FLEET_HEAD_URL = os.environ.get("FLEET_HEAD_URL", "http://127.0.0.1:8000").strip().rstrip("/")
 FLEET_BATCH_CONCURRENCY = env_int("FLEET_BATCH_CONCURRENCY", 8)  # lines one batch run sends at once

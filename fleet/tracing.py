@@ -3,7 +3,8 @@
     fleet.request            the /v1 request or generate frame (its API, key, model; usage and finish at the end);
                              the child of the client's traceparent when it sent one
       fleet.admission        the key's quota
-      fleet.queue            waiting for a lane; ends with a `fleet.placement` event (the node, each candidate's cost)
+      fleet.queue            waiting for a lane; ends with a `fleet.placement` event (the node, each candidate's cost);
+                             a `fleet.loading` event when it waited for a node to load its model on demand
       fleet.attempt          one attempt on a node (its spans are this span's children); `first_token` event;
                              a failover ends it with a `fleet.failover` event naming why
     celery.task <name>       a batch run or maintenance task; a batch line's fleet.request links to its batch's
@@ -114,6 +115,12 @@ def generation_begin(run: Any, gen: GenTrace | None = None) -> GenTrace | None:
 def queue_begin(gen: GenTrace | None) -> None:
     if gen is not None and gen.queue is None:
         gen.queue = trace.tracer().start_span("fleet.queue", context=trace.under(gen.request))
+
+
+def loading(gen: GenTrace | None, model: str, node: str) -> None:
+    """No node served its model: it waits (in the queue span) while a node loads it on demand."""
+    if gen is not None:
+        (gen.queue or gen.request).add_event("fleet.loading", {"fleet.model": model, "fleet.node": node})
 
 
 def placed(gen: GenTrace | None, evidence: dict) -> None:

@@ -1,10 +1,13 @@
 """Admin for nodes and fleet tokens: the operator's view of who is in the fleet and with which credential."""
 
+import copy
+
 from django import forms
 from django.contrib import admin, messages
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
+from nodes import on_demand
 from nodes.deployments import (
     DeploymentError,
     deployment_check,
@@ -219,6 +222,26 @@ def _pairs(pairs, *, empty: str) -> str:
     return format_html_join("", "{}: {}<br>", ((p.node.identity, p.describe()) for p in pairs))
 
 
+class ModelOnDemandForm(forms.ModelForm):
+    """The registry entry's one editable part: its on-demand settings, checked as /api/models/ checks them."""
+
+    class Meta:
+        model = Model
+        fields = ("on_demand", "min_replicas", "max_replicas", "keep_alive_s")
+
+    def clean(self):
+        cleaned = super().clean()
+        asked = copy.copy(self.instance)  # the instance takes the form's values only after clean()
+        for name in self.Meta.fields:
+            if name in cleaned:
+                setattr(asked, name, cleaned[name])
+        try:
+            on_demand.on_demand_check(asked)
+        except on_demand.OnDemandError as exc:
+            raise forms.ValidationError(str(exc)) from None
+        return cleaned
+
+
 @admin.register(Model)
 class ModelAdmin(admin.ModelAdmin):
     """The model registry. Adding uploads the file in parts through /api/models/ (see the add page's script), so the
@@ -227,7 +250,14 @@ class ModelAdmin(admin.ModelAdmin):
                   "served by nodes without being here); then deploy it (Deployments).")
 
     list_display = ("name", "kind", "base", "architecture", "quantization", "size_mb", "context_length",
-                    "kv_bytes_per_token", "sha256_short", "created_at")
+                    "kv_bytes_per_token", "on_demand", "sha256_short", "created_at")
+    fieldsets = ((None, {"fields": ("id", "name", "kind", "base", "on_nodes", "sha256", "size", "architecture",
+                                    "quantization", "context_length", "kv_bytes_per_token", "chat_template",
+                                    "created_at", "updated_at")}),
+                 ("On demand", {"fields": ("on_demand", "min_replicas", "max_replicas", "keep_alive_s"),
+                                "description": "Loaded where there is room when a request names it and no node "
+                                               "serves it; more replicas while its queue waits; unloaded when idle "
+                                               "for its keep-alive (docs/operations.md, On-demand models)."}))
     search_fields = ("name", "sha256", "architecture")
     readonly_fields = ("id", "name", "kind", "base", "on_nodes", "sha256", "size", "architecture", "quantization",
                        "context_length", "kv_bytes_per_token", "chat_template", "created_at", "updated_at")
@@ -251,8 +281,11 @@ class ModelAdmin(admin.ModelAdmin):
                 f"{', '.join(own)}.") if own else ""
         return super().changelist_view(request, {**(extra_context or {}), "fleet_note": note})
 
-    def has_change_permission(self, request, obj=None):
-        return False  # nothing to edit: every field is read from the file
+    form = ModelOnDemandForm
+
+    def save_model(self, request, obj, form, change):
+        """Only the on-demand settings change (every other field is read from the file)."""
+        on_demand.model_on_demand_update(model=obj)
 
     def delete_model(self, request, obj):
         model_delete(model=obj)

@@ -219,6 +219,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         self.last_touch = 0.0
         self.held = False  # drained or cordoned by the operator
         self.engine_ready = True  # the node's engine worker is up (heartbeats say so)
+        self.keep_alive: dict[str, int] = {}  # on-demand model -> its keep-alive (s), as the last `deploy` put it here
         self.tokenizers: dict[str, str] = {}  # the names it serves under -> their tokenizers' fingerprints
         self.tokenizers_due: dict[str, list[bytes]] = {}  # fingerprints asked for at register -> the parts so far
         self.tokens_history: deque = deque(maxlen=TOKENS_HISTORY_S // max(settings.FLEET_HEARTBEAT_S, 1) + 1)
@@ -500,7 +501,9 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
                  "tokens_per_s": msg.tokens_per_s, "replicas": msg.replicas, "at": now_s,
                  "prefill_tps": msg.prefill_tps, "decode_slowdown_ms": msg.decode_slowdown_ms,
                  "history": list(self.tokens_history), "models": msg.models}
+        stats.update(memory_free=msg.memory_free, on_demand=msg.on_demand)  # room for on-demand models
         await database_sync_to_async(cache.set)(liveness_key(self.node_id), stats, settings.FLEET_NODE_TIMEOUT_S)
+        await link_deploy.check_idle(self, msg.models)
         fleet_changed()
         if self.heads_sent is not None and (live := heads.heads_live()) != self.heads_sent:
             self.heads_sent = live

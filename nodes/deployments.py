@@ -76,20 +76,25 @@ def deployment_delete(*, deployment: Deployment) -> None:
 
 
 def node_deployments(*, node_id) -> list[dict]:
-    """The `deploy` list for a node: the models its deployments choose, and those it serves for a deployment that
-    moved away while no node the deployment chooses serves them yet."""
+    """The `deploy` list for a node: the models its deployments choose, those it serves for a deployment that moved
+    away while no node the deployment chooses serves them yet, and those the head loaded there on demand."""
+    from nodes.on_demand import node_on_demand
+
     node = Node.objects.get(pk=node_id)
     deployments = list(Deployment.objects.select_related("model").order_by("created_at"))
     wanted = {d.model.name: d for d in deployments if d.matches(node)}
-    for pair in NodeModel.objects.filter(node=node, state=NodeModel.State.SERVING).exclude(model__in=list(wanted)):
+    on_demand = {name: row for name, row in node_on_demand(node=node).items() if name not in wanted}
+    for pair in (NodeModel.objects.filter(node=node, state=NodeModel.State.SERVING, on_demand=False)
+                 .exclude(model__in=list(wanted)).exclude(model__in=Model.objects.filter(on_demand=True)
+                                                          .values("name"))):
         moved = [d for d in deployments if d.model.name == pair.model]
         if moved and not _served_as_chosen(pair.model, moved, exclude=node):
             wanted[pair.model] = moved[-1]
-    projectors = {p.base_id: {"name": p.name, "sha256": p.sha256}
-                  for p in Model.objects.filter(kind=Model.Kind.PROJECTOR, base__in=[d.model for d in wanted.values()])}
-    return [{"name": name, "sha256": d.model.sha256, "lanes": d.lanes, "context": d.context,
-             **({"mmproj": projectors[d.model.pk]} if d.model.pk in projectors else {})}
-            for name, d in wanted.items()]
+    projectors = {p.base.name: {"name": p.name, "sha256": p.sha256} for p in Model.objects.filter(
+        kind=Model.Kind.PROJECTOR, base__name__in=[*wanted, *on_demand]).select_related("base")}
+    rows = [{"name": name, "sha256": d.model.sha256, "lanes": d.lanes, "context": d.context}
+            for name, d in wanted.items()] + list(on_demand.values())
+    return [{**row, **({"mmproj": projectors[row["name"]]} if row["name"] in projectors else {})} for row in rows]
 
 
 def node_adapters(*, node_id) -> dict[str, list[dict]]:

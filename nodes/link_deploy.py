@@ -8,10 +8,11 @@ import math
 
 from channels.db import database_sync_to_async
 
+from fleet import loading
 from fleet.links import registry
 from fleet.live import fleet_changed
 from fleet.names import node_group
-from nodes import deployments
+from nodes import deployments, on_demand
 from nodes.link.codes import ModelPhase
 from nodes.link.messages import Deploy, LinkError, Models, ModelState
 
@@ -44,15 +45,29 @@ def _state_problem(msg: ModelState) -> str | None:
 async def send_deployments(consumer, *, joined: bool = False) -> None:
     """Send the node every model its deployments put there (when one changes, and when it registers: then only when
     there is something to say, a model to load or a loaded one it may have to unload)."""
-    wanted, adapters = await database_sync_to_async(_deploy_lists)(consumer.node_id)
+    wanted, adapters, consumer.keep_alive = await database_sync_to_async(_deploy_lists)(consumer.node_id)
     own = {fleet: name for name, fleet in consumer.fleet_names.items()}  # a base the head renamed, as the node knows it
     adapters = {own.get(base, base): rows for base, rows in adapters.items()}
     if wanted or adapters or not joined or len(consumer.fleet_names) > 1:
         await consumer._send(Deploy(models=wanted, adapters=adapters))
 
 
-def _deploy_lists(node_id) -> tuple[list[dict], dict[str, list[dict]]]:
-    return deployments.node_deployments(node_id=node_id), deployments.node_adapters(node_id=node_id)
+def _deploy_lists(node_id) -> tuple[list[dict], dict[str, list[dict]], dict[str, int]]:
+    return (deployments.node_deployments(node_id=node_id), deployments.node_adapters(node_id=node_id),
+            on_demand.on_demand_keep_alive(node_id=node_id))
+
+
+async def check_idle(consumer, figures: dict) -> None:
+    """A heartbeat's per-model figures: an on-demand model idle past its keep-alive is unloaded (nodes.on_demand);
+    the database is asked only when one is past it."""
+    idle = {name: float(f.get("idle_s") or 0) for name, f in figures.items()
+            if name in consumer.keep_alive and isinstance(f, dict) and not f.get("lanes_busy")
+            and isinstance(f.get("idle_s"), int | float) and f["idle_s"] >= consumer.keep_alive[name]}
+    if idle:
+        changes = await database_sync_to_async(on_demand.on_demand_idle)(node_id=consumer.node_id, idle=idle)
+        for change in changes:
+            consumer.keep_alive.pop(change.model, None)  # asked once; the next `deploy` says what is left
+        loading.changes_counted(changes)
 
 
 async def forget_gone(consumer, names: list[str]) -> None:
@@ -88,6 +103,10 @@ async def on_model_state(consumer, msg: ModelState) -> None:
         raise LinkError(f"model_state: {problem}")
     others = await database_sync_to_async(deployments.node_model_record)(
         node_id=consumer.node_id, model=msg.model, state=msg.state, progress=msg.progress, detail=msg.detail)
+    if msg.state == ModelPhase.FAILED:  # an on-demand load that failed: its waiting requests look elsewhere
+        await database_sync_to_async(on_demand.on_demand_failed)(node_id=consumer.node_id, model=msg.model,
+                                                                 detail=msg.detail)
+        registry().lanes.notify()
     if msg.state != ModelPhase.PULLING:
         log.info("fleet node %r: %s %s%s", consumer.identity, msg.model, msg.state,
                  f": {msg.detail}" if msg.detail else "")

@@ -140,6 +140,8 @@ class LinkEvent(models.Model):
         REJOINED = "rejoined", "rejoined"
         DROPPED = "dropped", "dropped"
         REFUSED = "refused", "refused"
+        LOADED = "loaded", "loaded a model on demand"
+        UNLOADED = "unloaded", "unloaded an on-demand model"
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.CASCADE, related_name="link_events")
@@ -190,6 +192,15 @@ class Model(models.Model):
     base = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.CASCADE, related_name="adapters", editable=False,
         help_text="For a LoRA adapter or a projector: the model it belongs to (nodes serving that model load it).")
+    on_demand = models.BooleanField(
+        default=False, help_text="Loaded where there is room when a request names it and no node serves it, scaled "
+                                 "with its queue, unloaded when idle (nodes.on_demand).")
+    min_replicas = models.PositiveIntegerField(
+        default=0, help_text="On demand: nodes that keep it however idle (0: unloaded everywhere when idle).")
+    max_replicas = models.PositiveIntegerField(
+        default=1, help_text="On demand: the most nodes it is loaded on when its queue waits.")
+    keep_alive_s = models.PositiveIntegerField(
+        default=900, help_text="On demand: seconds a replica may sit idle before it is unloaded.")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -256,6 +267,9 @@ class NodeModel(models.Model):
     state = models.CharField(max_length=16, choices=State.choices)
     progress = models.FloatField(default=0.0, help_text="0..1 of the pull while pulling, of the load while loading.")
     detail = models.CharField(max_length=500, blank=True, help_text="Why it failed.")
+    on_demand = models.BooleanField(
+        default=False, help_text="The head put it here on demand (nodes.on_demand); cleared to unload it.")
+    why = models.CharField(max_length=200, blank=True, help_text="Why the head loaded it here on demand.")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -61,11 +61,13 @@ def node_link_history(*, node: Node, limit: int = 50) -> list[LinkEvent]:
 
 def node_models_preparing() -> dict:
     """Each node's deployed models on their way in (pulling or loading, as the node last reported them), in one
-    query: {node id: [{"model", "state", "progress" (0..1), "percent"}]}."""
+    query: {node id: [{"model", "state", "progress" (0..1), "percent"}]}, with "why" for one the head loads there on
+    demand (nodes.on_demand)."""
     rows = NodeModel.objects.filter(state__in=(NodeModel.State.PULLING, NodeModel.State.LOADING)).values_list(
-        "node_id", "model", "state", "progress").order_by("model")
+        "node_id", "model", "state", "progress", "on_demand", "why").order_by("model")
     preparing: dict = {}
-    for node_id, model, state, progress in rows:
+    for node_id, model, state, progress, on_demand, why in rows:
         preparing.setdefault(node_id, []).append(
-            {"model": model, "state": state, "progress": progress, "percent": int(progress * 100)})
+            {"model": model, "state": state, "progress": progress, "percent": int(progress * 100),
+             **({"why": f"on demand: {why}"} if on_demand else {})})
     return preparing

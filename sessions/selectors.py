@@ -162,8 +162,8 @@ def generation_attempts(*, generation: Generation) -> list[dict[str, Any]]:
 
 def generation_timeline(*, generation: Generation) -> list[dict[str, Any]]:
     """What happened to the generation, in order, each with its time and milliseconds since it was queued:
-    queued (with its priority class, how many waited ahead of it and how long it waited), placed, every failover,
-    first token, and its end."""
+    queued (with its priority class, how many waited ahead of it and how long it waited), loading (when it waited for
+    an on-demand load), placed, every failover, first token, and its end."""
     start = generation.created_at
     queue = (generation.placement or {}).get("queue") or {}
     queued = f"{generation.kind} on {generation.model}"
@@ -171,6 +171,9 @@ def generation_timeline(*, generation: Generation) -> list[dict[str, Any]]:
         queued += (f"; priority {queue.get('priority')}, {queue.get('position')} ahead of it, waited "
                    f"{queue.get('waited_ms')} ms for a lane")
     events = [("queued", start, queued)]
+    if isinstance(loading := queue.get("loading"), dict):  # it waited for a node to load its model on demand
+        events.append(("loading", _at(loading.get("since")), f"{generation.model} loading on demand on "
+                                                              f"{loading.get('node')}: {loading.get('ms')} ms"))
     for attempt in generation_attempts(generation=generation):
         if attempt["after"]:
             after = attempt["after"]

@@ -17,12 +17,14 @@ from tests.live import PYTHON, ROOT, Head, NodeProc
 
 
 def start_mock_node(head: Head, identity: str = "mock-node", *, model: str = "smollm2", lanes: int = 8,
-                    **params) -> NodeProc:
+                    options: dict | None = None, **params) -> NodeProc:
+    """`options`: more NodeOptions fields (memory_budget, on_demand, labels); `params`: the mock engine's knobs."""
     home = head.home / f"node-{identity}"
     log_path = head.home / f"node-{identity}-{uuid.uuid4().hex[:4]}.log"
     log = open(log_path, "ab")  # noqa: SIM115 - the child owns it
     proc = subprocess.Popen(
-        [PYTHON, "-m", "tests.mock_node", head.address, identity, str(home), json.dumps(params), model, str(lanes)],
+        [PYTHON, "-m", "tests.mock_node", head.address, identity, str(home), json.dumps(params), model, str(lanes),
+         json.dumps(options or {})],
         cwd=ROOT, env=head.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     return NodeProc(proc, log_path)
@@ -31,9 +33,11 @@ def start_mock_node(head: Head, identity: str = "mock-node", *, model: str = "sm
 def main(argv: list[str]) -> int:
     from nodes.agent.main import NodeOptions, run_node
 
-    head, identity, home, params, model, lanes = argv
-    return run_node(NodeOptions(head=head, model=model, identity=identity, offline=True, home=Path(home),
-                                max_batch=int(lanes), mock=json.loads(params)))
+    head, identity, home, params, model, lanes, *more = argv
+    options = json.loads(more[0]) if more else {}
+    return run_node(NodeOptions(**{"head": head, "model": model, "identity": identity, "offline": True,
+                                   "home": Path(home), "max_batch": int(lanes), "mock": json.loads(params),
+                                   **options}))
 
 
 if __name__ == "__main__":

@@ -266,6 +266,7 @@ def test_the_heartbeat_carries_each_models_own_engine_figures_and_an_older_one_s
     beat = decode(encode(heartbeat_of(models.stats(), engine_ready=True)))
     assert (beat.lanes, beat.lanes_busy, beat.kv_total) == (12, 4, 400)  # the node's totals, as before
     assert beat.models == {"own": {"lanes": 4, "lanes_busy": 4, "kv_used": 10, "kv_total": 400, "tokens_per_s": 7.5},
-                           "deployed": {"lanes": 8, "lanes_busy": 0, "kv_used": 0, "kv_total": 0, "tokens_per_s": 0}}
+                           "deployed": {"lanes": 8, "lanes_busy": 0, "kv_used": 0, "kv_total": 0, "tokens_per_s": 0,
+                                        "idle_s": 0.0}}  # since it last ran a generation (on-demand keep-alive)
     older = msgpack.packb({"t": "heartbeat", "v": PROTOCOL_VERSION, "lanes_busy": 1, "lanes": 4})
     assert decode(older) == Heartbeat(lanes_busy=1, lanes=4)

@@ -40,6 +40,15 @@ class DeployRefused(Exception):
     """This node cannot serve the model (not on the node and not pullable, or no room for it); says why."""
 
 
+def footprint(path: Path, *, lanes: int, window: int) -> int:
+    """Bytes a loaded model holds: its weights (the file's size) and its lanes' KV cache (0: the file is refused)."""
+    try:
+        info = read_gguf(path)
+    except (GgufError, OSError):
+        return 0
+    return info.size + lanes * window * info.kv_bytes_per_token
+
+
 def deployed_window(path: Path, *, lanes: int, context: int, available: int, memory: str = "RAM") -> int:
     """The context window a lane of `path` gets on this device (`context`, or sized when 0); DeployRefused with the
     figures when its weights and KV cache do not fit in the memory available (`memory`: RAM or VRAM)."""
@@ -60,14 +69,24 @@ def deployed_window(path: Path, *, lanes: int, context: int, available: int, mem
 class Deployer:
     """Applies `deploy` messages to a ModelSet. `fetch(name, progress)` returns the node's verified copy of a registry
     model (pulling it; progress(fraction) as it goes); `send` puts a message on the link (dropped while it is down);
-    `make_worker(config)` builds an engine worker whose events go to the set."""
+    `make_worker(config)` builds an engine worker whose events go to the set.
+
+    `memory_budget` (node_join --memory-budget; 0: none) caps the bytes this node's models may hold: a model loads only
+    where the budget less what the loaded ones hold (`held`) fits it, and the heartbeat says what is left
+    (`memory_free`), which the head places on-demand models by. `on_demand` False (--no-on-demand): the head never
+    loads one here. `mock`: deployed models run on the mock engine too (a mock node, for tests and benchmarks)."""
 
     def __init__(self, models: ModelSet, *, fetch: Callable[[str, Callable[[float], None]], Awaitable[Path]],
                  send: Callable[[Any], None], make_worker: Callable[[EngineConfig], Any],
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, memory_budget: int = 0, on_demand: bool = True,
+                 mock: dict | None = None, primary_bytes: int = 0) -> None:
         self.models = models
         self.fetch, self.send, self.make_worker = fetch, send, make_worker
         self.batch_invariant = batch_invariant
+        self.memory_budget, self.on_demand, self.mock = memory_budget, on_demand, mock
+        self.held: dict[str, int] = {"": primary_bytes}  # model -> bytes its loaded worker holds ("": the primary)
+        self.unloading: set[asyncio.Task] = set()  # drains under way: a load waits for them (they make its room)
+        self.fitting = asyncio.Lock()  # a load's fit check and its reservation in `held`, one load at a time
         self.tasks: dict[str, asyncio.Task] = {}  # name -> its load or unload
         self.last: dict[str, ModelState] = {}  # name -> the last state reported
         self.adapters_wanted: dict[str, dict[str, str]] = {}  # base -> {adapter: sha256}, as the head last said
@@ -163,7 +182,9 @@ class Deployer:
     def _unwant(self, name: str) -> None:
         """Serving: drain, then unload. Pulling or loading: stop (its worker is stopped in _load). Failed: forget."""
         if name in self.models.serving:
-            self.tasks[name] = asyncio.ensure_future(self._unload(name))
+            task = self.tasks[name] = asyncio.ensure_future(self._unload(name))
+            self.unloading.add(task)
+            task.add_done_callback(self.unloading.discard)
             return
         task = self.tasks.get(name)
         if task is not None and not task.done():
@@ -194,19 +215,25 @@ class Deployer:
             projector = await self.fetch(str(mmproj["name"]), lambda fraction: None) if mmproj else None
             self.report(name, ModelPhase.LOADING)
             lanes, context = int(spec.get("lanes") or 1), int(spec.get("context") or 0)
-            available, memory = await asyncio.to_thread(device_memory)
-            window = await asyncio.to_thread(deployed_window, path, lanes=lanes, context=context,
-                                             available=available, memory=memory)
+            if self.unloading:  # what the head unloaded to make room for this one: gone first
+                await asyncio.gather(*self.unloading, return_exceptions=True)
+            async with self.fitting:  # two loads at once must not both count the same free bytes
+                available, memory = await self.available()
+                window = await asyncio.to_thread(deployed_window, path, lanes=lanes, context=context,
+                                                 available=available, memory=memory)
+                self.held[name] = await asyncio.to_thread(footprint, path, lanes=lanes, window=window)
             worker = self.make_worker(EngineConfig(model_path=str(path), model_name=name, lanes=lanes,
                                                    max_context=window, batch_invariant=self.batch_invariant,
-                                                   mmproj_path=str(projector) if projector else None))
+                                                   mmproj_path=str(projector) if projector else None, mock=self.mock))
             info = await worker.start(on_progress=self._progress(name, phase=ModelPhase.LOADING))
         except asyncio.CancelledError:
+            self.held.pop(name, None)
             if worker is not None:
                 await worker.stop()
             raise
         except Exception as exc:  # DeployRefused, EngineLoadError, a failed pull: reported, never raised
             log.warning("fleet node: could not deploy %s: %s", name, exc)
+            self.held.pop(name, None)
             if worker is not None:
                 await worker.stop()
             self.report(name, ModelPhase.FAILED, detail=str(exc) or type(exc).__name__)
@@ -227,9 +254,22 @@ class Deployer:
             await asyncio.sleep(DRAIN_POLL_S)
         self.models.drop(name)
         await engine.stop()
+        self.held.pop(name, None)
         self.sync_adapters()  # the adapters loaded on it went with it
         log.info("fleet node: %s unloaded", name)
         self.report(name, ModelPhase.UNLOADED)
+
+    async def available(self) -> tuple[int, str]:
+        """(bytes free for another model, which memory): the budget less what the loaded models (and those loading)
+        hold, and never more than the device has free (which already lacks what they hold); else the device's."""
+        device, memory = await asyncio.to_thread(device_memory)
+        if self.memory_budget and (left := max(self.memory_budget - sum(self.held.values()), 0)) < device:
+            return left, "the node's memory budget"
+        return device, memory
+
+    async def memory_free(self) -> int:
+        """What the heartbeat says is free for another model (0 on a --no-on-demand node: none is placed here)."""
+        return (await self.available())[0] if self.on_demand else 0
 
     def _progress(self, name: str, *, keep: bool = True,
                   phase: ModelPhase = ModelPhase.PULLING) -> Callable[[float], None]:

@@ -493,10 +493,18 @@ class NodeAgent:
         """A heartbeat every `heartbeat_s`, and one at once when the engine worker dies or comes back."""
         while True:
             ready = self.engine.alive
-            link.outbox.put_nowait(heartbeat_of(self.engine.stats(), engine_ready=ready))
+            stats = self.engine.stats()
+            if self.deployer is not None:  # room for on-demand models (nodes.agent.deploy)
+                stats["memory_free"], stats["on_demand"] = await self.deployer.memory_free(), self.deployer.on_demand
+            link.outbox.put_nowait(heartbeat_of(stats, engine_ready=ready))
             due = time.monotonic() + link.heartbeat_s
-            while time.monotonic() < due and self.engine.alive == ready:
+            held = self._held()
+            # at once too when a model was loaded or unloaded: the head places on-demand models by its memory_free
+            while time.monotonic() < due and self.engine.alive == ready and self._held() == held:
                 await asyncio.sleep(READY_POLL_S)
+
+    def _held(self) -> int:
+        return sum(self.deployer.held.values()) if self.deployer is not None else 0
 
 
 async def _goodbye(ws, channel: SecureChannel) -> None:
@@ -538,6 +546,7 @@ def heartbeat_of(stats: dict, *, engine_ready: bool) -> Heartbeat:
         cache_cleared=bool(stats.get("cache_cleared", False)), engine_ready=engine_ready,
         prefill_tps=float(stats.get("prefill_tps", 0.0)),
         decode_slowdown_ms=float(stats.get("decode_slowdown_ms", 0.0)), models=dict(stats.get("models") or {}),
+        memory_free=int(stats.get("memory_free", 0)), on_demand=bool(stats.get("on_demand", False)),
     )
 
 

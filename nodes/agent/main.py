@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from nodes.agent import keys, pull
-from nodes.agent.deploy import Deployer
+from nodes.agent.deploy import Deployer, footprint
 from nodes.agent.dialer import BACKOFF_MAX_S, BACKOFF_START_S, AgentConfig, NodeAgent, Refused
 from nodes.agent.engine.base import EngineConfig
 from nodes.agent.gguf_info import GgufError, read_gguf
@@ -53,6 +53,8 @@ class NodeOptions:
     adapters: dict[str, str] = field(default_factory=dict)  # --lora: adapter name -> GGUF LoRA path
     transcribe: str | None = None  # a speech model served beside the text model: a known id or a CTranslate2 folder
     mmproj: str | None = None  # --mmproj: the model's multimodal projector (GGUF); images in chats need it
+    memory_budget: int = 0  # --memory-budget: bytes this node's models may hold (0: the device's free memory)
+    on_demand: bool = True  # --no-on-demand: False, the head never loads a model here on demand
 
 
 class NodeError(Exception):
@@ -236,7 +238,9 @@ async def _run(options: NodeOptions, resolve_head) -> None:
     models = ModelSet(engine)
     agent = NodeAgent(agent_config, models, resolve_head=resolve_head)
     models.forward = agent.on_engine_event
-    agent.deployer = deployer_for(options, agent, models)
+    own = configs[0].model_path
+    primary_bytes = footprint(Path(own), lanes=configs[0].lanes, window=info["context_window"]) if own else 0
+    agent.deployer = deployer_for(options, agent, models, primary_bytes=primary_bytes * len(configs))
     try:
         await agent.run()
     finally:
@@ -259,7 +263,7 @@ async def _load(engine, name: str, reports: PreparingReports) -> dict[str, Any]:
     return info
 
 
-def deployer_for(options: NodeOptions, agent: NodeAgent, models: ModelSet) -> Deployer:
+def deployer_for(options: NodeOptions, agent: NodeAgent, models: ModelSet, *, primary_bytes: int = 0) -> Deployer:
     """What applies the head's deployments on this node: pulls as `--model NAME` does, one engine worker a model."""
     from nodes.agent.engine.worker import EngineWorker
 
@@ -268,7 +272,8 @@ def deployer_for(options: NodeOptions, agent: NodeAgent, models: ModelSet) -> De
 
     return Deployer(models, fetch=fetch, send=agent.send,
                     make_worker=lambda config: EngineWorker(config, on_event=models.on_event),
-                    batch_invariant=options.batch_invariant)
+                    batch_invariant=options.batch_invariant, memory_budget=options.memory_budget,
+                    on_demand=options.on_demand, mock=options.mock, primary_bytes=primary_bytes)
 
 
 def run_node(options: NodeOptions) -> int:

@@ -7,6 +7,7 @@ unloaded is draining: no longer announced, but a generation the head placed befo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ class ModelSet:
         self.retired: set[str] = set()  # unloaded: a late generation of these is sent elsewhere, not to the primary
         self.where: dict[str, Any] = {}  # gen_id -> the deployed engine running it
         self.retiring_adapters: set[str] = set()  # registry adapters being unloaded: no longer announced
+        self.last_used: dict[str, float] = {}  # deployed model -> when a generation of it last started or ended
 
     # -- what the node serves ------------------------------------------------------------------------------------
 
@@ -71,6 +73,7 @@ class ModelSet:
     def add(self, name: str, engine: Any) -> None:
         self.retired.discard(name)
         self.serving[name] = engine
+        self.last_used[name] = time.monotonic()
 
     def retire(self, name: str) -> Any:
         """Stop announcing `name`; its engine drains (generations placed before the head knew still run there)."""
@@ -87,8 +90,8 @@ class ModelSet:
 
     def on_event(self, event: Event) -> None:
         """A deployed engine's event hook."""
-        if isinstance(event, ENDS):
-            self.where.pop(event.gen_id, None)
+        if isinstance(event, ENDS) and (engine := self.where.pop(event.gen_id, None)) is not None:
+            self._used(engine)
         self.forward(event)
 
     # -- the engine interface --------------------------------------------------------------------------------------
@@ -111,8 +114,9 @@ class ModelSet:
             other = engine.stats()
             for key in SUMMED:
                 stats[key] = stats.get(key, 0) + other.get(key, 0)
-            if name in self.serving:
-                per_model[name] = _figures(other)
+            if name in self.serving:  # idle_s: how long since it last ran a generation (on-demand keep-alive, LRU)
+                idle = 0.0 if self.running(engine) else time.monotonic() - self.last_used.get(name, time.monotonic())
+                per_model[name] = {**_figures(other), "idle_s": round(idle, 1)}
         stats["models"] = per_model
         return stats
 
@@ -128,6 +132,11 @@ class ModelSet:
             return
         self.where[spec.gen_id] = engine
         await engine.submit(spec)
+
+    def _used(self, engine: Any) -> None:
+        for name, other in self.serving.items():
+            if other is engine:
+                self.last_used[name] = time.monotonic()
 
     async def cancel(self, gen_id: str) -> None:
         await self.where.get(gen_id, self.primary).cancel(gen_id)

@@ -147,6 +147,11 @@ class Heartbeat(Message):
     # "tokens_per_s"}}: a node serving several models (deployments) says which lanes and KV are whose. Absent from an
     # older node: the head then takes the node's totals above for its models.
     models: dict[str, Any] = field(default_factory=dict)
+    # Bytes free for another model's weights and KV (its --memory-budget less what its models hold, else the device's
+    # free memory), and whether the head may load a registry model here on demand (node_join --no-on-demand: False).
+    # An older node sends neither: 0 bytes, so nothing is loaded there on demand.
+    memory_free: int = 0
+    on_demand: bool = True
 
 
 @dataclass(slots=True)

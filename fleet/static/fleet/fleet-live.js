@@ -42,6 +42,8 @@
         const bar = el("progress"); bar.max = 100; bar.value = p.percent;
         line.append(bar, ` ${p.percent}%`);
       }
+      if (p.why) line.title = p.why;  // an on-demand load: why the head put it there
+      if (p.why) line.append(` (${p.why})`);
       cell.appendChild(line);
     }
     return cell;

@@ -15,6 +15,20 @@ from nodes.agent.models import ModelNotFound, is_registry_name, resolve_model, r
 from nodes.agent.replicas import ReplicaConfigError, cpu_groups, gpu_groups
 
 
+def _gigabytes(value: str) -> int:
+    """--memory-budget GB (a decimal number, e.g. 12 or 0.5) as bytes."""
+    import argparse
+    import math
+
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of GB (e.g. 12 or 0.5)") from None
+    if not math.isfinite(number) or number <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be a number of GB above 0")
+    return int(number * 1e9)
+
+
 def _positive_int(value: str) -> int:
     import argparse
 
@@ -105,6 +119,11 @@ class Command(BaseCommand):
                             help="the model's multimodal projector (a GGUF mmproj file, or the name of one in the "
                                  "head's registry, pulled like a model): chats may then send images (capability "
                                  "vision), read through llama.cpp's mtmd")
+        parser.add_argument("--memory-budget", type=_gigabytes, default=0, metavar="GB",
+                            help="the most memory this node's models may hold, weights and KV (default: the "
+                                 "device's free memory); the head loads on-demand models here within it")
+        parser.add_argument("--no-on-demand", action="store_true",
+                            help="the head never loads a registry model here on demand (deployments still do)")
         parser.add_argument("--transcribe", metavar="SPEECH_MODEL",
                             help="also serve /v1/audio/transcriptions with this speech model: whisper-tiny.en (the "
                                  "bundled one) or a CTranslate2 Whisper model folder; run by faster-whisper in the "
@@ -145,7 +164,7 @@ class Command(BaseCommand):
             labels=dict(options["label"]), adapters=dict(options["lora"]),
             replicas=options["replicas"], gpus=options["gpus"], accept_new_head=options["accept_new_head"],
             batch_invariant=options["batch_invariant"], home=settings.FLEET_HOME, transcribe=options["transcribe"],
-            mmproj=options["mmproj"],
+            mmproj=options["mmproj"], memory_budget=options["memory_budget"], on_demand=not options["no_on_demand"],
         ))
         if code:
             sys.exit(code)
