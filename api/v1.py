@@ -164,9 +164,10 @@ def _model_object(name: str, alias_of: str | None = None) -> dict[str, Any]:
 
 async def _listed() -> dict[str, str | None]:
     """Each name a client may ask for -> the served model it is an alias of (None: it is that model). An alias is
-    listed while its target is served."""
+    listed while its target is served; an on-demand registry model always (its first request loads it)."""
     served = await served_models()
-    names: dict[str, str | None] = dict.fromkeys(served)
+    names: dict[str, str | None] = dict.fromkeys(sorted({*served, *await sync_to_async(
+        node_selectors.models_on_demand)()}))
     for alias, target in (await aaliases()).items():
         if target in names and alias not in names:
             names[alias] = target

@@ -2,7 +2,7 @@
 
 from django.db.models import QuerySet
 
-from nodes.models import FleetToken, LinkEvent, Node, NodeModel
+from nodes.models import FleetToken, LinkEvent, Model, Node, NodeModel
 
 
 def node_list_serving(*, model: str) -> list[Node]:
@@ -17,6 +17,11 @@ def node_models_served() -> list[str]:
     for served in Node.objects.filter(state=Node.State.ONLINE).values_list("models_served", flat=True):
         names.update(served or [])
     return sorted(names)
+
+
+def models_on_demand() -> list[str]:
+    """The registry models a request loads where there is room when no node serves them (nodes.on_demand)."""
+    return sorted(Model.objects.filter(on_demand=True, kind=Model.Kind.MODEL).values_list("name", flat=True))
 
 
 def node_speech_models() -> set[str]:

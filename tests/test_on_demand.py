@@ -295,6 +295,20 @@ async def test_a_model_that_fits_nowhere_is_a_503_with_the_figures_in_each_apis_
     assert set(answer["error"]) == {"type", "message"}
 
 
+@pytest.mark.django_db(transaction=True)
+async def test_v1_models_lists_an_on_demand_model_no_node_serves_and_not_a_plain_registry_one(bearer):
+    """A client that picks a model from /v1/models (as agents do) finds the on-demand ones: asking loads them."""
+    from asgiref.sync import sync_to_async
+
+    await sync_to_async(registry_model)("qwen")
+    await sync_to_async(registry_model)("stored-only", on_demand=False)
+    listed = await request("GET", "/v1/models", key=bearer)
+    assert listed.status == 200
+    assert [m["id"] for m in listed.json()["data"]] == ["qwen"]
+    assert (await request("GET", "/v1/models/qwen", key=bearer)).status == 200
+    assert (await request("GET", "/v1/models/stored-only", key=bearer)).status == 404
+
+
 @pytest.mark.django_db
 def test_the_live_page_says_why_a_model_is_loading_on_demand():
     from nodes.selectors import node_models_preparing
