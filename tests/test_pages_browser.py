@@ -88,8 +88,7 @@ def test_fleet_page_shows_the_live_node(browser, live_head, live_node):
 
     login(browser, live_head)
     browser.find_element(By.LINK_TEXT, "Fleet overview").click()
-    rows = browser.find_elements(By.CSS_SELECTOR, "#fleet-nodes tbody tr")
-    text = " ".join(r.text for r in rows)
+    text = node_row_text(browser, "node-a")
     assert "node-a" in text and "online" in text and "smollm2" in text
     assert "smollm2" in browser.find_element(By.ID, "fleet-models").text
     assert_fits(browser, "the fleet page")
@@ -275,10 +274,11 @@ def screenshot(browser, name: str) -> None:
 
 
 def node_row_text(browser, identity: str) -> str:
-    from selenium.webdriver.common.by import By
-
-    rows = browser.find_elements(By.CSS_SELECTOR, "#fleet-nodes tbody tr")
-    return next((r.text for r in rows if identity in r.text), "")
+    # the rows' text in one script: each live snapshot renders the rows anew, so an element found in one call can be
+    # gone (stale) by the next
+    rows = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#fleet-nodes tbody tr'), row => row.innerText)")
+    return next((" ".join(text.split()) for text in rows if identity in text), "")  # spaced as Selenium's .text
 
 
 def test_the_fleet_page_shows_a_node_on_its_way_in_join_and_leave_without_a_reload(browser, live_head):
