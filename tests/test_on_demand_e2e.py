@@ -69,8 +69,8 @@ def ask(head, model: str) -> tuple[str, str, dict]:
 
 
 def served(head) -> set[str]:
-    with api(head) as client:
-        return {m["id"] for m in client.get("/v1/models").json()["data"]}
+    """The models some node serves now (/v1/models lists every on-demand model, served or not)."""
+    return {model for models in serving(head).values() for model in models}
 
 
 def serving(head) -> dict[str, list[str]]:
