@@ -416,6 +416,8 @@ class GenerationStream:
             choice = await reg.lifecycle.achoose(self.spec, self.keys, exclude=unable, **place)
         if choice is None and counting:
             self._count(-1)
+        if choice is None and self._queued and not self.batch:  # the lanes were taken as it chose (Redis' view)
+            await loading.ascale(model, time.time() - self._queued["at"])
         return choice
 
     async def _load_on_demand(self) -> bool:

@@ -141,8 +141,10 @@ def test_a_queue_that_waits_gets_one_more_replica_on_a_node_with_room(fleet):
             answer = client.chat.completions.with_raw_response.create(
                 model="od-a", max_tokens=24, messages=[{"role": "user", "content": f"Count to ten, {i}"}])
             return answer.headers["x-fleet-generation"]
+        # long enough that its waits outlast a scale asked for (and refused: no room yet) within the last
+        # fleet.loading.SCALE_EVERY_S, as an earlier test's wait can have done
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            list(pool.map(one, range(10)))
+            list(pool.map(one, range(30)))
         wait_for(lambda: changes(head, nodes=("od-real", "od-mock2")).get(("od-a", "load", "queue")) == 1, 60,
                  f"no second replica of od-a: {changes(head, nodes=('od-real', 'od-mock2'))}")
         wait_for(lambda: "od-a" in serving(head).get("od-mock2", []), 60, "od-mock2 never served od-a")
