@@ -29,3 +29,30 @@ def bearer(api_key_pair) -> str:
 @pytest.fixture
 def fake_node() -> FakeLink:
     return add_fake_node()
+
+
+@pytest.fixture
+def staff():
+    """The REST framework's test client signed in as a staff user (`operator`)."""
+    from rest_framework.test import APIClient
+
+    from tests.factories import UserFactory
+
+    api = APIClient()
+    api.force_authenticate(UserFactory(username="operator"))
+    return api
+
+
+@pytest.fixture
+def exported(monkeypatch):
+    """Tracing on for this test, into memory; off again after it."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from nodes.link import trace
+
+    for name in ("ENABLED", "_provider", "_tracer"):
+        monkeypatch.setattr(trace, name, getattr(trace, name))
+    monkeypatch.setattr(trace, "spans", {})
+    exporter = InMemorySpanExporter()
+    trace.setup("test", exporter=exporter)
+    return exporter

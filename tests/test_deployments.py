@@ -20,19 +20,14 @@ from nodes.link.spec import GenerateSpec
 from nodes.models import Model, NodeModel
 from tests.factories import NodeFactory, UserFactory
 
+pytest_plugins = ["tests.api_fixtures"]
+
 NAME = "qwen-tiny"
 
 
 def registry_model(name: str = NAME) -> Model:
     return Model.objects.create(name=name, sha256="ab" * 32, size=1000, architecture="llama", quantization="Q8_0",
                                 context_length=8192, kv_bytes_per_token=23040)
-
-
-@pytest.fixture
-def staff():
-    api = APIClient()
-    api.force_authenticate(UserFactory(username="operator"))
-    return api
 
 
 # --- the head ---------------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ import time
 import pytest
 from django.core.cache import cache
 from django.db import transaction
-from rest_framework.test import APIClient
 
 from fleet.names import liveness_key
 from nodes import on_demand
@@ -209,13 +208,6 @@ def test_a_waiting_queue_adds_a_replica_elsewhere_up_to_the_maximum():
 # --- the API and the admin -------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def staff():
-    api = APIClient()
-    api.force_authenticate(UserFactory(username="operator"))
-    return api
-
-
 @pytest.mark.django_db
 def test_patch_sets_the_on_demand_fields_and_get_shows_them(staff):
     model = registry_model("qwen", on_demand=False)
@@ -353,21 +345,6 @@ async def test_a_request_waiting_for_a_load_still_ends_at_its_deadline_saying_so
     error = answer.json()["error"]
     assert error["code"] == "deadline_exceeded" and "was still loading on demand on 'roomy'" in error["message"]
     assert await sync_to_async(NodeModel.objects.filter(model="qwen", on_demand=True, node__identity="roomy").exists)()
-
-
-@pytest.fixture
-def exported(monkeypatch):
-    """Tracing on for this test, into memory (as tests/test_tracing.py does); off again after it."""
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    from nodes.link import trace
-
-    for name in ("ENABLED", "_provider", "_tracer"):
-        monkeypatch.setattr(trace, name, getattr(trace, name))
-    monkeypatch.setattr(trace, "spans", {})
-    exporter = InMemorySpanExporter()
-    trace.setup("test", exporter=exporter)
-    return exporter
 
 
 @pytest.fixture

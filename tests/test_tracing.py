@@ -9,7 +9,6 @@ import logging
 import pytest
 from django.contrib.contenttypes.models import ContentType
 from django.urls import reverse
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from fleet import tracing
 from nodes.agent import tracing as node_tracing
@@ -21,17 +20,6 @@ from tests.factories import GenerationFactory, UserFactory
 pytest_plugins = ["tests.api_fixtures"]
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-
-
-@pytest.fixture
-def exported(monkeypatch):
-    """Tracing on for this test, into memory; off again after it."""
-    for name in ("ENABLED", "_provider", "_tracer"):
-        monkeypatch.setattr(trace, name, getattr(trace, name))
-    monkeypatch.setattr(trace, "spans", {})
-    exporter = InMemorySpanExporter()
-    trace.setup("test", exporter=exporter)
-    return exporter
 
 
 def by_name(exporter):
