@@ -404,8 +404,7 @@ class GenerationStream:
             free = sum(s.free for s in await reg.aplacement.nodes()
                        if model in s.models and s.schedulable and s.node_id in linked)
         if ahead >= free or not self._within_share(nodes):
-            if self._queued and not self.batch:  # an on-demand model whose queue waits: one more replica
-                await loading.ascale(model, time.time() - self._queued["at"])
+            await self._still_waiting(model)
             return None
         counting = not self._counted
         if counting:  # counted before choosing, which may await Redis: two batch lines must not both pass the share
@@ -416,9 +415,14 @@ class GenerationStream:
             choice = await reg.lifecycle.achoose(self.spec, self.keys, exclude=unable, **place)
         if choice is None and counting:
             self._count(-1)
-        if choice is None and self._queued and not self.batch:  # the lanes were taken as it chose (Redis' view)
-            await loading.ascale(model, time.time() - self._queued["at"])
+        if choice is None:  # the lanes were taken as it chose (Redis' view)
+            await self._still_waiting(model)
         return choice
+
+    async def _still_waiting(self, model: str) -> None:
+        """No lane for it this time: an on-demand model whose queue waits too long gets one more replica."""
+        if self._queued and not self.batch:
+            await loading.ascale(model, time.time() - self._queued["at"])
 
     async def _load_on_demand(self) -> bool:
         """No node serves the model: when it is an on-demand registry model, have a node load it (or find its load
