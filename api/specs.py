@@ -175,13 +175,21 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _base_spec(body: dict[str, Any], windows: dict[str, int] | None) -> GenerateSpec:
-    model = body.get("model")
+def model_name(model: Any, kind: str = "a model") -> str:
+    """The `model` a request names, trimmed; a 400 when it is missing or could name no model (PostgreSQL cannot
+    even look up a name with a NUL character, and the request's record would keep it)."""
     if not isinstance(model, str) or not model.strip():
-        raise invalid("You must provide a model: its name as /v1/models lists it.", param="model")
+        raise invalid(f"You must provide a model: {kind} as /v1/models lists it.", param="model")
+    if "\x00" in model:
+        raise invalid("model must not contain NUL characters: send a name as /v1/models lists it.", param="model")
+    return model.strip()
+
+
+def _base_spec(body: dict[str, Any], windows: dict[str, int] | None) -> GenerateSpec:
+    model = model_name(body.get("model"), "its name")
     if body.get("n") not in (None, 1):
         raise invalid("Only n=1 is supported; send several requests for several choices.", param="n")
-    spec = GenerateSpec(gen_id=uuid.uuid4().hex, model=alias_resolve(model.strip()))
+    spec = GenerateSpec(gen_id=uuid.uuid4().hex, model=alias_resolve(model))
     spec.max_tokens = _max_tokens(body, spec.model, windows)
     for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
                          ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),

@@ -22,7 +22,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from api.audio import AUDIO_FORMATS, RESPONSE_FORMATS, audio_format, subtitles, verbose
 from api.errors import OpenAIError, invalid
 from api.generation import Run
-from api.specs import GenerationRequest
+from api.specs import GenerationRequest, model_name
 from api.sse import first_event, sse_response
 from fleet.aliases import alias_resolve
 from fleet.dispatch import Tokens
@@ -65,9 +65,7 @@ def _file(request: HttpRequest):
 
 
 def _options(form) -> dict[str, Any]:
-    model = (form.get("model") or "").strip()
-    if not model:
-        raise invalid("You must provide a model: a speech model as /v1/models lists it.", param="model")
+    model = model_name(form.get("model"), "a speech model")
     response_format = form.get("response_format") or "json"
     if response_format not in RESPONSE_FORMATS:
         raise invalid(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}.", param="response_format")

@@ -28,7 +28,7 @@ from api.generation import Run
 from api.json_in import JsonRefused, json_loads
 from api.quotas import Ticket, quota_admit
 from api.responses import shape_for
-from api.specs import GenerationRequest, aparse, chat_request, completion_request
+from api.specs import GenerationRequest, aparse, chat_request, completion_request, model_name
 from api.sse import first_event, sse_response
 from api.transcriptions import serve_transcription
 from fleet import tracing
@@ -295,9 +295,7 @@ def _embedding_batches(texts: list[str]) -> list[list[str]]:
 
 
 def _embedding_input(body: dict[str, Any]) -> tuple[str, list[str], str]:
-    model = body.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise invalid("You must provide a model: its name as /v1/models lists it.", param="model")
+    model = model_name(body.get("model"), "its name")
     texts = body.get("input")
     texts = [texts] if isinstance(texts, str) else texts
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):

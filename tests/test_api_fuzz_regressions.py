@@ -40,6 +40,29 @@ async def test_a_role_that_is_not_a_string_is_a_400_not_a_500(bearer, fake_node)
     assert error["param"] == "messages[0].role"
 
 
+@pytest.mark.parametrize("path, body", [
+    (CHAT, chat()),
+    ("/v1/completions", {"prompt": "Hi"}),
+    ("/v1/responses", {"input": "Hi"}),
+    ("/v1/embeddings", {"input": "Hi"}),
+])
+async def test_a_model_name_with_a_nul_is_a_400_on_every_backend(bearer, fake_node, path, body):
+    """schemathesis found a model name with a NUL as a 500 on PostgreSQL: the on-demand lookup and the record both
+    failed on it."""
+    from sessions.models import Generation
+
+    error = openai_error(await request("POST", path, key=bearer, body={**body, "model": "smol\x00lm2"}), 400)
+    assert error["param"] == "model" and "NUL" in error["message"]
+    assert await Generation.objects.acount() == 0
+
+
+async def test_a_model_name_with_a_nul_is_an_anthropic_400_on_messages(bearer, fake_node):
+    body = {"model": "smol\x00lm2", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+    answer = await request("POST", "/v1/messages", key=bearer, body=body)
+    assert answer.status == 400, answer.body
+    assert answer.json()["error"]["type"] == "invalid_request_error" and "NUL" in answer.json()["error"]["message"]
+
+
 async def test_a_tool_call_without_a_function_object_is_a_400(bearer, fake_node):
     call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "function": "get_weather"}]}
     error = openai_error(await request("POST", CHAT, key=bearer, body=chat(call, {"role": "user", "content": "?"})),

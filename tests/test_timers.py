@@ -12,10 +12,12 @@ from fleet.timers import _slices, wait_done, wait_for_future
 async def test_waits_ending_in_one_slice_share_one_timer_and_each_times_out(monkeypatch):
     loop = asyncio.get_running_loop()
     timers: list[float] = []
+    lateness: list[float] = []  # each timer's deadline past the 0.2 s asked, from when it was set
     call_at = loop.call_at
 
     def counting(when, *args, **kwargs):
         timers.append(when)
+        lateness.append(when - (loop.time() + 0.2))
         return call_at(when, *args, **kwargs)
 
     monkeypatch.setattr(loop, "call_at", counting)
@@ -25,7 +27,7 @@ async def test_waits_ending_in_one_slice_share_one_timer_and_each_times_out(monk
     waited = loop.time() - started
     assert all(isinstance(r, TimeoutError) for r in results)
     assert len(set(timers)) <= 2  # the 50 deadlines fall in one slice of 10 ms, or straddle two
-    assert max(timers) - (started + 0.2) <= 0.2 * 0.05 + 0.01  # a short timeout is late by a short slice
+    assert max(lateness) <= 0.2 * 0.05  # a short timeout is late by a short slice (a busy machine aside)
     assert 0.2 <= waited < 1.0  # not early; late by a slice, and by however busy the loop is
 
 
