@@ -226,6 +226,7 @@ class GenerationStream:
         self._failure: dict[str, Any] | None = None  # why the last attempt's node failed, for the next's evidence
         self._preempting = False  # its lane was handed to an interactive generation; its cancel is on the way
         self._preempted_at = 0.0
+        self._preempted_by = ""  # who took its lane, in the record's words
         self._evicted: list[str] = []  # what the node's lane choice evicted (its accepted), forgotten at the end
         self.trace: tracing.GenTrace | None = None  # its spans (set by api.generation.Run while tracing is on)
         self._loading: dict[str, Any] | None = None  # it waited for an on-demand load: since when, on which node
@@ -264,10 +265,11 @@ class GenerationStream:
                     yield event
                 return
             except _Preempted:
-                # its lane went to a generation of a higher class (a batch line's to an interactive one): placed
-                # again, in its own class, to continue from the tokens it has; not a failed attempt
+                # its lane went to a generation of a higher class (a batch line's to an interactive one), or of a
+                # key under its share: placed again, in its own class, to continue from the tokens it has; not a
+                # failed attempt
                 self._preempting = False
-                self._failure = {"code": "preempted", "message": "a generation of a higher class took its lane",
+                self._failure = {"code": "preempted", "message": f"{self._preempted_by} took its lane",
                                  "at": self._preempted_at}
                 attempt -= 1
             except _NodeFailed as failed:
@@ -475,7 +477,7 @@ class GenerationStream:
         elif self._waiter().priority in settings.FLEET_SHARE_PREEMPTING_CLASSES:
             victim = self._over_share(running, exclude)
             if victim is not None:
-                await victim.preempt()
+                await victim.preempt(by="a generation of a key under its share")
 
     def _over_share(self, running: list[GenerationStream], exclude: set[str]) -> GenerationStream | None:
         """The generation of this one's class to take a lane from: of a key whose lanes here, one fewer, would still
@@ -490,13 +492,13 @@ class GenerationStream:
         return max(victims, default=None, key=lambda s: (held[s._waiter().key] / s._waiter().weight,
                                                           s.outcome.placement.get("placed_at", 0.0)))
 
-    async def preempt(self) -> None:
-        """Give this batch line's lane to an interactive generation: freed now, the node told to stop it."""
+    async def preempt(self, by: str = "a generation of a higher class") -> None:
+        """Give this generation's lane to one that outranks it (`by` says how): freed now, the node told to stop it."""
         node_id, link = self._current
-        self._preempting, self._preempted_at = True, time.time()
+        self._preempting, self._preempted_at, self._preempted_by = True, time.time(), by
         await registry().lifecycle.apreempted(node_id, self.spec.gen_id)
         metrics.preempted(model=self.spec.model, node=link.identity)
-        await _cancel_quietly(link, self.spec.gen_id, "preempted by a generation of a higher class")
+        await _cancel_quietly(link, self.spec.gen_id, f"preempted by {by}")
 
     def _within_share(self, nodes) -> bool:
         """A batch line may take any free lane while no interactive generation of its model waits here, else only
@@ -707,7 +709,8 @@ async def _cancel_quietly(link, gen_id: str, reason: str = "client went away") -
 
 
 class _Preempted(Exception):
-    """The node stopped a generation whose lane one of a higher class took."""
+    """The node stopped a generation whose lane one that outranks it took (a higher class, or a key under its
+    share)."""
 
 
 class _NodeFailed(Exception):

@@ -326,6 +326,13 @@ async def test_a_key_under_its_share_takes_a_lane_from_a_key_over_it_which_then_
     if preempting:  # the light key ran before either of the heavy key's ended; the one it preempted went on exactly
         assert contents(link)[2] == "high" and len(link.specs) == 4 and len(link.cancelled) == 1
         assert contents(link)[3].startswith("heavy-") and 0 < len(link.specs[3]["resume_ids"]) < len(words)
+        for _ in range(100):  # written by the record writer thread, just after the stream's end
+            failovers = await asyncio.to_thread(lambda: [f for g in Generation.objects.all()
+                                                         for f in (g.placement or {}).get("failover", [])])
+            if failovers:
+                break
+            await asyncio.sleep(0.05)
+        assert [f["after"]["message"] for f in failovers] == ["a generation of a key under its share took its lane"]
     else:  # it waited for a lane
         assert contents(link)[2:] == ["high"] and not link.cancelled
 
