@@ -1,8 +1,10 @@
 """Fair shares when the fleet is full: a light key beside a key sending ten times its rate, deadline order vs fair.
 
 One real head (daphne) per waiting order, side by side in one run: FLEET_WAITING_ORDER=deadline (the order before
-fair shares: class, then deadline) and FLEET_WAITING_ORDER=fair (class, then keys in turn, then deadline; with
-FLEET_PREEMPTING_CLASSES=high). Each has the same mock-engine node in a process of its own (--lanes lanes at
+fair shares: class, then deadline), FLEET_WAITING_ORDER=fair (class, then keys in turn, then deadline; with
+FLEET_PREEMPTING_CLASSES=high and FLEET_SHARE_PREEMPTING_CLASSES=normal: a key under its share takes a lane from one
+over it) and the same fair order without FLEET_SHARE_PREEMPTING_CLASSES (`fair_waiting`: within a class a key waits
+for the next lane to free, first in turn). Each has the same mock-engine node in a process of its own (--lanes lanes at
 --decode-tps tokens a second a lane, so a generation holds its lane --tokens / --decode-tps seconds) and the same
 open-loop load (Poisson arrivals, streaming chat requests over SSE, each asking for --tokens tokens, same seeds):
 
@@ -15,8 +17,9 @@ open-loop load (Poisson arrivals, streaming chat requests over SSE, each asking 
 Between phases the head drains (every stream ends). Reported, from the client's clock: the light key's time to
 first token p50 and p95 alone, under the flood with deadline order and with fair shares; the high-priority key's
 TTFT p50 alone and under the flood (fair head: it preempts a normal generation when no lane is free; the deadline
-head's figure, without preemption, is in `details`); from the head's records, the lanes' busy share during the
-flood (generations' lane time from placement to end, over lanes x the phase).
+head's figure, without preemption, is in `details`, as is the fair_waiting head's); from the head's records, the
+lanes' busy share during the flood (generations' lane time from each placement to its end or its preemption, over
+lanes x the phase).
 
     .venv/bin/python bench/fairness.py [--flood-s 30] [--alone-s 15]
 
@@ -63,7 +66,9 @@ _LANE_TIME = """
 import django, json; django.setup()
 from sessions.models import Generation
 print(json.dumps([((g.placement or {}).get("placed_at"), g.finished_at.timestamp() if g.finished_at else None,
-                   len((g.placement or {}).get("failover", []))) for g in Generation.objects.all()]))
+                   [(f.get("placed_at"), (f.get("after") or {}).get("at")) for f in (g.placement or {}).get("failover",
+                                                                                                        [])])
+                  for g in Generation.objects.all()]))
 """
 
 
@@ -125,10 +130,18 @@ async def phase(url: str, keys: dict[str, str], loads: dict[str, float], args) -
 
 
 def lane_intervals(head: Head) -> list[tuple[float, float]]:
+    """Each placement's lane time: from its placement to the generation's end, or to the failure or preemption after
+    which it was placed again (a preempted generation's wait for its next lane holds none)."""
     out = subprocess.run([sys.executable, "-c", _LANE_TIME], cwd=ROOT, env=head.env, capture_output=True, text=True,
                          timeout=120, check=True).stdout
-    return [(placed, finished) for placed, finished, _ in json.loads(out.strip().splitlines()[-1])
-            if placed and finished]
+    intervals = []
+    for placed, finished, failovers in json.loads(out.strip().splitlines()[-1]):
+        if not (placed and finished):
+            continue
+        starts = [placed, *(again for again, _ in failovers)]
+        ends = [*(left for _, left in failovers), finished]
+        intervals += [(a, b) for a, b in zip(starts, ends, strict=True) if a and b]
+    return intervals
 
 
 def busy_share(intervals: list[tuple[float, float]], window: tuple[float, float], lanes: int) -> float:
@@ -137,11 +150,21 @@ def busy_share(intervals: list[tuple[float, float]], window: tuple[float, float]
     return busy / (lanes * (end - start))
 
 
+# Each head's waiting room: its order and what preempts.
+HEADS = {
+    "deadline": {"FLEET_WAITING_ORDER": "deadline", "FLEET_PREEMPTING_CLASSES": "",
+                 "FLEET_SHARE_PREEMPTING_CLASSES": ""},
+    "fair": {"FLEET_WAITING_ORDER": "fair", "FLEET_PREEMPTING_CLASSES": "high",
+             "FLEET_SHARE_PREEMPTING_CLASSES": "normal"},
+    "fair_waiting": {"FLEET_WAITING_ORDER": "fair", "FLEET_PREEMPTING_CLASSES": "high",
+                     "FLEET_SHARE_PREEMPTING_CLASSES": ""},
+}
+
+
 def run_order(order: str, args) -> dict:
     env = {"FLEET_QUOTA_REQUESTS_PER_MINUTE": "0", "FLEET_QUOTA_CONCURRENT_STREAMS": "0",
-           "FLEET_QUOTA_TOKENS_PER_MINUTE": "0", "FLEET_LOG_LEVEL": "WARNING", "FLEET_WAITING_ORDER": order,
-           "FLEET_DEFAULT_DEADLINE_MS": "600000",
-           "FLEET_PREEMPTING_CLASSES": "high" if order == "fair" else ""}
+           "FLEET_QUOTA_TOKENS_PER_MINUTE": "0", "FLEET_LOG_LEVEL": "WARNING", "FLEET_DEFAULT_DEADLINE_MS": "600000",
+           **HEADS[order]}
     head = make_head(Path(tempfile.mkdtemp(prefix=f"fleet-bench-fairness-{order}-")), extra_env=env)
     made = subprocess.run([sys.executable, "-c", _MAKE_KEYS % json.dumps(KEYS)], cwd=ROOT, env=head.env,
                           capture_output=True, text=True, timeout=120, check=True).stdout
@@ -178,7 +201,7 @@ def run_order(order: str, args) -> dict:
 
 
 def report(runs: dict[str, dict], args) -> dict:
-    deadline, fair = runs["deadline"], runs["fair"]
+    deadline, fair, waiting = runs["deadline"], runs["fair"], runs["fair_waiting"]
 
     def ms(values: list[float], q: float) -> float:
         return round(percentile(values, q), 1)
@@ -193,6 +216,11 @@ def report(runs: dict[str, dict], args) -> dict:
         "high_priority_ttft_ms_p50": {"alone": ms(fair["high_alone"], 0.5), "under_flood": ms(fair["high_flood"], 0.5)},
         "details": {
             "light_ttft_ms_p50_alone_on_the_deadline_head": ms(deadline["light_alone"], 0.5),
+            "fair_waiting": {"light_ttft_ms_p50": {"alone": ms(waiting["light_alone"], 0.5),
+                                                   "flood": ms(waiting["light_flood"], 0.5)},
+                             "light_ttft_ms_p95_flood": ms(waiting["light_flood"], 0.95),
+                             "lane_busy_share": round(waiting["busy_share"], 3),
+                             "heavy_ttft_ms_p50": ms(waiting["heavy_flood"], 0.5)},
             "high_priority_ttft_ms_p50_without_preemption": {"alone": ms(deadline["high_alone"], 0.5),
                                                              "under_flood": ms(deadline["high_flood"], 0.5)},
             "heavy_ttft_ms_p50": {"deadline_order": ms(deadline["heavy_flood"], 0.5),
@@ -225,7 +253,7 @@ def main() -> int:
     print(f"bench/fairness.py: 1 mock node x {args.lanes} lanes at {args.decode_tps:g} tok/s a lane, {args.tokens} "
           f"tokens a request (about {args.lanes * args.decode_tps / args.tokens:.1f} generations/s); light "
           f"{args.light_rate:g}/s, heavy {args.light_rate * 10:g}/s", flush=True)
-    runs = {order: run_order(order, args) for order in ("deadline", "fair")}
+    runs = {order: run_order(order, args) for order in HEADS}
     result = report(runs, args)
     for order, run in runs.items():
         for failure in run["failures"][:3]:
@@ -233,7 +261,9 @@ def main() -> int:
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     light, busy, high = result["light_ttft_ms_p50"], result["lane_busy_share"], result["high_priority_ttft_ms_p50"]
-    print(f"light p50 fair/alone {light['fair'] / light['alone']:.2f} (target <= 1.5), deadline order/alone "
+    waiting = result["details"]["fair_waiting"]["light_ttft_ms_p50"]
+    print(f"light p50 fair/alone {light['fair'] / light['alone']:.2f} (target <= 1.5; without share preemption "
+          f"{waiting['flood'] / waiting['alone']:.2f}), deadline order/alone "
           f"{light['deadline_order'] / light['alone']:.2f}; lanes busy fair/deadline order "
           f"{busy['fair'] / busy['deadline_order']:.3f} (target >= 0.98); high p50 under the flood/alone "
           f"{high['under_flood'] / high['alone']:.2f} (target <= 1.2)")

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,10 +154,11 @@ _waiters = _Waiters()
 # Generations of this process placed and not yet over, per (model, batch): batch lines keep to their share of a
 # model's lanes while interactive ones run or wait.
 _running: dict[tuple[str, bool], int] = {}
-# Generations of this process running on a node that a better class may preempt, per model: batch lines (an
-# interactive generation that finds no free lane preempts one) and, where FLEET_PREEMPTING_CLASSES names a class,
-# interactive ones of a lower class. A preempted one continues later from the tokens it has, token for token as if
-# never stopped.
+# Generations of this process running on a node, per model: what a generation that finds no free lane may preempt,
+# by the rules of _preempt_a_lower_one (batch lines, by any interactive class; where FLEET_PREEMPTING_CLASSES names a
+# class, interactive ones of a lower class; where FLEET_SHARE_PREEMPTING_CLASSES names one, its keys over their share),
+# and what the share rule counts. A preempted one continues later from the tokens it has, token for token as if never
+# stopped.
 _preemptible: dict[str, set[GenerationStream]] = {}
 # When this process's waiting generations took a lane, per model (monotonic s): the queue's drain rate.
 _drained: dict[str, deque[float]] = {}
@@ -225,6 +226,7 @@ class GenerationStream:
         self._failure: dict[str, Any] | None = None  # why the last attempt's node failed, for the next's evidence
         self._preempting = False  # its lane was handed to an interactive generation; its cancel is on the way
         self._preempted_at = 0.0
+        self._preempted_by = ""  # who took its lane, in the record's words
         self._evicted: list[str] = []  # what the node's lane choice evicted (its accepted), forgotten at the end
         self.trace: tracing.GenTrace | None = None  # its spans (set by api.generation.Run while tracing is on)
         self._loading: dict[str, Any] | None = None  # it waited for an on-demand load: since when, on which node
@@ -263,10 +265,11 @@ class GenerationStream:
                     yield event
                 return
             except _Preempted:
-                # its lane went to a generation of a higher class (a batch line's to an interactive one): placed
-                # again, in its own class, to continue from the tokens it has; not a failed attempt
+                # its lane went to a generation of a higher class (a batch line's to an interactive one), or of a
+                # key under its share: placed again, in its own class, to continue from the tokens it has; not a
+                # failed attempt
                 self._preempting = False
-                self._failure = {"code": "preempted", "message": "a generation of a higher class took its lane",
+                self._failure = {"code": "preempted", "message": f"{self._preempted_by} took its lane",
                                  "at": self._preempted_at}
                 attempt -= 1
             except _NodeFailed as failed:
@@ -460,24 +463,42 @@ class GenerationStream:
     async def _preempt_a_lower_one(self, *, exclude: set[str]) -> None:
         """No lane for this interactive generation (nor for those ahead of it): take one from a generation of its
         model of a lower class (a batch line; an interactive one of a lower class too where FLEET_PREEMPTING_CLASSES
-        names this one's) on a node it may use: the lowest class first, then the one that started last here. The
-        cancel goes first, so the node reads it before this generation and starts this one at its next step, as in a
-        free lane."""
+        names this one's) on a node it may use: the lowest class first, then the one that started last here. Else,
+        where FLEET_SHARE_PREEMPTING_CLASSES names its class, from a key of its class over its share (_over_share).
+        The cancel goes first, so the node reads it before this generation and starts this one at its next step, as
+        in a free lane."""
         rank = self._waiter().rank
         over_interactive = self.share.priority in settings.FLEET_PREEMPTING_CLASSES
-        victims = [s for s in _preemptible.get(self.spec.model, ())
-                   if not s._preempting and s._current is not None and s._current[0] not in exclude
+        running = [s for s in _preemptible.get(self.spec.model, ()) if not s._preempting and s._current is not None]
+        victims = [s for s in running if s._current[0] not in exclude
                    and (s.batch or (over_interactive and s._waiter().rank > rank))]
         if victims:
             await max(victims, key=lambda s: (s._waiter().rank, s.outcome.placement.get("placed_at", 0.0))).preempt()
+        elif self._waiter().priority in settings.FLEET_SHARE_PREEMPTING_CLASSES:
+            victim = self._over_share(running, exclude)
+            if victim is not None:
+                await victim.preempt(by="a generation of a key under its share")
 
-    async def preempt(self) -> None:
-        """Give this batch line's lane to an interactive generation: freed now, the node told to stop it."""
+    def _over_share(self, running: list[GenerationStream], exclude: set[str]) -> GenerationStream | None:
+        """The generation of this one's class to take a lane from: of a key whose lanes here, one fewer, would still
+        be at least this key's, one more, per unit of weight (so a key gives up a lane only to one it then holds no
+        fewer than, and never takes it back); the key most over its share first, then the one that started last."""
+        me = self._waiter()
+        mine = [s for s in running if not s.batch and s._waiter().rank == me.rank]
+        held = Counter(s._waiter().key for s in mine)
+        after = (held[me.key] + 1) / me.weight
+        victims = [s for s in mine if s._current[0] not in exclude and s._waiter().key != me.key
+                   and (held[s._waiter().key] - 1) / s._waiter().weight >= after]
+        return max(victims, default=None, key=lambda s: (held[s._waiter().key] / s._waiter().weight,
+                                                          s.outcome.placement.get("placed_at", 0.0)))
+
+    async def preempt(self, by: str = "a generation of a higher class") -> None:
+        """Give this generation's lane to one that outranks it (`by` says how): freed now, the node told to stop it."""
         node_id, link = self._current
-        self._preempting, self._preempted_at = True, time.time()
+        self._preempting, self._preempted_at, self._preempted_by = True, time.time(), by
         await registry().lifecycle.apreempted(node_id, self.spec.gen_id)
         metrics.preempted(model=self.spec.model, node=link.identity)
-        await _cancel_quietly(link, self.spec.gen_id, "preempted by a generation of a higher class")
+        await _cancel_quietly(link, self.spec.gen_id, f"preempted by {by}")
 
     def _within_share(self, nodes) -> bool:
         """A batch line may take any free lane while no interactive generation of its model waits here, else only
@@ -528,8 +549,9 @@ class GenerationStream:
                 await link.send_generate(relay_gen, spec.to_dict())
             except LinkError as exc:  # the link broke as it was sent
                 raise _NodeFailed(ErrorCode.NODE_LOST, f"node {link.identity!r} could not be reached: {exc}") from None
-            if self.batch or self._waiter().rank > 0:  # any but the best class may be preempted (by its rule)
-                _preemptible.setdefault(self.spec.model, set()).add(self)
+            # by a better class (batch lines; interactive ones by FLEET_PREEMPTING_CLASSES), or within its class by a
+            # key under its share (FLEET_SHARE_PREEMPTING_CLASSES): each rule picks its victims
+            _preemptible.setdefault(self.spec.model, set()).add(self)
             while True:
                 if relay.overflowed:
                     raise GenerationError("client_too_slow", "the client read tokens too slowly", status=500)
@@ -687,7 +709,8 @@ async def _cancel_quietly(link, gen_id: str, reason: str = "client went away") -
 
 
 class _Preempted(Exception):
-    """The node stopped a generation whose lane one of a higher class took."""
+    """The node stopped a generation whose lane one that outranks it took (a higher class, or a key under its
+    share)."""
 
 
 class _NodeFailed(Exception):

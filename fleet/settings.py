@@ -271,6 +271,15 @@ if FLEET_PREEMPTING_CLASSES - {"high", "normal"}:
     sys.stderr.write(f"fleet: FLEET_PREEMPTING_CLASSES names classes that may preempt a lower one: high, normal; not "
                      f"{', '.join(sorted(FLEET_PREEMPTING_CLASSES - {'high', 'normal'}))}\n")
     sys.exit(2)
+# Classes within which a key that finds no free lane takes one from a key of its class holding more than its weight's
+# share of the model's lanes here (comma-separated, e.g. "normal"); the generation it takes continues later from its
+# tokens. Empty (default): within a class a key waits for the next lane to free, first in turn.
+FLEET_SHARE_PREEMPTING_CLASSES = frozenset(c.strip() for c in
+                                           os.environ.get("FLEET_SHARE_PREEMPTING_CLASSES", "").split(",") if c.strip())
+if _unknown := FLEET_SHARE_PREEMPTING_CLASSES - {"high", "normal", "low"}:
+    sys.stderr.write("fleet: FLEET_SHARE_PREEMPTING_CLASSES names classes within which a key takes a lane from one "
+                     f"over its share: high, normal, low; not {', '.join(sorted(_unknown))}\n")
+    sys.exit(2)
 # Only `manage.py up` sets this, for its own head and node processes: a token made for that run under the reserved
 # id "local", accepted only from loopback and never through a proxy. Unset everywhere else: every node needs a token.
 FLEET_LOCAL_NODE_TOKEN = os.environ.get("FLEET_LOCAL_NODE_TOKEN", "").strip()

@@ -307,6 +307,52 @@ async def test_a_class_the_operator_names_preempts_a_lower_one_which_then_contin
         assert contents(link) == ["normal", "high"] and not link.cancelled
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("preempting", [True, False])
+async def test_a_key_under_its_share_takes_a_lane_from_a_key_over_it_which_then_continues_exactly(api_user, settings,
+                                                                                                  preempting):
+    settings.FLEET_SHARE_PREEMPTING_CLASSES = frozenset({"normal"} if preempting else ())
+    heavy, light = await asyncio.to_thread(lambda: (key_of(api_user, "heavy"), key_of(api_user, "light")))
+    words = [f" w{i}" for i in range(12)]
+    link = add_fake_node(FakeLink(script=resumable_words(words)), lanes=2)
+    floods = [await ask(f"heavy-{i}", heavy) for i in range(2)]
+    await settle(link, 2)
+    fast = await start("POST", CHAT, key=light, body={"model": "smollm2", "messages": [
+        {"role": "user", "content": "high"}]})  # its script answers at once
+    await fast.wait(lambda e: e.finished, 10)
+    for flood in floods:
+        await flood.wait(lambda e: e.finished, 10)
+        assert json.loads(b"".join(flood.chunks))["choices"][0]["message"]["content"] == "".join(words)
+    if preempting:  # the light key ran before either of the heavy key's ended; the one it preempted went on exactly
+        assert contents(link)[2] == "high" and len(link.specs) == 4 and len(link.cancelled) == 1
+        assert contents(link)[3].startswith("heavy-") and 0 < len(link.specs[3]["resume_ids"]) < len(words)
+        for _ in range(100):  # written by the record writer thread, just after the stream's end
+            failovers = await asyncio.to_thread(lambda: [f for g in Generation.objects.all()
+                                                         for f in (g.placement or {}).get("failover", [])])
+            if failovers:
+                break
+            await asyncio.sleep(0.05)
+        assert [f["after"]["message"] for f in failovers] == ["a generation of a key under its share took its lane"]
+    else:  # it waited for a lane
+        assert contents(link)[2:] == ["high"] and not link.cancelled
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_key_at_its_share_takes_no_lane_from_another(api_user, settings):
+    """Two keys of a class holding a lane each: a third generation of either waits for the next lane to free."""
+    settings.FLEET_SHARE_PREEMPTING_CLASSES = frozenset({"normal"})
+    first, second = await asyncio.to_thread(lambda: (key_of(api_user, "first"), key_of(api_user, "second")))
+    link = hanging_node(lanes=2)
+    await ask("first-0", first)
+    await ask("second-0", second)
+    await settle(link, 2)
+    await queued("first-1", first)
+    await settle(link, 3)
+    assert sorted(contents(link)) == ["first-0", "second-0"] and not link.cancelled
+    await free_lanes_one_by_one(link, 1)
+    assert contents(link)[2] == "first-1"
+
+
 @pytest.mark.django_db
 def test_the_generations_page_says_how_long_it_waited_and_behind_how_many(staff_client_page):
     from tests.factories import GenerationFactory
