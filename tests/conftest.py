@@ -14,6 +14,8 @@ time on PostgreSQL + Redis (`make test TIERS=backend`). A file named nowhere her
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.live import Head, NodeProc, make_head, start_node
@@ -141,8 +143,9 @@ def _fresh_registry():
 
     from fleet.links import registry, registry_reset
 
-    # In-process tests never share placement keys with a live head or a real fleet on the same Redis.
-    settings.FLEET_REDIS_PREFIX = "fleet-pytest:"
+    # In-process tests never share placement keys with a live head, a real fleet or another pytest run on the same
+    # Redis (each test's clear() would wipe the other run's nodes).
+    settings.FLEET_REDIS_PREFIX = f"fleet-pytest-{os.getpid()}:"
     # Nor a channel layer: each test runs on an event loop of its own, and channels-redis keeps asyncio locks per
     # layer; one left held by a receive an earlier test's loop never finished is "bound to a different event loop".
     channel_layers.backends.clear()
