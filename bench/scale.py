@@ -43,7 +43,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -137,14 +136,17 @@ def stop(procs: list) -> None:
 class RedisCounter:
     """A Redis server of the bench's own (the machine's may serve others too), and what it was asked over a window.
 
-    Round trips are counted with MONITOR, which shows each command a client sent (a script's own commands come
-    marked `lua` and are left out): `redis_round_trips_per_generation` those of the placement state (their
-    arguments name its `pl:` keys: choose, finish, a heartbeat, a head's beat), `redis_round_trips_all_per_generation`
-    every subsystem's (the cache's revocation stamp, the metrics' MULTI/EXEC, the channel layer's control). INFO
-    commandstats counts a script's inner commands as well: `redis_commands_per_generation`, before/after."""
+    Round trips are counted with MONITOR (tests/redis_monitor.py: each command a client sent, a MULTI ... EXEC block
+    as one, a script's own commands left out), by kind: `redis_round_trips_per_generation` every subsystem's (the
+    placement's choose and finish, the quotas, the metrics, the revocation stamp, heartbeats and head beats, the
+    channel layer's control) over the generations, `redis_placement_round_trips_per_generation` the placement
+    state's alone (its scripts and its `pl:` keys), `redis_round_trips_by_kind` each kind's. INFO commandstats counts a
+    script's inner commands as well: `redis_commands_per_generation`, before/after."""
 
     def __init__(self, tmp: Path) -> None:
         import redis
+
+        from tests.redis_monitor import Monitor
 
         self.port = free_port()
         self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--save", "", "--appendonly", "no",
@@ -152,8 +154,7 @@ class RedisCounter:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.r = redis.Redis.from_url(self.url)
         wait_for(self._up, 20, "the bench's redis-server did not start")
-        self.sent: dict[str, int] = {}
-        self._watching = False
+        self.monitor = Monitor(self.r, db=0, prefix="")
 
     def _up(self) -> bool:
         try:
@@ -163,31 +164,25 @@ class RedisCounter:
 
     def start(self) -> None:
         """Count what clients send from now until `stop_counting`."""
-        self.sent = {"placement": 0, "all": 0}
-        self._watching = True
         self._calls0 = self.calls()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        with self.r.monitor() as monitor:
-            while self._watching:
-                command = monitor.next_command()
-                if command.get("client_type") == "lua" or not self._watching:
-                    continue
-                self.sent["all"] += 1
-                if "pl:" in command.get("command", ""):
-                    self.sent["placement"] += 1
+        self.monitor.start()
 
     def stop_counting(self, generations: float) -> dict:
-        self._watching = False
-        self.r.ping()  # a command the monitor sees, so its wait ends
-        self._thread.join(10)
+        from fleet.placement_lua import SCRIPTS
+
+        kinds = self.monitor.stop()
         calls1 = self.calls()
         per = max(generations, 1)
         delta = {k: v - self._calls0.get(k, 0) for k, v in calls1.items() if v - self._calls0.get(k, 0) > 0}
-        return {"redis_round_trips_per_generation": round(self.sent["placement"] / per, 2),
-                "redis_round_trips_all_per_generation": round(self.sent["all"] / per, 2),
+        delta.pop("monitor", None)
+
+        def placement(kind: str) -> bool:
+            return " pl:" in kind or "[pl:" in kind or kind.split(" ")[-1] in SCRIPTS
+
+        return {"redis_round_trips_per_generation": round(sum(kinds.values()) / per, 2),
+                "redis_placement_round_trips_per_generation": round(
+                    sum(n for k, n in kinds.items() if placement(k)) / per, 2),
+                "redis_round_trips_by_kind": {k: round(n / per, 3) for k, n in kinds.most_common()},
                 "redis_commands_per_generation": round(sum(delta.values()) / per, 2),
                 "redis_commands": dict(sorted(delta.items(), key=lambda kv: -kv[1])[:12])}
 
@@ -229,7 +224,8 @@ def measure(args, tmp: Path, groups: list[tuple[str, list[str], str]], pids: lis
     time.sleep(args.settle)  # let the cancelled streams drain before the next run
     generations = tokens / args.tokens  # each asks for --tokens (ignore_eos): the generations' worth in the window
     redis = redis_counter.stop_counting(generations) if redis_counter else {
-        "redis_round_trips_per_generation": 0, "redis_commands_per_generation": 0}
+        "redis_round_trips_per_generation": 0, "redis_placement_round_trips_per_generation": 0,
+        "redis_commands_per_generation": 0}
     return {"tok_s": round(tokens / args.seconds, 1), "tokens": tokens, "generations": round(generations, 1),
             **redis,
             "cpu_s": round(cpu1 - cpu0, 2), "load_avg_1m": [round(load0, 2), round(load1, 2)],
@@ -309,6 +305,8 @@ def _head_phase(args, tmp: Path, heads_n: int, on_redis: bool) -> dict[int, dict
             nodes.append(start_mock_node(heads[i % heads_n], f"scale-{i}", lanes=args.lanes, decode_tps=args.tps))
         for head in heads:
             head.wait_nodes(args.nodes, timeout=180)
+        if counter is not None:
+            counter.monitor.prefix = heads[0].env["FLEET_REDIS_PREFIX"]
         targets = [h.address for h in heads]
         pids = [h.proc.pid for h in heads]
         for streams in args.streams:
@@ -343,6 +341,7 @@ def row(streams: int, heads: int, on_redis: bool, bare: dict[str, dict], head: d
             "added_ttft_ms_p50": added("ttft_ms_p50"), "added_gap_ms_p99": added("gap_ms_p99"),
             "added_gap_ms_p999": added("gap_ms_p999"),
             "redis_round_trips_per_generation": head["redis_round_trips_per_generation"],
+            "redis_placement_round_trips_per_generation": head.get("redis_placement_round_trips_per_generation", 0),
             "head_cores": head["head_cores"], "head_core_own": head["pinned"], "load_avg_1m": head["load_avg_1m"],
             "detail": {"direct": direct, "proxy": proxy, "head": head}}
 
