@@ -9,6 +9,7 @@ import secrets
 import threading
 import time
 import uuid
+from typing import Any
 
 from cachetools import TTLCache
 from django.contrib.auth.models import AbstractBaseUser
@@ -65,6 +66,10 @@ _verified: TTLCache[str, tuple[ApiKey, str | None]] = TTLCache(maxsize=10_000, t
 _verified_lock = threading.Lock()  # the event loop reads, sync threads write; cachetools caches are not thread-safe
 
 
+def _clock() -> float:
+    return time.monotonic()
+
+
 class _StampRead:
     """The stamp as this process last read it from a shared cache, and the read in flight (requests arriving
     together share it)."""
@@ -73,9 +78,12 @@ class _StampRead:
         self.value: str | None = None
         self.at = -1e9
         self.reading: asyncio.Future | None = None
+        # The cache read through, kept: `cache` is Django's per-context handle, and each request's task (a context of
+        # its own) made a new one with a new connection (a HELLO) for its read.
+        self.cache: tuple[asyncio.AbstractEventLoop, Any] | None = None
 
     async def get(self) -> str | None:
-        if time.monotonic() - self.at < STAMP_READ_S:
+        if _clock() - self.at < STAMP_READ_S:
             return self.value
         reading = self.reading
         if reading is None or reading.done() or reading.get_loop() is not asyncio.get_running_loop():
@@ -83,8 +91,10 @@ class _StampRead:
         return await asyncio.shield(reading)
 
     async def _read(self) -> str | None:
-        started = time.monotonic()
-        value = await cache.aget(STAMP_KEY)
+        started, loop = _clock(), asyncio.get_running_loop()
+        if self.cache is None or self.cache[0] is not loop:
+            self.cache = (loop, caches["default"])
+        value = await self.cache[1].aget(STAMP_KEY)
         self.seen(value, started)
         return value
 
@@ -100,7 +110,7 @@ def api_keys_restamp() -> None:
     next request, the others within STAMP_READ_S)."""
     stamp = uuid.uuid4().hex
     cache.set(STAMP_KEY, stamp, timeout=None)
-    _stamp_read.seen(stamp, time.monotonic())
+    _stamp_read.seen(stamp, _clock())
 
 
 def api_keys_changed() -> None:

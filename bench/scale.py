@@ -167,11 +167,14 @@ class RedisCounter:
         self._calls0 = self.calls()
         self.monitor.start()
 
-    def stop_counting(self, generations: float) -> dict:
+    def stop_counting(self) -> None:
+        """The window's end: what came after it (the clients cancelling the streams they had open) is not counted."""
+        self.kinds, self._calls1 = self.monitor.stop(), self.calls()
+
+    def per_generation(self, generations: float) -> dict:
         from fleet.placement_lua import SCRIPTS
 
-        kinds = self.monitor.stop()
-        calls1 = self.calls()
+        kinds, calls1 = self.kinds, self._calls1
         per = max(generations, 1)
         delta = {k: v - self._calls0.get(k, 0) for k, v in calls1.items() if v - self._calls0.get(k, 0) > 0}
         delta.pop("monitor", None)
@@ -213,6 +216,8 @@ def measure(args, tmp: Path, groups: list[tuple[str, list[str], str]], pids: lis
         redis_counter.start()
     time.sleep(max(start + args.seconds - time.time(), 0))
     cpu1, load1 = cpu_seconds(pids), os.getloadavg()[0]
+    if redis_counter:
+        redis_counter.stop_counting()
     for proc in procs:
         proc.wait(120)
     seen = [json.loads(out.read_text()) for out in outs]
@@ -223,7 +228,7 @@ def measure(args, tmp: Path, groups: list[tuple[str, list[str], str]], pids: lis
             errors[k] = errors.get(k, 0) + v
     time.sleep(args.settle)  # let the cancelled streams drain before the next run
     generations = tokens / args.tokens  # each asks for --tokens (ignore_eos): the generations' worth in the window
-    redis = redis_counter.stop_counting(generations) if redis_counter else {
+    redis = redis_counter.per_generation(generations) if redis_counter else {
         "redis_round_trips_per_generation": 0, "redis_placement_round_trips_per_generation": 0,
         "redis_commands_per_generation": 0}
     return {"tok_s": round(tokens / args.seconds, 1), "tokens": tokens, "generations": round(generations, 1),
