@@ -29,8 +29,11 @@ def script_names() -> dict[str, str]:
 def kind_of(command: str, prefix: str, scripts: dict[str, str]) -> str:
     parts = command.split(" ")
     name = parts[0].lower()
-    if name in ("evalsha", "eval") and len(parts) > 1:
+    if name == "evalsha" and len(parts) > 1:
         return f"{name} {scripts.get(parts[1], parts[1][:8])}"
+    if name == "eval":  # a script sent whole (channels-redis's): named by its first words
+        words = [w for w in command.replace("\\n", " ").replace("\\t", " ").split()[1:] if w]
+        return f"{name} {' '.join(words[:2])}"
     if len(parts) == 1:
         return name
     key = parts[1].split(prefix, 1)[-1] if prefix else parts[1]

@@ -28,9 +28,11 @@ pytestmark = [
 
 # Calls on timers, whatever the traffic: a node's heartbeat (each link's) and a head's beat; the writers that send
 # what a process gathered once a second (metrics, the quota tally), the fleet page's push (once a second), the
-# revocation stamp's read (twice), the fleet's slots read again (every 5 s) and the connections those open.
+# revocation stamp's read (twice), the fleet's slots read again (every 5 s), the channel layer's receive loop (its
+# cleanup script and blocking pop, every 5 s) and the connections those open.
 TIMED = ("evalsha node_beat", "evalsha head_beat", ":heartbeat", "api-keys:stamp", "multi[hincrbyfloat metrics",
-         "multi[del metrics", "multi[expire quota, incrby quota]", "asgi:group:fleet.page", "bzpopmin asgi", "hello",
+         "multi[del metrics", "multi[expire quota, incrby quota]", "asgi:group:fleet.page", "bzpopmin asgi",
+         "eval local backed_up", "hello",
          "evalsha nodes")
 UNLIMITED = {"requests_per_minute": 0, "tokens_per_minute": 0, "tokens_per_day": 0, "concurrent_streams": 0}
 MAKE_KEY = """
