@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+import uuid
 from collections import Counter
 
 ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{12,}|\d+")
@@ -49,12 +50,12 @@ class Monitor:
         self.kinds: Counter[str] = Counter()
         self._open: dict[str, list[str]] = {}
         self._hello: set[str] = set()
-        self._watching = False
+        self._end = ""
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         self.kinds = Counter()
-        self._watching = True
+        self._end = f"monitor-end-{uuid.uuid4().hex}"
         ready = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(ready,), daemon=True)
         self._thread.start()
@@ -63,11 +64,13 @@ class Monitor:
     def _watch(self, ready: threading.Event) -> None:
         with self.r.monitor() as monitor:
             ready.set()
-            while self._watching:
+            while True:
                 command = monitor.next_command()
-                if self._watching and command.get("client_type") != "lua" and int(command.get("db", -1)) == self.db:
-                    self.seen(command.get("command", ""), f"{command.get('client_address')}:"
-                                                          f"{command.get('client_port')}")
+                text = command.get("command", "")
+                if self._end in text:  # stop's marker: everything sent before it has been seen
+                    return
+                if command.get("client_type") != "lua" and int(command.get("db", -1)) == self.db:
+                    self.seen(text, f"{command.get('client_address')}:{command.get('client_port')}")
 
     def seen(self, command: str, client: str) -> None:
         """One command MONITOR showed, from `client` (address:port)."""
@@ -91,8 +94,7 @@ class Monitor:
             self.kinds[kind_of(command, self.prefix, self.scripts)] += 1
 
     def stop(self) -> Counter[str]:
-        self._watching = False
-        self.r.ping()  # a command the monitor sees, so its wait ends
+        self.r.echo(self._end)  # MONITOR shows commands in the order Redis ran them: this one comes after the rest
         if self._thread is not None:
-            self._thread.join(10)
+            self._thread.join(30)
         return self.kinds
