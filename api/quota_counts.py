@@ -1,14 +1,20 @@
 """The counts behind the quotas: where they live and the rule that admits a request.
 
 In Redis when REDIS_URL is set: one Lua script per admission, so several head processes count together and two of
-them cannot both take a key's last slot. Else in the Django cache (local memory: one process counts alone). Keys
-are per window: the UTC minute for requests and tokens a minute, the UTC day for tokens a day.
+them cannot both take a key's last slot. A key with no limit at all is admitted without a call, and the tokens of a
+key with no token limit are settled without one: what they count gathers in the process and goes to Redis once
+every FLUSH_S in one MULTI/EXEC (nothing reads those counts until an operator sets a limit, so they may be that
+late), so a generation of an unlimited key costs the quotas no Redis call. Else in the Django cache (local memory:
+one process counts alone). Keys are per window: the UTC minute for requests and tokens a minute, the UTC day for
+tokens a day.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +24,10 @@ import redis.asyncio
 from django.conf import settings
 from django.core.cache import cache
 
+log = logging.getLogger("api")
+
 MINUTE_TTL_S = 120
+FLUSH_S = 1.0  # how often a process sends the counts of keys with no limit on them
 DAY_TTL_S = 2 * 86400
 # A head process that dies with streams open cannot release their slots; in Redis they lapse after this long.
 STREAM_LEASE_S = 3600
@@ -32,6 +41,13 @@ class Limits:
     tokens_per_minute: int
     tokens_per_day: int
     concurrent_streams: int
+
+    def any(self) -> bool:
+        return bool(self.requests_per_minute or self.tokens_per_minute or self.tokens_per_day
+                    or self.concurrent_streams)
+
+    def tokens(self) -> bool:
+        return bool(self.tokens_per_minute or self.tokens_per_day)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +137,48 @@ return {refused, requests, minute, day, streams}
 """
 
 
+class _Tally:
+    """Counts no limit reads yet (an unlimited key's requests, a key's tokens with no token limit), gathered in this
+    process and sent by a writer thread once every FLUSH_S, one MULTI/EXEC for all of them."""
+
+    def __init__(self, client) -> None:
+        self.r = client
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, int], int] = {}  # (Redis key, its TTL) -> amount
+        self._writer: threading.Thread | None = None
+
+    def add(self, key: str, amount: int, ttl: int) -> None:
+        with self._lock:
+            self._counts[(key, ttl)] = self._counts.get((key, ttl), 0) + amount
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_forever, name="fleet-quota-counts", daemon=True)
+                self._writer.start()
+
+    def _write_forever(self) -> None:
+        while True:
+            time.sleep(FLUSH_S)
+            try:
+                self.flush()
+            except redis.RedisError as exc:
+                log.warning("api quotas: could not write counts to Redis (%s); kept for the next write", exc)
+
+    def flush(self) -> None:
+        with self._lock:
+            counts, self._counts = self._counts, {}
+        if not counts:
+            return
+        pipe = self.r.pipeline(transaction=True)
+        for (key, ttl), amount in counts.items():
+            pipe.incrby(key, amount).expire(key, ttl)
+        try:
+            pipe.execute()
+        except redis.RedisError:
+            with self._lock:
+                for entry, amount in counts.items():
+                    self._counts[entry] = self._counts.get(entry, 0) + amount
+            raise
+
+
 class RedisQuotaStore:
     """Counts in Redis, shared by every head process. Async callers get redis.asyncio (one client per event loop);
     DRF's sync views the sync client."""
@@ -130,6 +188,7 @@ class RedisQuotaStore:
         self._sync = redis.Redis.from_url(url)
         self._sync_admit = self._sync.register_script(ADMIT)
         self._clients: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+        self.tally = _Tally(self._sync)
 
     def _client(self) -> tuple[Any, Any]:
         loop = asyncio.get_running_loop()
@@ -152,24 +211,48 @@ class RedisQuotaStore:
         refused, *numbers = result
         return Counts(*(int(n) for n in numbers), refused=refused.decode() if isinstance(refused, bytes) else refused)
 
+    def _unlimited(self, ident: str, limits: Limits, want: Want, now: float) -> Counts | None:
+        """A key with no limit: nothing can refuse it, so its request is only counted (in the tally)."""
+        if limits.any():
+            return None
+        if want.request:
+            self.tally.add(_keys(self.prefix, ident, Windows.at(now))[0], 1, MINUTE_TTL_S)
+        return Counts(0, 0, 0, 0)
+
     async def admit(self, ident: str, limits: Limits, want: Want, slot: str, now: float) -> Counts:
+        if (counts := self._unlimited(ident, limits, want, now)) is not None:
+            return counts
         _, script = self._client()
         keys, args = self._args(ident, limits, want, slot, now)
         return self._counts(await script(keys=keys, args=args))
 
     def admit_sync(self, ident: str, limits: Limits, want: Want, slot: str, now: float) -> Counts:
+        if (counts := self._unlimited(ident, limits, want, now)) is not None:
+            return counts
         keys, args = self._args(ident, limits, want, slot, now)
         return self._counts(self._sync_admit(keys=keys, args=args))
 
-    async def settle(self, ident: str, tokens: int, slot: str, now: float) -> None:
-        client, _ = self._client()
+    async def settle(self, ident: str, tokens: int, slot: str, now: float, *, token_limits: bool = True) -> None:
+        """The generation's tokens spent and its stream slot back. `token_limits`: the key has a token limit, which
+        the next admission must see these tokens under (sent now); without one they go with the tally."""
         _, minute, day, streams = _keys(self.prefix, ident, Windows.at(now))
-        pipe = client.pipeline(transaction=False)
+        if tokens and not token_limits:
+            self.tally.add(minute, tokens, MINUTE_TTL_S)
+            self.tally.add(day, tokens, DAY_TTL_S)
+            tokens = 0
+        if not tokens and not slot:
+            return
+        client, _ = self._client()
+        pipe = client.pipeline(transaction=True)
         if tokens:
             pipe.incrby(minute, tokens).expire(minute, MINUTE_TTL_S).incrby(day, tokens).expire(day, DAY_TTL_S)
         if slot:
             pipe.zrem(streams, slot)
         await pipe.execute()
+
+    def flush(self) -> None:
+        """Send the tally now (tests; the writer thread sends it every FLUSH_S)."""
+        self.tally.flush()
 
 
 class CacheQuotaStore:
@@ -210,8 +293,11 @@ class CacheQuotaStore:
     async def admit(self, ident: str, limits: Limits, want: Want, slot: str, now: float) -> Counts:
         return self.admit_sync(ident, limits, want, slot, now)
 
-    async def settle(self, ident: str, tokens: int, slot: str, now: float) -> None:
+    async def settle(self, ident: str, tokens: int, slot: str, now: float, *, token_limits: bool = True) -> None:
         self.settle_sync(ident, tokens, slot, now)
+
+    def flush(self) -> None:
+        """Nothing waits to be written."""
 
 
 _stores: dict[tuple[str, str], RedisQuotaStore | CacheQuotaStore] = {}

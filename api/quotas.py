@@ -118,7 +118,8 @@ class Ticket:
         self.settled = True
         if tokens or self.slot:
             try:
-                await quota_store().settle(self.ident, tokens, self.slot, clock())
+                await quota_store().settle(self.ident, tokens, self.slot, clock(),
+                                           token_limits=self.admission.limits.tokens())
             except Exception:  # the answer went out; a lost count is logged, not turned into an error
                 log.exception("api: could not count %d tokens for %s", tokens, self.ident)
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import secrets
 import threading
+import time
 import uuid
+from typing import Any
 
 from cachetools import TTLCache
 from django.contrib.auth.models import AbstractBaseUser
@@ -54,15 +57,60 @@ def api_key_revoke(*, key: ApiKey) -> bool:
 # can stop a key (revoked, deleted, its owner deactivated) or change its quotas writes a new stamp into the Django
 # cache (Redis when REDIS_URL is set, so every head process sees it) after its commit; a cached entry counts only
 # while the stamp is the one it was verified under. The TTL bounds what the stamp cannot see (a raw SQL UPDATE).
+# Over Redis a process reads the stamp at most once every STAMP_READ_S, however many requests come, so a revocation
+# reaches every head process within that (its own at once): a request costs no Redis call for its key.
 STAMP_KEY = "api-keys:stamp"
 VERIFIED_TTL_S = 30.0
+STAMP_READ_S = 0.5
 _verified: TTLCache[str, tuple[ApiKey, str | None]] = TTLCache(maxsize=10_000, ttl=VERIFIED_TTL_S)
 _verified_lock = threading.Lock()  # the event loop reads, sync threads write; cachetools caches are not thread-safe
 
 
+def _clock() -> float:
+    return time.monotonic()
+
+
+class _StampRead:
+    """The stamp as this process last read it from a shared cache, and the read in flight (requests arriving
+    together share it)."""
+
+    def __init__(self) -> None:
+        self.value: str | None = None
+        self.at = -1e9
+        self.reading: asyncio.Future | None = None
+        # The cache read through, kept: `cache` is Django's per-context handle, and each request's task (a context of
+        # its own) made a new one with a new connection (a HELLO) for its read.
+        self.cache: tuple[asyncio.AbstractEventLoop, Any] | None = None
+
+    async def get(self) -> str | None:
+        if _clock() - self.at < STAMP_READ_S:
+            return self.value
+        reading = self.reading
+        if reading is None or reading.done() or reading.get_loop() is not asyncio.get_running_loop():
+            reading = self.reading = asyncio.ensure_future(self._read())
+        return await asyncio.shield(reading)
+
+    async def _read(self) -> str | None:
+        started, loop = _clock(), asyncio.get_running_loop()
+        if self.cache is None or self.cache[0] is not loop:
+            self.cache = (loop, caches["default"])
+        value = await self.cache[1].aget(STAMP_KEY)
+        self.seen(value, started)
+        return value
+
+    def seen(self, value: str | None, at: float) -> None:
+        self.value, self.at = value, at
+
+
+_stamp_read = _StampRead()
+
+
 def api_keys_restamp() -> None:
-    """Write a new revocation stamp now: every process verifies keys against the database again."""
-    cache.set(STAMP_KEY, uuid.uuid4().hex, timeout=None)
+    """Write a new revocation stamp now: every process verifies keys against the database again (this one from its
+    next request, the others within STAMP_READ_S)."""
+    stamp = uuid.uuid4().hex
+    cache.set(STAMP_KEY, stamp, timeout=None)
+    _stamp_read.seen(stamp, _clock())
 
 
 def api_keys_changed() -> None:
@@ -83,11 +131,11 @@ async def api_key_verified(*, key: str) -> ApiKey | None:
 
 
 async def _stamp() -> str | None:
-    """The revocation stamp: read in place from local memory (the embedded default's cache, no I/O), through a
-    thread from any other cache."""
+    """The revocation stamp: read in place from local memory (the embedded default's cache, no I/O); from any other
+    cache, as this process read it within STAMP_READ_S (a read through a thread)."""
     if isinstance(caches["default"], LocMemCache):
         return cache.get(STAMP_KEY)
-    return await cache.aget(STAMP_KEY)
+    return await _stamp_read.get()
 
 
 def api_key_authenticate(*, key: str) -> ApiKey | None:

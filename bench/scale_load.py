@@ -114,6 +114,11 @@ class Window:
         self.gaps: list[float] = []
         self.errors: dict[str, int] = {}
         self.handshakes: list[float] = []  # each websocket's opening handshake (ms), in the window or before it
+        self.ended = 0  # streams whose end arrived in the window
+
+    def finished(self) -> None:
+        if self.start <= time.time() < self.end:
+            self.ended += 1
 
     def chunk(self, text: str, last: float | None) -> float:
         now = time.time()
@@ -160,6 +165,7 @@ async def one_http_stream(target: tuple[str, int], mode: str, key: str, i: int, 
                 continue
             text = _text_of(line, mode)
             if text is None:
+                win.finished()
                 break
             if text:
                 now = win.chunk(text, last)
@@ -193,6 +199,8 @@ async def ws_streams(target: tuple[str, int], key: str, i: int, tokens: int, win
                 elif frame["type"] in ("done", "error"):
                     if frame["type"] == "error":
                         win.error(frame.get("code", "error"))
+                    else:
+                        win.finished()
                     break
 
 
@@ -220,7 +228,7 @@ async def clients_main(args) -> None:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     Path(args.out).write_text(json.dumps({"tokens": win.tokens, "ttfts": win.ttfts, "gaps": win.gaps,
-                                          "errors": win.errors,
+                                          "errors": win.errors, "ended": win.ended,
                                           "handshakes": win.handshakes}))
 
 

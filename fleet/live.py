@@ -1,9 +1,10 @@
 """The live fleet page's push: one Channels group that every head process tells when the fleet changed.
 
 Events (a node joined, left, was drained or cordoned, a heartbeat, a generation waiting, placed or ended) call
-`fleet_changed()`. Each head process coalesces them into at most one group message every PUSH_EVERY_S, so hundreds
-of streams starting and ending do not flood the channel layer; each page socket (fleet.consumers) coalesces again
-and sends its browser one snapshot at most every PUSH_EVERY_S. The group is on the Redis layer when REDIS_URL is
+`fleet_changed()`. Each head process coalesces them into at most one group message every GROUP_EVERY_S, so hundreds
+of streams starting and ending do not flood the channel layer (a group message costs two Redis calls even with no
+page open, so a busy process makes them once a second, not per event); each page socket (fleet.consumers) coalesces
+again and sends its browser one snapshot at most every PUSH_EVERY_S. The group is on the Redis layer when REDIS_URL is
 set, so a node linked to one head process shows on a page served by another.
 
 The message carries the sender's generations waiting for a lane, per model (and per priority class and API key):
@@ -25,6 +26,7 @@ from fleet.names import fleet_page_group
 log = logging.getLogger("fleet")
 
 PUSH_EVERY_S = 0.25
+GROUP_EVERY_S = 1.0
 ANNOUNCE_EVERY_S = 5.0
 WAITING_STALE_S = 15.0
 PROCESS_ID = uuid.uuid4().hex[:12]
@@ -38,7 +40,7 @@ def changed_event() -> dict:
 
 
 class _Pusher:
-    """At most one group message every PUSH_EVERY_S from this process: the first event goes out at once, the
+    """At most one group message every GROUP_EVERY_S from this process: the first event goes out at once, the
     ones that follow within the interval go out together at its end (so the last change is never lost)."""
 
     def __init__(self) -> None:
@@ -53,7 +55,7 @@ class _Pusher:
             self.loop, self.handle, self.last = loop, None, 0.0
         if self.handle is not None:
             return
-        self.handle = loop.call_later(max(self.last + PUSH_EVERY_S - loop.time(), 0.0), self._fire)
+        self.handle = loop.call_later(max(self.last + GROUP_EVERY_S - loop.time(), 0.0), self._fire)
 
     def _fire(self) -> None:
         self.handle = None

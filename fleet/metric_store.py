@@ -2,10 +2,12 @@
 
 A count is a float in a series of a metric family (`Totals`: family name -> series field -> value). With REDIS_URL
 each family is one Redis hash that every head process adds to with HINCRBYFLOAT, so a scrape of any process shows
-the fleet's figures. Adding never waits on Redis: the counts gather in this process and a writer thread sends them
-in one MULTI/EXEC as soon as they come (a failed write is kept and sent with the next). The generations waiting for
-a lane are per process (per model, and per priority class and API key): each writes its own into a hash that
-expires unless refreshed, and a scrape adds them up.
+the fleet's figures. Adding never waits on Redis: the counts gather in this process and a writer thread sends what
+gathered once every FLUSH_S, in one MULTI/EXEC (a failed write is kept and sent with the next), so the Redis calls
+a process makes for its metrics do not grow with its generations; a scrape sends its own process's first, so it
+shows the other processes' counts at most FLUSH_S late. The generations waiting for a lane are per process (per
+model, and per priority class and API key): each writes its own into a hash that expires unless refreshed (when
+they change, and every REFRESH_S), and a scrape adds them up.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -24,7 +27,8 @@ from django.conf import settings
 log = logging.getLogger("fleet")
 
 Totals = dict[str, dict[str, float]]
-REFRESH_S = 5.0  # how often a process rewrites its waiting generations when nothing else happens
+FLUSH_S = 1.0  # how often the writer thread sends what this process counted
+REFRESH_S = 5.0  # how often a process rewrites its waiting generations when they did not change
 WAITING_TTL_S = 30  # a dead process's waiting generations drop out after this
 
 
@@ -86,7 +90,8 @@ class RedisStore:
         self._lock = threading.Lock()
         self._flushing = threading.Lock()  # one write at a time: a flush returns once what it took is in Redis
         self._pending: Totals = {}
-        self._wake = threading.Event()
+        self._waiting_sent: tuple[dict[str, int], dict[str, int]] | None = None
+        self._waiting_at = 0.0
         self._writer: threading.Thread | None = None
 
     def add(self, deltas: Totals) -> None:
@@ -95,7 +100,6 @@ class RedisStore:
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write_forever, name="fleet-metrics", daemon=True)
                 self._writer.start()
-        self._wake.set()
 
     def _keep(self, deltas: Totals) -> None:
         with self._lock:
@@ -103,44 +107,54 @@ class RedisStore:
 
     def _write_forever(self) -> None:
         while True:
-            self._wake.wait(REFRESH_S)
-            self._wake.clear()
+            time.sleep(FLUSH_S)
             try:
-                self.flush()
+                self.tick()
             except redis.RedisError as exc:
                 log.warning("fleet metrics: could not write to Redis (%s); the counts are kept for the next write",
                             exc)
+
+    def tick(self) -> None:
+        """The writer thread's write, every FLUSH_S: what was counted since the last one, and the waiting generations
+        when they changed or were last written REFRESH_S ago; no call at all when there is neither."""
+        with self._flushing:
+            self._flush(force=False)
 
     def flush(self) -> None:
         """Send this process's new counts and its waiting generations now. Raises redis.RedisError (the counts
         are kept). Waits for a write the writer thread has in flight, so the counts added before it are in Redis
         when it returns."""
         with self._flushing:
-            self._flush()
+            self._flush(force=True)
 
-    def _flush(self) -> None:
+    def _flush(self, *, force: bool) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
-        waiting, classes = local_waiting(), _class_fields(local_waiting_classes())
+        waiting = (local_waiting(), _class_fields(local_waiting_classes()))
+        rewrite = force or waiting != self._waiting_sent or time.monotonic() - self._waiting_at >= REFRESH_S
+        if not pending and not rewrite:
+            return
         pipe = self.r.pipeline(transaction=True)
         for family, series in pending.items():
             for name, value in series.items():
                 pipe.hincrbyfloat(self.p + family, name, value)
-        key = f"{self.p}waiting:{self.process}"
-        pipe.delete(key)
-        if waiting:
-            pipe.hset(key, mapping=waiting)
-            pipe.expire(key, WAITING_TTL_S)
-        key = f"{self.p}waiting-class:{self.process}"
-        pipe.delete(key)
-        if classes:
-            pipe.hset(key, mapping=classes)
-            pipe.expire(key, WAITING_TTL_S)
+        if rewrite:
+            self._waiting_hashes(pipe, *waiting)
         try:
             pipe.execute()
         except redis.RedisError:
-            self._keep(pending)  # not add(): that would wake the writer at once, in a loop while Redis is down
+            self._keep(pending)  # not add(): kept for the writer's next tick
             raise
+        if rewrite:
+            self._waiting_sent, self._waiting_at = waiting, time.monotonic()
+
+    def _waiting_hashes(self, pipe, waiting: dict[str, int], classes: dict[str, int]) -> None:
+        for key, fields in ((f"{self.p}waiting:{self.process}", waiting),
+                            (f"{self.p}waiting-class:{self.process}", classes)):
+            pipe.delete(key)
+            if fields:
+                pipe.hset(key, mapping=fields)
+                pipe.expire(key, WAITING_TTL_S)
 
     def totals(self, families: Sequence[str]) -> Totals:
         pipe = self.r.pipeline(transaction=False)

@@ -26,6 +26,10 @@ from nodes.link.prefix import PrefixKey
 
 ASYNC_CONNECTIONS = 64  # per head process and event loop; callers beyond it wait for one
 SNAPSHOT_S = 1.0  # how long a head process's snapshot of the nodes' slots serves without news
+# ... and while it listens to the lanes channel, which tells it every change but another process's choice (which
+# can only make a lane look free that a choice then finds taken, and that choice's reply refreshes the snapshot):
+# read at most this often, so a generation at a low rate does not pay a read of the fleet besides its choice.
+SNAPSHOT_HEARD_S = 5.0
 
 Step = Callable[[Any, dict[str, Any]], Any]  # (client, its scripts) -> a result, or an awaitable of one
 Op = Generator[Step, Any, Any]
@@ -357,15 +361,18 @@ class AsyncRedisPlacement:
     def __init__(self, state: RedisPlacementState) -> None:
         self.state = state
         # This process's snapshot of every node's slot: refreshed by each choice (the same round trip), patched by
-        # each lane freed anywhere (the lanes channel says how many run there now), read again past SNAPSHOT_S or
+        # each lane freed anywhere (the lanes channel says how many run there now), read again past SNAPSHOT_S (or
+        # SNAPSHOT_HEARD_S while the lanes channel is heard) or
         # when a node joined, left or changed. What waiting, the model list and the context windows read, so a
         # generation costs no Redis round trip beyond its choice and its end.
         self._snapshot: list[NodeSlot] | None = None
         self._snapshot_at = 0.0
+        self._listening = False
 
     async def nodes(self, fresh: bool = False) -> list[NodeSlot]:
         """Every node's slot (read-only: shared by this process's callers)."""
-        if fresh or self._snapshot is None or time.monotonic() - self._snapshot_at > SNAPSHOT_S:
+        age = SNAPSHOT_HEARD_S if self._listening else SNAPSHOT_S
+        if fresh or self._snapshot is None or time.monotonic() - self._snapshot_at > age:
             self._keep(await self.state._arun(self.state._op_nodes()))
         return self._snapshot
 
@@ -414,10 +421,13 @@ class AsyncRedisPlacement:
         pubsub = r.pubsub()
         await pubsub.subscribe(self.state.lanes_channel)
         self._snapshot = None  # what it missed before listening
+        self._listening = True
         try:
             async for message in pubsub.listen():
                 if message.get("type") == "message":
                     self._heard(message.get("data", ""))
                     wake()
         finally:
+            self._listening = False
+            self._snapshot = None  # what it misses until it listens again
             await pubsub.aclose()

@@ -51,7 +51,7 @@ TIERS: dict[str, set[str]] = {
         "test_multihead_e2e.py", "test_node_link_e2e.py", "test_node_trust_e2e.py", "test_replicas_e2e.py",
         "test_soak.py", "test_tokenizers_e2e.py", "test_transcriptions_e2e.py", "test_up_e2e.py",
         "test_vision_e2e.py", "test_agents_e2e.py", "test_hardening_e2e.py", "test_tracing_e2e.py",
-        "test_waiting_room_e2e.py", "test_on_demand_e2e.py",
+        "test_waiting_room_e2e.py", "test_on_demand_e2e.py", "test_redis_calls_e2e.py",
     },
     "browser": {"test_model_admin_browser.py", "test_pages_browser.py"},
 }

@@ -171,7 +171,7 @@ async def test_a_burst_of_changes_is_one_push_now_and_one_at_the_end_of_the_inte
         live.fleet_changed()
     second = await asyncio.wait_for(layer.receive(watcher), 5)
     with pytest.raises(asyncio.TimeoutError):
-        await asyncio.wait_for(layer.receive(watcher), live.PUSH_EVERY_S * 4)
+        await asyncio.wait_for(layer.receive(watcher), live.GROUP_EVERY_S * 2)
     assert first == second == {"type": "fleet.changed", "process": live.PROCESS_ID, "waiting": {},
                                "classes": {"priority": {}, "key": {}}}
     await layer.group_discard(names.fleet_page_group(), watcher)

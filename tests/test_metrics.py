@@ -229,6 +229,45 @@ def test_the_writer_thread_sends_counts_without_a_scrape(fresh_store):
         time.sleep(0.05)
 
 
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")
+def test_a_process_sends_many_events_counts_in_one_write_and_nothing_when_nothing_changed(monkeypatch):
+    """The writer's tick (every FLUSH_S): whatever the number of events since the last one, one MULTI/EXEC; with no
+    new count and the same waiting generations, no call at all."""
+    prefix = f"fleet-metrics-{uuid.uuid4().hex[:8]}:"
+    store = metric_store.RedisStore(os.environ["REDIS_URL"], prefix=prefix, process="one")
+    store._writer = threading.Thread(target=lambda: None)  # only the ticks below write
+    monkeypatch.setattr(metric_store, "local_waiting", lambda: {"m": 1})
+    monkeypatch.setattr(metric_store, "local_waiting_classes", lambda: {"priority": {"normal": 1}, "key": {}})
+    writes: list[int] = []
+    pipeline = store.r.pipeline
+
+    def counted(*args, **kwargs):  # the writes (a MULTI/EXEC), not the reads of the checks below
+        pipe = pipeline(*args, **kwargs)
+        if kwargs.get("transaction", True):
+            execute = pipe.execute
+            pipe.execute = lambda *a, **k: writes.append(len(pipe.command_stack)) or execute(*a, **k)
+        return pipe
+
+    monkeypatch.setattr(store.r, "pipeline", counted)
+    try:
+        for _ in range(50):
+            metrics_counts = metrics.Counts().add(metrics.COMPLETION_TOKENS, ("m", "a"), 4)
+            store.add(metrics_counts.deltas)
+        assert writes == []  # counting sends nothing
+        store.tick()
+        assert len(writes) == 1
+        assert store.totals(["fleet_completion_tokens"]) == {
+            "fleet_completion_tokens": {metrics.field_name(["m", "a"]): 200.0}}
+        assert store.waiting() == {"m": 1}
+        store.tick()
+        assert len(writes) == 1  # nothing new: no call
+        monkeypatch.setattr(metric_store, "local_waiting", lambda: {"m": 3})
+        store.tick()
+        assert len(writes) == 2 and store.waiting() == {"m": 3}  # the waiting generations changed
+    finally:
+        store.clear()
+
+
 def test_the_grafana_dashboard_queries_only_what_metrics_shows(scraper):
     import json
     import re

@@ -9,7 +9,7 @@ import os
 import time
 
 import pytest
-from asgiref.sync import sync_to_async
+from asgiref.sync import async_to_sync, sync_to_async
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 from django.test import override_settings
@@ -221,6 +221,51 @@ async def test_settings_give_the_defaults_and_a_keys_own_figures_win(fake_node):
         assert (await request("GET", "/v1/models", key=own)).headers["x-ratelimit-limit-requests"] == "7"
     row = await sync_to_async(ApiKey.objects.get)(prefix=own.partition(".")[0])
     assert row.tokens_per_minute is None  # empty: the default applies
+
+
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="the calls a generation makes to Redis")
+def test_a_key_with_no_limit_costs_redis_no_call_a_generation_and_its_counts_arrive_once_a_second():
+    import threading
+    import uuid
+
+    import redis
+
+    from api.quota_counts import Limits, RedisQuotaStore, Want, Windows
+    from tests.redis_monitor import Monitor
+
+    prefix = f"fleet-quota-{uuid.uuid4().hex[:8]}:"
+    store = RedisQuotaStore(os.environ["REDIS_URL"], prefix)
+    store.tally._writer = threading.Thread(target=lambda: None)  # only the flush below writes the tally
+    client = redis.Redis.from_url(os.environ["REDIS_URL"])
+    monitor = Monitor(client, db=client.connection_pool.connection_kwargs.get("db", 0), prefix=prefix)
+    base, window = f"{prefix}quota:key:a:", Windows.at(NOW)
+    store._sync.ping()  # its connection is open before the count
+
+    def calls() -> dict[str, int]:  # each async_to_sync runs a loop of its own, whose client opens a connection
+        return {kind: n for kind, n in monitor.stop().items() if not kind.startswith("hello")}
+
+    async def generations(limits: Limits, slot: str, n: int) -> None:
+        for _ in range(n):
+            counts = await store.admit("key:a", limits, Want(tokens=True, stream=bool(slot)), slot, NOW)
+            assert not counts.refused
+            await store.settle("key:a", 7, slot, NOW, token_limits=limits.tokens())
+
+    try:
+        monitor.start()
+        async_to_sync(generations)(Limits(0, 0, 0, 0), "", 10)
+        assert calls() == {}  # ten generations of a key with no limit: no call
+        monitor.start()
+        store.flush()  # what the tally's writer sends every FLUSH_S
+        assert calls() == {"multi[expire quota, incrby quota]": 1}
+        assert [int(client.get(f"{base}{k}")) for k in (f"r:{window.minute}", f"t:{window.minute}",
+                                                         f"d:{window.day}")] == [10, 70, 70]
+        monitor.start()  # a key with a token limit and a streams limit: one admission, one settlement
+        async_to_sync(generations)(Limits(0, 100, 0, 1), "slot-1", 1)
+        assert calls() == {"evalsha quota_admit": 1, "multi[expire quota, incrby quota, zrem quota]": 1}
+        assert int(client.get(f"{base}t:{window.minute}")) == 77
+    finally:
+        for key in client.scan_iter(f"{prefix}*"):
+            client.delete(key)
 
 
 # --- real processes -------------------------------------------------------------------------------------------
