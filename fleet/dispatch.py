@@ -402,10 +402,8 @@ class GenerationStream:
         # placed only on nodes this process holds a link to (a node behind NAT may reach only some head processes)
         linked = set(reg.links)
         free = sum(s.free for s in nodes if model in s.models and s.schedulable and s.node_id in linked)
-        if not self.batch and ahead >= free:
-            await self._preempt_a_lower_one(exclude=excluded | unable)
-            free = sum(s.free for s in await reg.aplacement.nodes()
-                       if model in s.models and s.schedulable and s.node_id in linked)
+        if not self.batch and ahead >= free and await self._preempt_a_lower_one(exclude=excluded | unable):
+            free += 1  # the lane it freed: over Redis this process's snapshot has not heard of it yet
         if ahead >= free or not self._within_share(nodes):
             await self._still_waiting(model)
             return None
@@ -460,13 +458,13 @@ class GenerationStream:
         self._counted = delta > 0
         _running[(self.spec.model, self.batch)] = _running.get((self.spec.model, self.batch), 0) + delta
 
-    async def _preempt_a_lower_one(self, *, exclude: set[str]) -> None:
+    async def _preempt_a_lower_one(self, *, exclude: set[str]) -> bool:
         """No lane for this interactive generation (nor for those ahead of it): take one from a generation of its
         model of a lower class (a batch line; an interactive one of a lower class too where FLEET_PREEMPTING_CLASSES
         names this one's) on a node it may use: the lowest class first, then the one that started last here. Else,
         where FLEET_SHARE_PREEMPTING_CLASSES names its class, from a key of its class over its share (_over_share).
         The cancel goes first, so the node reads it before this generation and starts this one at its next step, as
-        in a free lane."""
+        in a free lane. True when it took one."""
         rank = self._waiter().rank
         over_interactive = self.share.priority in settings.FLEET_PREEMPTING_CLASSES
         running = [s for s in _preemptible.get(self.spec.model, ()) if not s._preempting and s._current is not None]
@@ -474,10 +472,13 @@ class GenerationStream:
                    and (s.batch or (over_interactive and s._waiter().rank > rank))]
         if victims:
             await max(victims, key=lambda s: (s._waiter().rank, s.outcome.placement.get("placed_at", 0.0))).preempt()
-        elif self._waiter().priority in settings.FLEET_SHARE_PREEMPTING_CLASSES:
+            return True
+        if self._waiter().priority in settings.FLEET_SHARE_PREEMPTING_CLASSES:
             victim = self._over_share(running, exclude)
             if victim is not None:
                 await victim.preempt(by="a generation of a key under its share")
+                return True
+        return False
 
     def _over_share(self, running: list[GenerationStream], exclude: set[str]) -> GenerationStream | None:
         """The generation of this one's class to take a lane from: of a key whose lanes here, one fewer, would still
