@@ -42,11 +42,16 @@ browser:
 	  else echo "make: the page tests need Chromium: sudo apt-get install chromium chromium-driver" >&2; exit 1; fi; \
 	fi
 
-# TIERS selects tests by marker (tests/conftest.py, docs/testing.md): empty runs every tier; `backend` runs what can
-# depend on PostgreSQL + Redis; any marker expression works ("django_free or in_process"). The 25 slowest are listed.
+# TIERS selects tests by marker (tests/conftest.py, docs/testing.md): empty runs every tier, in two pytest processes
+# side by side (tests/run_tiers.sh); `backend` runs what can depend on PostgreSQL + Redis; any marker expression works
+# ("django_free or in_process"). The 25 slowest are listed.
 TIERS ?=
 test: lint browser
-	$(BIN)/python -m pytest --durations=25 $(if $(strip $(TIERS)),-m "$(TIERS)")
+ifeq ($(strip $(TIERS)),)
+	tests/run_tiers.sh $(BIN)/python
+else
+	$(BIN)/python -m pytest --durations=25 -m "$(TIERS)"
+endif
 
 # docs/screenshots/ afresh: the page tests write what they take there (FLEET_SCREENSHOTS; a plain run writes none).
 screenshots: install browser
