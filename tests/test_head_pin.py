@@ -208,3 +208,21 @@ async def test_the_dial_loop_joins_the_head_that_proves_the_token_past_an_impost
             running.cancel()
     assert impostor.frames_3 == 1 and isinstance(head.received[0], Register)
     assert keys.pinned_head(tmp_path) == head.key
+
+
+def test_a_node_key_being_written_is_never_read_half_made(tmp_path, monkeypatch):
+    """Two node processes of one host starting at once (CI saw the second read an empty key file and exit 2): the
+    second reads the first's whole key, and both use it."""
+    other: list[bytes] = []
+    fdopen = os.fdopen
+    started = []
+
+    def another_process_starts_meanwhile(fd, *args, **kwargs):
+        if not started:  # the first key file is open, not yet written: the other process starts now
+            started.append(True)
+            other.append(keys.node_key(tmp_path))
+        return fdopen(fd, *args, **kwargs)
+
+    monkeypatch.setattr(keys.os, "fdopen", another_process_starts_meanwhile)
+    assert keys.node_key(tmp_path) == other[0]
+    assert [p.name for p in (tmp_path / "fleet").iterdir()] == ["node_key"]  # no draft left behind

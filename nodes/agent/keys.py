@@ -37,19 +37,25 @@ def _read_hex(path: Path, what: str) -> bytes:
 
 
 def _write_new(path: Path, data: bytes) -> bool:
-    """Write `data` as hex to a new 0600 file; False when another process made the file first."""
+    """Write `data` as hex to a new 0600 file; False when another process made the file first. The file appears
+    whole or not at all (written beside it, then linked into place, which fails if it exists): two node processes
+    of one host starting together agree on one key, and neither reads the other's before it is written."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    draft = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}")
+    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(data.hex() + "\n")
+        os.link(draft, path)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as handle:
-        handle.write(data.hex() + "\n")
+    finally:
+        draft.unlink(missing_ok=True)
     return True
 
 
 def node_key(home: Path) -> bytes:
-    """This node's static private key, made at the first join (O_EXCL: two node processes agree on one key)."""
+    """This node's static private key, made at the first join (two node processes agree on one key)."""
     path = node_key_path(home)
     if not path.exists():
         _write_new(path, generate_static())
