@@ -236,6 +236,20 @@ def start_node(head: Head, *args: str, identity: str = "test-node", model: str =
     return NodeProc(proc, log_path)
 
 
+@contextlib.contextmanager
+def two_heads(tmp: Path):
+    """A head and a peer head process on its database and Redis (a multi-process head), both stopped after."""
+    first = make_head(tmp)
+    first.start()
+    second = make_peer_head(first, tmp)
+    try:
+        second.start()
+        yield first, second
+    finally:
+        second.stop()
+        first.stop()
+
+
 def make_peer_head(head: Head, tmp: Path) -> Head:
     """A second head process on the same database, Redis prefix and secret key (a multi-process head)."""
     home = tmp / f"peer-{uuid.uuid4().hex[:6]}"

@@ -8,7 +8,7 @@ import threading
 import pytest
 from openai import OpenAI
 
-from tests.live import make_head, make_peer_head, start_node, wait_for
+from tests.live import start_node, two_heads, wait_for
 
 pytestmark = [
     pytest.mark.slow,
@@ -20,13 +20,8 @@ SYSTEM = ("You are the support assistant of a bicycle shop. " * 40).strip()
 
 @pytest.fixture
 def heads(tmp_path):
-    first = make_head(tmp_path)
-    first.start()
-    second = make_peer_head(first, tmp_path)
-    second.start()
-    yield first, second
-    second.stop()
-    first.stop()
+    with two_heads(tmp_path) as pair:
+        yield pair
 
 
 def _stream(client, messages, max_tokens, started=None):

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import redis
 
-from tests.live import make_head, make_peer_head, wait_for
+from tests.live import two_heads, wait_for
 from tests.mock_node import start_mock_node
 from tests.redis_monitor import Monitor
 
@@ -45,19 +45,14 @@ print("API-KEY", api_key_create(owner=owner, name="unlimited", quotas={quotas!r}
 
 @pytest.fixture
 def fleet(tmp_path):
-    first = make_head(tmp_path)
-    first.start()
-    second = make_peer_head(first, tmp_path)
-    second.start()
-    node = start_mock_node(first, "calls-node", lanes=4, decode_tps=400)
-    try:
-        first.wait_nodes(1, timeout=120)
-        second.wait_nodes(1, timeout=60)
-        yield first, second
-    finally:
-        node.stop()
-        second.stop()
-        first.stop()
+    with two_heads(tmp_path) as (first, second):
+        node = start_mock_node(first, "calls-node", lanes=4, decode_tps=400)
+        try:
+            first.wait_nodes(1, timeout=120)
+            second.wait_nodes(1, timeout=60)
+            yield first, second
+        finally:
+            node.stop()
 
 
 def stream(head, key: str, tokens: int) -> int:
