@@ -12,6 +12,7 @@ tokens a day.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import threading
 import time
@@ -153,14 +154,18 @@ class _Tally:
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write_forever, name="fleet-quota-counts", daemon=True)
                 self._writer.start()
+                atexit.register(self._write_once)  # a head that stops sends what it counted since the last write
 
     def _write_forever(self) -> None:
         while True:
             time.sleep(FLUSH_S)
-            try:
-                self.flush()
-            except redis.RedisError as exc:
-                log.warning("api quotas: could not write counts to Redis (%s); kept for the next write", exc)
+            self._write_once()
+
+    def _write_once(self) -> None:
+        try:
+            self.flush()
+        except redis.RedisError as exc:
+            log.warning("api quotas: could not write counts to Redis (%s); kept for the next write", exc)
 
     def flush(self) -> None:
         with self._lock:

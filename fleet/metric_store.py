@@ -12,6 +12,7 @@ they change, and every REFRESH_S), and a scrape adds them up.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -100,6 +101,13 @@ class RedisStore:
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write_forever, name="fleet-metrics", daemon=True)
                 self._writer.start()
+                atexit.register(self._last_write)  # a head that stops sends what it counted since the last tick
+
+    def _last_write(self) -> None:
+        try:
+            self.flush()
+        except redis.RedisError as exc:
+            log.warning("fleet metrics: the last counts could not be written to Redis (%s)", exc)
 
     def _keep(self, deltas: Totals) -> None:
         with self._lock:

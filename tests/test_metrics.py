@@ -376,3 +376,23 @@ async def test_a_request_for_an_unknown_model_counts_under_other(monkeypatch, se
     if isinstance(current, metric_store.RedisStore):
         current.clear()
     metric_store.store_reset()
+
+
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")
+def test_a_head_process_that_exits_sends_what_it_counted_since_its_last_write():
+    """The writer sends once a second: a process that stops before its next tick still leaves its counts in Redis."""
+    import subprocess
+    import sys
+
+    prefix = f"fleet-metrics-{uuid.uuid4().hex[:8]}:"
+    script = ("import django, os; django.setup()\n"
+              "from fleet import metric_store\n"
+              f"store = metric_store.RedisStore(os.environ['REDIS_URL'], prefix={prefix!r}, process='gone')\n"
+              "store.add({'fleet_link_drops': {'x': 3.0}})\n")  # and exits at once, well before the first tick
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "fleet.settings"}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60)
+    reader = metric_store.RedisStore(os.environ["REDIS_URL"], prefix=prefix, process="reader")
+    try:
+        assert reader.totals(["fleet_link_drops"]) == {"fleet_link_drops": {"x": 3.0}}
+    finally:
+        reader.clear()

@@ -321,3 +321,25 @@ def test_a_real_node_spends_uncached_prompt_and_completion_tokens(live_head, liv
     spent = [u.prompt_tokens - u.prompt_tokens_details.cached_tokens + u.completion_tokens for u in usages]
     assert usages[1].prompt_tokens_details.cached_tokens > usages[1].prompt_tokens // 2  # the system prompt
     assert remaining == [1_000_000, 1_000_000 - spent[0], 1_000_000 - spent[0] - spent[1]]
+
+
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs REDIS_URL")
+def test_a_head_process_that_exits_sends_the_tally_it_gathered_since_its_last_write():
+    """An unlimited key's counts go to Redis once a second: a process that stops before then still sends them."""
+    import subprocess
+    import sys
+    import uuid
+
+    import redis
+
+    prefix = f"fleet-quota-{uuid.uuid4().hex[:8]}:"
+    script = ("import django, os; django.setup()\n"
+              "from api.quota_counts import RedisQuotaStore\n"
+              f"RedisQuotaStore(os.environ['REDIS_URL'], {prefix!r}).tally.add({prefix!r} + 'counted', 7, 60)\n")
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "fleet.settings"}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60)  # exits before the first write
+    r = redis.Redis.from_url(os.environ["REDIS_URL"])
+    try:
+        assert r.get(prefix + "counted") == b"7"
+    finally:
+        r.delete(prefix + "counted")
