@@ -22,6 +22,7 @@ from api.quotas import Ticket, tokens_spent
 from api.specs import GenerationRequest
 from fleet import metrics, tracing
 from fleet.dispatch import Finished, GenerationError, Started, Tokens, generation_stream
+from fleet.links import registry
 from fleet.timers import wait_done
 from fleet.waiting import Share
 from nodes.link.logs import generation_context
@@ -65,6 +66,8 @@ class Run:
         self.over = False
         self.recorded = False
         self._calls: Any = PENDING
+        self._shutdown = registry().shutdown
+        self._shutdown.track(self)  # a head that stops sees it to its end, and its record written
 
     @property
     def text(self) -> str:
@@ -137,6 +140,13 @@ class Run:
         while (event := await self.next_event()) is not None:
             yield event
 
+    async def stop(self, code: str, message: str) -> None:
+        """The head ends it (its drain): the node's lane is cancelled and the client's stream ends with its API's
+        error event (a 503 with Retry-After before the headers went out); recorded as failed."""
+        if not self.over:
+            with generation_context(self.request.gen_id):
+                await self.stream.stop(GenerationError(code, message, status=503, retry_after=2, kind="server_error"))
+
     async def abandon(self, reason: str = "client went away") -> None:
         """The client is gone (or cancelled): stop the node's lane now, and record what was made."""
         with generation_context(self.request.gen_id):
@@ -202,6 +212,8 @@ class Run:
             await generation_record_async(trace)
         except Exception:  # the client got its answer; a lost record is logged, not turned into an error
             log.exception("api: could not record generation %s", request.gen_id)
+        finally:
+            self._shutdown.untrack(self)
 
     # --- the answer ---
     def tool_calls(self) -> list[dict[str, Any]] | None:

@@ -4,6 +4,7 @@
 import os
 
 import django
+from django.conf import settings
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fleet.settings")
 django.setup(set_prefix=False)  # as django.core.asgi.get_asgi_application
@@ -18,6 +19,7 @@ django_app = PooledThreadsHandler()  # Django's handler, each request's sync par
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
+from api.draining import refuse_while_draining  # noqa: E402
 from api.limits import body_limit  # noqa: E402
 from api.sse import sse_guard  # noqa: E402
 from fleet.autobahn_logs import plain_frame_logs  # noqa: E402
@@ -26,7 +28,9 @@ from fleet.eager_writes import eager_tcp_writes  # noqa: E402
 from fleet.form_parsing import skip_form_parsing  # noqa: E402
 from fleet.heads import heads_start  # noqa: E402
 from fleet.heap import freeze_startup_heap  # noqa: E402
+from fleet.links import registry  # noqa: E402
 from fleet.routing import websocket_urlpatterns  # noqa: E402
+from fleet.shutdown import install_drain_on_signals  # noqa: E402
 
 plain_frame_logs()  # no click colouring built for each websocket frame's dropped debug line
 eager_tcp_writes()  # a chunk goes to the client's socket at once, not on the loop's next turn
@@ -34,9 +38,13 @@ skip_form_parsing()  # Django parses request bodies; Twisted no longer parses fo
 announce_served_head()  # with FLEET_ANNOUNCE set, nodes started with no head address find this one
 heads_start()  # with Redis: this process joins the live head processes, so every node links to it too
 
-application = ProtocolTypeRouter({
+# SIGTERM/SIGINT under daphne: no new work, the running generations finish or end with an error event, every
+# record written; then the server stops as it always did
+install_drain_on_signals(lambda: registry().shutdown, settings.FLEET_SHUTDOWN_GRACE_S)
+
+application = refuse_while_draining(ProtocolTypeRouter({
     "http": body_limit(sse_guard(django_app)),
     "websocket": URLRouter(websocket_urlpatterns),
-})
+}), lambda: registry().shutdown)
 
 freeze_startup_heap()  # the head as loaded, left out of the full collections that stop the event loop

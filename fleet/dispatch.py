@@ -230,6 +230,8 @@ class GenerationStream:
         self._evicted: list[str] = []  # what the node's lane choice evicted (its accepted), forgotten at the end
         self.trace: tracing.GenTrace | None = None  # its spans (set by api.generation.Run while tracing is on)
         self._loading: dict[str, Any] | None = None  # it waited for an on-demand load: since when, on which node
+        self._stopped: GenerationError | None = None  # ended by the head (its drain): raised at its next step
+        self._waiting: Waiter | None = None  # its place in the waiting room while it waits for a lane
 
     def ready(self) -> bool:
         """Whether the next step only hands on a token batch that is here already: the node's next frame is the
@@ -331,8 +333,11 @@ class GenerationStream:
         tracing.queue_begin(self.trace)
         fleet_changed()
         placed, first = False, True
+        self._waiting = key
         try:
             while True:
+                if self._stopped is not None:
+                    raise self._stopped
                 choice = await self._try_place(reg, excluded)
                 if choice is not None:
                     placed = True
@@ -354,6 +359,7 @@ class GenerationStream:
                 # heartbeats (a drained model's memory), which wake no lane
                 await reg.lanes.wait(key, min(left, LOADING_CHECK_S if self._loading else WAKE_CHECK_S))
         finally:
+            self._waiting = None
             _waiters.entries.remove(entry)
             reg.lanes.leave(model, key, placed=placed)
             if placed:
@@ -610,7 +616,10 @@ class GenerationStream:
         silent_until = time.monotonic() + self._frame_timeout()
         while True:
             try:
-                return await relay.get(timeout=max(min(silent_until - time.monotonic(), LINK_CHECK_S), 0.0))
+                frame = await relay.get(timeout=max(min(silent_until - time.monotonic(), LINK_CHECK_S), 0.0))
+                if self._stopped is not None:
+                    raise self._stopped
+                return frame
             except TimeoutError:
                 if time.monotonic() < silent_until:
                     if await _link_gone(link):
@@ -685,6 +694,16 @@ class GenerationStream:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return Finished("length", usage, self.outcome.timings, node)
 
+    async def stop(self, error: GenerationError) -> None:
+        """The head ends this generation (its drain): the node's lane is cancelled, and its next step, waiting
+        for a lane or for the node's next frame, raises `error` at once."""
+        self._stopped = error
+        if self._waiting is not None:
+            registry().lanes.wake(self._waiting)
+        if self._relay is not None:
+            self._relay.push(_STOP)
+        await self.cancel(error.message)
+
     async def cancel(self, reason: str = "cancelled") -> None:
         """The client went away (or asked): stop the node's lane now."""
         self._cancelled = True
@@ -707,6 +726,9 @@ async def _cancel_quietly(link, gen_id: str, reason: str = "client went away") -
         await link.send_cancel(gen_id, reason)
     except Exception:  # the link may be closing; its own teardown releases the lane
         log.debug("cancel of %s failed", gen_id, exc_info=True)
+
+
+_STOP = object()  # pushed into a stopped generation's relay: wakes its wait for the node's next frame
 
 
 class _Preempted(Exception):

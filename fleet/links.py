@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from django.conf import settings
 
 from fleet.loading_state import LoadingState
+from fleet.shutdown import Shutdown
 from fleet.timers import wait_for_future
 from fleet.waiting import ModelQueue, Waiter
 from nodes.link.lifecycle import PlacementLifecycle, aio
@@ -129,6 +130,12 @@ class LaneSignal:
             await asyncio.wait_for(event.wait(), timeout)
         event.clear()
 
+    def wake(self, key: Waiter) -> None:
+        """Wake this one waiter now (a generation the head's drain ends while it waits)."""
+        event = self._events.get(key)
+        if event is not None:
+            event.set()
+
     def notify(self) -> None:
         """A lane may be free: wake the waiters it could go to. Callable from any thread."""
         loop = self._loop
@@ -163,8 +170,8 @@ class LaneSignal:
 
 
 class Registry:
-    """Process-wide: links by node id, relays by generation id, the placement state, the lane signal and what
-    on-demand loading remembers."""
+    """Process-wide: links by node id, relays by generation id, the placement state, the lane signal, what
+    on-demand loading remembers and the process's drain."""
 
     def __init__(self) -> None:
         self.links: dict[str, LinkHandle] = {}
@@ -181,6 +188,7 @@ class Registry:
                                 listen=getattr(self.aplacement, "listen", None),
                                 fair=settings.FLEET_WAITING_ORDER == "fair")
         self.loading = LoadingState()  # on-demand models: this process's placements and queue waits (fleet.loading)
+        self.shutdown = Shutdown()  # draining on SIGTERM: no new work, the running generations seen to their end
 
     @property
     def aplacement(self) -> Any:

@@ -234,6 +234,9 @@ FLEET_LOAD_TOKENS = env_int("FLEET_LOAD_TOKENS", None)
 FLEET_DEFAULT_DEADLINE_MS = env_int("FLEET_DEFAULT_DEADLINE_MS", 60_000)
 FLEET_HEARTBEAT_S = env_int("FLEET_HEARTBEAT_S", 5)
 FLEET_NODE_TIMEOUT_S = env_int("FLEET_NODE_TIMEOUT_S", 20)
+# A head told to stop (SIGTERM, SIGINT) lets its running generations finish this long, then ends the rest with an
+# error event (fleet/shutdown.py); new requests get a 503 with Retry-After meanwhile.
+FLEET_SHUTDOWN_GRACE_S = env_int("FLEET_SHUTDOWN_GRACE_S", 30)
 FLEET_MAX_HANDSHAKES = env_int("FLEET_MAX_HANDSHAKES", 8)
 # Of those, at most this many from one address (loopback exempt: local nodes), each stage done within this long.
 FLEET_MAX_HANDSHAKES_PER_ADDRESS = env_int("FLEET_MAX_HANDSHAKES_PER_ADDRESS", 2)

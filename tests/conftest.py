@@ -28,7 +28,7 @@ TIERS: dict[str, set[str]] = {
         "test_engine_lora.py", "test_engine_mock.py", "test_engine_pace.py", "test_engine_speech.py",
         "test_engine_vision.py", "test_engine_worker.py", "test_form_parsing.py", "test_link_channel.py",
         "test_link_noise.py", "test_media_cache.py", "test_replicas.py", "test_timers.py", "test_window.py",
-        "test_on_demand_node.py",
+        "test_on_demand_node.py", "test_shutdown.py",
     },
     "in_process": {
         "test_adapters.py", "test_admin.py", "test_api_access.py", "test_api_fuzz_regressions.py",
@@ -52,6 +52,7 @@ TIERS: dict[str, set[str]] = {
         "test_soak.py", "test_tokenizers_e2e.py", "test_transcriptions_e2e.py", "test_up_e2e.py",
         "test_vision_e2e.py", "test_agents_e2e.py", "test_hardening_e2e.py", "test_tracing_e2e.py",
         "test_waiting_room_e2e.py", "test_on_demand_e2e.py", "test_redis_calls_e2e.py",
+        "test_shutdown_e2e.py",
     },
     "browser": {"test_model_admin_browser.py", "test_pages_browser.py"},
 }

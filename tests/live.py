@@ -129,7 +129,8 @@ def make_head(tmp: Path, *, extra_env: dict[str, str] | None = None, port: int |
                 "FLEET_LOCAL_NODE_TOKEN": format_token(LOCAL_TOKEN_ID, make_secret()),
                 "FLEET_REDIS_PREFIX": f"fleet-test-{uuid.uuid4().hex[:8]}:",
                 "PYTHONUNBUFFERED": "1", "DJANGO_SUPERUSER_PASSWORD": "test-password-1",
-                "FLEET_METRICS_TOKEN": f"metrics-{uuid.uuid4().hex}"})
+                "FLEET_METRICS_TOKEN": f"metrics-{uuid.uuid4().hex}",
+                "FLEET_SHUTDOWN_GRACE_S": "3"})  # a test's head stopped mid-stream drains briefly
     if database_url:
         env["DATABASE_URL"] = database_url
     port = port or free_port()

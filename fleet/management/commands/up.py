@@ -142,6 +142,7 @@ class Command(BaseCommand):
             time.sleep(0.5)
 
     def _stop(self, children):
+        self._stop_head(children.get("daphne"))
         for proc in reversed(list(children.values())):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -153,6 +154,22 @@ class Command(BaseCommand):
                 proc.kill()
         head_served_address_path().unlink(missing_ok=True)
         self.stdout.write("Fleet stopped.\n")
+
+
+    def _stop_head(self, daphne: subprocess.Popen | None) -> None:
+        """The head first, while its node still serves: it drains (fleet/shutdown.py), so running generations finish
+        within FLEET_SHUTDOWN_GRACE_S or end with an error event, and each is recorded. Ctrl-C again ends them now."""
+        if daphne is None or daphne.poll() is not None:
+            return
+        self.stdout.write(f"Stopping: running generations get {settings.FLEET_SHUTDOWN_GRACE_S} s to finish "
+                          "(Ctrl-C again ends them now).\n")
+        self.stdout.flush()
+        signal.signal(signal.SIGINT, lambda signum, frame: daphne.poll() is None and daphne.send_signal(signal.SIGTERM))
+        daphne.send_signal(signal.SIGTERM)
+        try:
+            daphne.wait(settings.FLEET_SHUTDOWN_GRACE_S + 30)
+        except subprocess.TimeoutExpired:
+            daphne.kill()
 
 
 def _refuse_taken_port(host: str, port: int) -> None:
