@@ -16,10 +16,9 @@ from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from api.errors import OpenAIError, anthropic_body, anthropic_status, invalid
-from api.generation import PENDING, Run
+from api.generation import Run
 from api.json_out import json_bytes
 from api.specs import GenerationRequest, chat_request
-from api.sse import KEEPALIVE_S
 from api.v1 import json_body, openai_view, respond
 from fleet.dispatch import Tokens
 from fleet.links import registry
@@ -266,7 +265,10 @@ PING = _event("ping")
 
 
 class MessageEvents:
-    """A Run's events as Anthropic streams them: message_start, content blocks, message_delta, message_stop."""
+    """A Run's events as Anthropic streams them: message_start, content blocks, message_delta, message_stop (an
+    api.sse.Sink; its keep-alive is Anthropic's `ping`: a node is slow, or a lane is awaited)."""
+
+    keepalive = PING
 
     def __init__(self, run: Run):
         self.run = run
@@ -304,7 +306,7 @@ class MessageEvents:
             out.append(_event("content_block_delta", index=0, delta={"type": "text_delta", "text": text}))
         return out
 
-    def closing(self) -> list[bytes]:
+    async def closing(self) -> list[bytes]:
         tools = _tool_blocks(self.run)
         out: list[bytes] = []
         if tools:
@@ -321,27 +323,11 @@ class MessageEvents:
                        usage=_usage(self.run)), _event("message_stop")]
         return out
 
+    def ending(self) -> list[bytes]:
+        return []
 
-async def stream_body(run: Run, first: Any, events: MessageEvents):
-    event = first
-    try:
-        for chunk in events.opening():
-            yield chunk
-        while event is not None:
-            if event is PENDING:
-                yield PING  # Anthropic's keep-alive: a node is slow, or a lane is awaited
-            elif isinstance(event, Tokens):
-                for chunk in events.tokens(event):
-                    yield chunk
-            event = await run.next_event(timeout=KEEPALIVE_S)
-        for chunk in events.closing():
-            yield chunk
-    except OpenAIError as exc:
-        response = anthropic_error_response(exc)
-        yield b"event: error\ndata: " + response.content + b"\n\n"
-    except (asyncio.CancelledError, GeneratorExit):
-        await run.abandon()
-        raise
+    def failed(self, exc: OpenAIError) -> list[bytes]:
+        return [b"event: error\ndata: " + anthropic_error_response(exc).content + b"\n\n"]
 
 
 # --- the views --------------------------------------------------------------------------------------------------
@@ -353,7 +339,7 @@ async def messages(request: HttpRequest) -> HttpResponse:
     key = request.api_key
     gen = await sync_to_async(messages_request)(body, api_key=key, user=key.owner)
     gen.batch = request.batch_line
-    return await respond(gen, request.quota, body=_message_body, shape=MessageEvents, events=stream_body)
+    return await respond(gen, request.quota, body=_message_body, sink=MessageEvents)
 
 
 async def _message_body(run: Run) -> dict[str, Any]:

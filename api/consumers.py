@@ -31,9 +31,10 @@ from api.json_out import json_text
 from api.quotas import Ticket, quota_admit
 from api.services import api_key_authenticate, api_key_verified
 from api.specs import aparse, request_for
+from api.sse import NEXT, drive
 from fleet import tracing
 from fleet.dbsweep import FramesSkipSweep
-from fleet.dispatch import Finished, Tokens
+from fleet.dispatch import Tokens
 
 log = logging.getLogger("api")
 
@@ -171,36 +172,14 @@ class ClientStreamConsumer(FramesSkipSweep, AsyncJsonWebsocketConsumer):
             raise _Refused from None
 
     async def _relay(self, client_id: Any, run: Run) -> None:
-        seq = 0
         try:
-            async for event in run.events():
-                if isinstance(event, Tokens):
-                    seq += 1
-                    frame = {"type": "token", "id": client_id, "seq": seq, "text": event.text}
-                    if event.logprobs is not None:
-                        frame["logprobs"] = event.logprobs
-                    await self.send_json(frame)
-                elif isinstance(event, Finished):
-                    seq += 1
-                    await self.send_json(self._done(client_id, seq, run))
-        except OpenAIError as exc:
-            frame = _error(client_id, seq + 1, exc.code or "error", exc.message, exc.param)
-            if "Retry-After" in exc.headers:  # too many waiting for the key, every lane busy until the deadline
-                frame["retry_after"] = int(exc.headers["Retry-After"])
-            await self.send_json(frame)
+            async for frame in drive(run, NEXT, SocketFrames(client_id, run)):
+                await self.send_json(frame)
         except Exception:  # the socket is closing under us; disconnect() cancels the generation
             log.debug("client stream %r: could not send", client_id, exc_info=True)
         finally:
             if self.running.get(client_id, (None,))[0] is run:
                 del self.running[client_id]
-
-    def _done(self, client_id: Any, seq: int, run: Run) -> dict[str, Any]:
-        frame = {"type": "done", "id": client_id, "seq": seq, "finish_reason": run.finish_reason(),
-                 "usage": run.usage(), "node": run.node}
-        calls = run.tool_calls()
-        if calls:
-            frame["tool_calls"] = calls
-        return frame
 
     async def _cancel(self, client_id: Any) -> None:
         entry = self.running.get(client_id)
@@ -218,6 +197,44 @@ class ClientStreamConsumer(FramesSkipSweep, AsyncJsonWebsocketConsumer):
         with suppress(BaseException):
             await task
         await run.abandon(reason)
+
+
+class SocketFrames:
+    """A run's events as the client websocket's frames (an api.sse.Sink without keep-alives): `token` frames, then
+    `done` with usage and any tool calls, or `error`; each with the generation's own sequence number."""
+
+    keepalive = None
+
+    def __init__(self, client_id: Any, run: Run):
+        self.client_id, self.run, self.seq = client_id, run, 0
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def tokens(self, event: Tokens) -> list[dict[str, Any]]:
+        self.seq += 1
+        frame = {"type": "token", "id": self.client_id, "seq": self.seq, "text": event.text}
+        if event.logprobs is not None:
+            frame["logprobs"] = event.logprobs
+        return [frame]
+
+    async def closing(self) -> list[dict[str, Any]]:
+        self.seq += 1
+        run = self.run
+        frame = {"type": "done", "id": self.client_id, "seq": self.seq, "finish_reason": run.finish_reason(),
+                 "usage": run.usage(), "node": run.node}
+        if calls := run.tool_calls():
+            frame["tool_calls"] = calls
+        return [frame]
+
+    def ending(self) -> list[dict[str, Any]]:
+        return []
+
+    def failed(self, exc: OpenAIError) -> list[dict[str, Any]]:
+        frame = _error(self.client_id, self.seq + 1, exc.code or "error", exc.message, exc.param)
+        if "Retry-After" in exc.headers:  # too many waiting for the key, every lane busy until the deadline
+            frame["retry_after"] = int(exc.headers["Retry-After"])
+        return [frame]
 
 
 def same_origin(scope: dict) -> bool:

@@ -9,7 +9,6 @@ the next turn's prompt prefix (`previous_response_id`), so placement sends that 
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,11 +16,11 @@ from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from api.errors import OpenAIError, invalid
-from api.generation import PENDING, Run
+from api.generation import Run
 from api.json_out import json_bytes
 from api.responses import chat_logprobs
 from api.specs import MAX_TOP_LOGPROBS, GenerationRequest, _for_node, chat_request
-from api.sse import KEEPALIVE, KEEPALIVE_S
+from api.sse import KEEPALIVE
 from api.v1 import json_body, openai_view, respond
 from fleet.dispatch import Tokens
 from sessions import selectors
@@ -367,7 +366,9 @@ async def store_answer(req: ResponsesRequest, run: Run, body: dict[str, Any]) ->
 
 
 class ResponsesEvents:
-    """A Run's events as the Responses API streams them, each with its sequence_number."""
+    """A Run's events as the Responses API streams them, each with its sequence_number (an api.sse.Sink)."""
+
+    keepalive = KEEPALIVE
 
     def __init__(self, run: Run, req: ResponsesRequest):
         self.run, self.req = run, req
@@ -417,7 +418,9 @@ class ResponsesEvents:
                 self.event("response.content_part.added", item_id=item["id"], output_index=0, content_index=0,
                            part=part)]
 
-    def closing(self, final: dict[str, Any]) -> list[bytes]:
+    async def closing(self) -> list[bytes]:
+        final = finished_object(self.req, self.run)
+        await store_answer(self.req, self.run, final)  # before the client hears it is done: its next turn may name it
         calls = self.run.tool_calls()
         out = self._calls(final["output"]) if calls else self._close_message(final["output"][0])
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
@@ -442,35 +445,14 @@ class ResponsesEvents:
                     self.event("response.output_item.done", output_index=index, item=item)]
         return out
 
+    def ending(self) -> list[bytes]:
+        return []
+
     def failed(self, exc: OpenAIError) -> list[bytes]:
         error = {"code": exc.code or exc.type, "message": exc.message}
         return [self.event("error", code=exc.code, message=exc.message, param=exc.param),
                 self.event("response.failed", response=response_object(self.req, status="failed", output=[],
                                                                        error=error))]
-
-
-async def stream_body(run: Run, first: Any, events: ResponsesEvents):
-    event = first
-    try:
-        for chunk in events.opening():
-            yield chunk
-        while event is not None:
-            if event is PENDING:
-                yield KEEPALIVE
-            elif isinstance(event, Tokens):
-                for chunk in events.tokens(event):
-                    yield chunk
-            event = await run.next_event(timeout=KEEPALIVE_S)
-        final = finished_object(events.req, run)
-        await store_answer(events.req, run, final)  # before the client hears it is done: its next turn may name it
-        for chunk in events.closing(final):
-            yield chunk
-    except OpenAIError as exc:
-        for chunk in events.failed(exc):
-            yield chunk
-    except (asyncio.CancelledError, GeneratorExit):
-        await run.abandon()
-        raise
 
 
 # --- the views --------------------------------------------------------------------------------------------------
@@ -483,7 +465,7 @@ async def responses(request: HttpRequest) -> HttpResponse:
     req = await sync_to_async(responses_request)(body, api_key=key, user=key.owner)
     req.gen.batch = request.batch_line
     return await respond(req.gen, request.quota, body=lambda run: _finished(req, run),
-                         shape=lambda run: ResponsesEvents(run, req), events=stream_body)
+                         sink=lambda run: ResponsesEvents(run, req))
 
 
 async def _finished(req: ResponsesRequest, run: Run) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Protocol
 
 from django.http import StreamingHttpResponse
 
@@ -34,32 +34,28 @@ async def first_event(run: Run) -> Any:
     return await run.next_event(timeout=HEADER_WAIT_S)
 
 
-_bodies: ContextVar[list[SSEBody] | None] = ContextVar("fleet_sse_bodies", default=None)
+_bodies: ContextVar[list[tuple[SSEBody, Run]] | None] = ContextVar("fleet_sse_bodies", default=None)
 
 
 class SSEBody:
-    """A stream's body that `sse_guard` can free if Django never starts sending it.
+    """A stream's body that `sse_guard` can tell was never started.
 
     A client that hangs up between the view's return and the first chunk makes Django cancel the response on
     its way out (in the middleware, or while sending the headers): the body generator then never starts, so
     its own cleanup never runs, and the node would keep decoding for nobody.
     """
 
-    def __init__(self, run: Run, first: Any, shape: Any = None, events: Any = None):
-        self.run = run
+    def __init__(self, body: Any):
         self.started = False
-        self.body = self._body(first, shape, events or sse_body)
-        pending = _bodies.get()
-        if pending is not None:
-            pending.append(self)
+        self._body = body
 
-    async def _body(self, first: Any, shape: Any, events: Any):
+    def __aiter__(self):  # Django takes the iterator at once; the body starts at its first step
+        return self._steps()
+
+    async def _steps(self):
         self.started = True
-        async for chunk in events(self.run, first, shape):
+        async for chunk in self._body:
             yield chunk
-
-    def __aiter__(self):
-        return self.body
 
 
 def sse_guard(app):
@@ -76,18 +72,19 @@ def sse_guard(app):
         finally:
             pending = _bodies.get() or []
             _bodies.reset(token)
-            for body in pending:
-                if not body.started and not body.run.over:
-                    await body.run.abandon("client went away before the stream started")
+            for body, run in pending:
+                if not body.started and not run.over:
+                    await run.abandon("client went away before the stream started")
 
     return guarded
 
 
-def sse_response(run: Run, first: Any, shape: Any = None, events: Any = None) -> StreamingHttpResponse:
-    """The stream of `run` from event `first` on; `shape` turns events into chunks (the run's completion or chat shape
-    unless given: a transcription has its own). `events(run, first, shape)`: the body's bytes, where an API streams
-    other events than OpenAI's chunks (the Responses and Messages APIs); sse_body unless given."""
-    body = SSEBody(run, first, shape, events)
+def sse_response(run: Run, first: Any, sink: Sink | None = None) -> StreamingHttpResponse:
+    """The stream of `run` from event `first` on, as `sink` writes it (OpenAI's chunks of the run's chat or
+    completion unless given: the Responses and Messages APIs and transcriptions have sinks of their own)."""
+    body = SSEBody(drive(run, first, sink or OpenAIChunks(shape_for(run))))
+    if (pending := _bodies.get()) is not None:
+        pending.append((body, run))
     response = StreamingHttpResponse(body, content_type="text/event-stream; charset=utf-8")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
@@ -97,29 +94,78 @@ def sse_response(run: Run, first: Any, shape: Any = None, events: Any = None) ->
     return response
 
 
-async def sse_body(run: Run, first: Any, shape: Any = None):
-    shape = shape or shape_for(run)
-    event = first
+class Sink(Protocol):
+    """What one API's stream makes of a run's events: the bytes of its SSE events (the client websocket's sink makes
+    frames). `drive` calls `opening` once,
+    `tokens` for each token batch, `keepalive` while the run waits (a lane, a slow node, a failover), `closing`
+    when the node finished, then `ending`; or `failed` once, instead of whatever was left, when the run fails."""
+
+    keepalive: Any  # None: no keep-alives (the client websocket's frames)
+
+    def opening(self) -> list[Any]: ...
+
+    def tokens(self, event: Tokens) -> list[Any]: ...
+
+    async def closing(self) -> list[Any]: ...
+
+    def ending(self) -> list[Any]: ...
+
+    def failed(self, exc: OpenAIError) -> list[Any]: ...
+
+
+NEXT = object()  # drive's `first` when no event was read before: the loop reads the first itself
+
+
+async def drive(run: Run, first: Any, sink: Sink):
+    """The one stream loop: `run`'s events from `first` on, through `sink`, with a keep-alive every KEEPALIVE_S
+    while the run waits (none where the sink's keepalive is None: then no step needs a timer); a client that goes
+    away (the loop cancelled or closed) abandons the run, which cancels the node's lane."""
+    timeout = None if sink.keepalive is None else KEEPALIVE_S
     try:
-        for chunk in shape.opening_chunks():
-            yield sse_event(chunk)
-        while True:
+        event = await run.next_event(timeout=timeout) if first is NEXT else first
+        for chunk in sink.opening():
+            yield chunk
+        while event is not None:
             if event is PENDING:
-                yield KEEPALIVE
-            elif event is None:
-                break
+                yield sink.keepalive
             elif isinstance(event, Tokens):
-                for chunk in shape.token_chunks(event):
-                    yield sse_event(chunk)
+                for chunk in sink.tokens(event):
+                    yield chunk
             elif isinstance(event, Finished):
-                for chunk in shape.closing_chunks():
-                    yield sse_event(chunk)
-            event = await run.next_event(timeout=KEEPALIVE_S)
-        if run.request.include_usage:
-            yield sse_event(shape.usage_chunk())
+                for chunk in await sink.closing():
+                    yield chunk
+            event = await run.next_event(timeout=timeout)
+        last = sink.ending()
     except OpenAIError as exc:
-        yield sse_event(exc.body())
+        last = sink.failed(exc)
     except (asyncio.CancelledError, GeneratorExit):
         await run.abandon()
         raise
-    yield DONE
+    for chunk in last:
+        yield chunk
+
+
+class OpenAIChunks:
+    """OpenAI's streamed chunks (a chat's, a completion's, a transcription's: `shape` makes them), its usage chunk
+    when asked for, an error chunk on failure, and `[DONE]` at the end either way."""
+
+    keepalive = KEEPALIVE
+
+    def __init__(self, shape: Any):
+        self.shape = shape
+
+    def opening(self) -> list[bytes]:
+        return [sse_event(chunk) for chunk in self.shape.opening_chunks()]
+
+    def tokens(self, event: Tokens) -> list[bytes]:
+        return [sse_event(chunk) for chunk in self.shape.token_chunks(event)]
+
+    async def closing(self) -> list[bytes]:
+        return [sse_event(chunk) for chunk in self.shape.closing_chunks()]
+
+    def ending(self) -> list[bytes]:
+        usage = [sse_event(self.shape.usage_chunk())] if self.shape.run.request.include_usage else []
+        return [*usage, DONE]
+
+    def failed(self, exc: OpenAIError) -> list[bytes]:
+        return [sse_event(exc.body()), DONE]

@@ -23,7 +23,7 @@ from api.audio import AUDIO_FORMATS, RESPONSE_FORMATS, audio_format, subtitles, 
 from api.errors import OpenAIError, invalid
 from api.generation import Run
 from api.specs import GenerationRequest, model_name
-from api.sse import first_event, sse_response
+from api.sse import OpenAIChunks, first_event, sse_response
 from fleet.aliases import alias_resolve
 from fleet.dispatch import Tokens
 from nodes.link.spec import GenerateSpec
@@ -111,7 +111,7 @@ async def serve_transcription(request: HttpRequest) -> HttpResponse:
     segments: list[dict[str, Any]] = []
     try:
         if gen.stream:
-            return sse_response(run, await first_event(run), TranscriptShape(run))
+            return sse_response(run, await first_event(run), OpenAIChunks(TranscriptShape(run)))
         while await _next(run, segments) is not None:
             pass
     except asyncio.CancelledError:

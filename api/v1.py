@@ -211,17 +211,17 @@ async def serve(request: HttpRequest, parse: Callable[..., GenerationRequest]) -
     return await respond(gen, request.quota)
 
 
-async def respond(gen: GenerationRequest, ticket: Ticket | None = None, *, body: Any = None, shape: Any = None,
-                  events: Any = None) -> HttpResponse:
+async def respond(gen: GenerationRequest, ticket: Ticket | None = None, *, body: Any = None,
+                  sink: Any = None) -> HttpResponse:
     """Run a validated generation and answer it: SSE when it streams, else one JSON object. The Run settles the
     quota ticket when the generation ends. Every API answers through here: `body(run)` (awaitable) is the JSON
-    answer (chat's or completion's shape unless given); `shape(run)` and `events` stream another API's events
-    (api.sse.sse_response)."""
+    answer (chat's or completion's shape unless given); `sink(run)` streams another API's events (api.sse.Sink;
+    OpenAI's chunks unless given)."""
     run = Run(gen, ticket)
     try:
         if gen.stream:
             first = await first_event(run)
-            return sse_response(run, first, shape(run) if shape else None, events=events)
+            return sse_response(run, first, sink(run) if sink else None)
         async for _ in run.events():
             pass
         answer = await body(run) if body else shape_for(run).response()
