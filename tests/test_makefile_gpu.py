@@ -1,0 +1,60 @@
+"""`make install GPU=...`: the llama-cpp-python wheel is built once per version and backend, into a wheel folder of
+Fleet's own, and a changed backend rebuilds it (what `make -n` would run says which)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+VERSION = next(line.split("==")[1].strip() for line in (ROOT / "constraints.txt").read_text().splitlines()
+               if line.startswith("llama_cpp_python=="))
+
+
+@pytest.fixture
+def built_cpu(tmp_path):
+    """A wheel folder with the CPU build made, and a venv installed from it."""
+    wheels = tmp_path / "wheels"
+    (wheels / f"llama_cpp_python-{VERSION}-cpu").mkdir(parents=True)
+    (wheels / f"llama_cpp_python-{VERSION}-cpu" / ".built").touch()
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed-cpu").touch()
+    return wheels, venv
+
+
+def make(wheels: Path, venv: Path, gpu: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", *flags, "install", f"GPU={gpu}", f"WHEELHOUSE={wheels}", f"VENV={venv}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_the_same_backend_reuses_its_built_wheel(built_cpu):
+    out = make(*built_cpu, "cpu", "-n")
+    assert out.returncode == 0, out.stderr
+    assert "pip wheel" not in out.stdout and "pip install" not in out.stdout
+
+
+def test_another_backend_builds_its_own_wheel_with_rpc_and_reinstalls(built_cpu):
+    out = make(*built_cpu, "vulkan", "-n")
+    assert out.returncode == 0, out.stderr
+    build = next(line for line in out.stdout.replace("\\\n", " ").splitlines() if "pip wheel" in line)
+    assert 'CMAKE_ARGS="-DGGML_VULKAN=on -DGGML_RPC=on"' in build and "--no-cache-dir" in build
+    assert f"llama_cpp_python-{VERSION}-vulkan" in build
+    assert "--force-reinstall --no-deps" in out.stdout  # the venv takes the vulkan wheel, not pip's choice
+
+
+def test_an_unknown_backend_fails_with_one_line(built_cpu):
+    out = make(*built_cpu, "tpu")
+    assert out.returncode != 0
+    assert "GPU=tpu is not one of cpu, cuda, rocm, vulkan, metal" in out.stderr
+
+
+def test_a_gpu_backend_without_its_toolkit_says_what_is_missing(built_cpu, monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no nvcc on this machine's plain PATH
+    if subprocess.run(["sh", "-c", "command -v nvcc"], capture_output=True).returncode == 0:
+        pytest.skip("nvcc is on /usr/bin here")
+    out = make(*built_cpu, "cuda")
+    assert out.returncode != 0
+    assert "GPU=cuda needs nvcc (the CUDA toolkit) on this host" in out.stderr
