@@ -22,6 +22,7 @@ from api.specs import GenerationRequest, chat_request
 from api.v1 import json_body, openai_view, respond
 from fleet.dispatch import Tokens
 from fleet.links import registry
+from fleet.selectors import model_context_window
 from nodes.agent.vocab import BUILTINS, BYTES
 from nodes.tokenizers import fingerprint_served, tokenizer_get
 
@@ -51,10 +52,7 @@ def messages_request(body: Any, *, api_key=None, user=None, counting: bool = Fal
     for name, why in REFUSED.items():
         if body.get(name):
             raise invalid(f"{name}: {why}", param=name)
-    thinking = body.get("thinking")
-    if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") != "disabled"):
-        raise invalid("thinking: extended thinking is not supported by the fleet's models; leave it out.",
-                      param="thinking")
+    thinking = _thinking(body.get("thinking"))
     metadata = body.get("metadata")
     if metadata is not None and (not isinstance(metadata, dict) or
                                  not isinstance(metadata.get("user_id"), str | None)):
@@ -62,7 +60,8 @@ def messages_request(body: Any, *, api_key=None, user=None, counting: bool = Fal
     max_tokens = body.get("max_tokens")
     if not counting and max_tokens is None:
         raise invalid("max_tokens: Field required.", param="max_tokens")
-    messages = _system(body.get("system")) + _messages(body.get("messages"))
+    max_tokens, capped = _within_window(max_tokens, body.get("model"))
+    messages = _system_first(_system(body.get("system")) + _messages(body.get("messages")))
     fmt = _output_format(body.get("output_config"))
     chat = {"response_format": fmt, "model": body.get("model"), "messages": messages, "stream": body.get("stream"),
             "max_tokens": None if counting else max_tokens, "stop": body.get("stop_sequences") or None,
@@ -76,7 +75,44 @@ def messages_request(body: Any, *, api_key=None, user=None, counting: bool = Fal
             exc.param, exc.message = name, exc.message.replace(exc.param, name, 1)
         raise
     gen.api = "messages"
+    gen.left_out += thinking + capped
     return gen
+
+
+THINKING = ("enabled", "adaptive", "disabled")
+
+
+def _within_window(max_tokens: Any, model: Any) -> tuple[Any, list[str]]:
+    """Anthropic's clients ask for more tokens than a small model's window (Claude Code: 32,000): capped to the
+    window, and said, rather than refused; the node stops at its window anyway."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not isinstance(model, str):
+        return max_tokens, []
+    window = model_context_window(model)
+    if window is None or max_tokens <= window:
+        return max_tokens, []
+    return window, [f"max_tokens {max_tokens}: capped to {window}, the context window of {model!r}"]
+
+
+def _thinking(thinking: Any) -> list[str]:
+    """`thinking` of any of Anthropic's types is accepted; what it asked for that the answer will not have."""
+    if thinking is None:
+        return []
+    if not isinstance(thinking, dict) or thinking.get("type") not in THINKING:
+        raise invalid('thinking: must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or '
+                      '{"type": "disabled"}.', param="thinking")
+    if thinking["type"] == "disabled":
+        return []
+    return [f"thinking ({thinking['type']}): the fleet's models answer without thinking blocks"]
+
+
+def _system_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A system-role message inside `messages` (Claude Code sends one) joins the system prompt, which chat templates
+    take only first."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    if len(system) < 2 and (not system or messages[0]["role"] == "system"):
+        return messages
+    rest = [m for m in messages if m["role"] != "system"]
+    return [{"role": "system", "content": "\n\n".join(system)}, *rest]
 
 
 def _output_format(config: Any) -> dict[str, Any] | None:
@@ -111,10 +147,12 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         param = f"messages.{i}"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise invalid(f"{param}.role: must be \"user\" or \"assistant\".", param=param)
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise invalid(f"{param}.role: must be \"user\", \"assistant\" or \"system\".", param=param)
         content = message.get("content")
-        if isinstance(content, str):
+        if message["role"] == "system":
+            out += _system(content)
+        elif isinstance(content, str):
             out.append({"role": message["role"], "content": content})
         elif isinstance(content, list):
             out += _blocks(message["role"], content, param)

@@ -61,6 +61,10 @@ INPUT_ITEM = {"oneOf": [
 ]}
 FUNCTION_TOOL = _object(["type", "name"], type=_kind("function"), name=NAME, description=_opt(STRING),
                         parameters=_opt(SCHEMA), strict=_opt({"type": "boolean"}))
+HOSTED_TOOL = _object(["type"], type={"type": "string", "not": {"enum": ["function", "namespace"]}})
+ANY_TOOL = {"oneOf": [FUNCTION_TOOL, HOSTED_TOOL]}
+NAMESPACE_TOOL = _object(["type", "name", "tools"], type=_kind("namespace"), name=STRING,
+                         tools={"type": "array", "items": ANY_TOOL})
 TEXT_FORMAT = {"oneOf": [
     _object(["type"], type={"type": "string", "enum": ["text", "json_object"]}),
     _object(["type", "schema"], type=_kind("json_schema"), name={"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
@@ -75,7 +79,9 @@ def responses_request() -> dict[str, Any]:
         "input": {"oneOf": [STRING, {"type": "array", "minItems": 1, "maxItems": settings.FLEET_MAX_MESSAGES,
                                      "items": INPUT_ITEM}]},
         "instructions": _opt(STRING, "A system message before the conversation (not carried to the next turn)."),
-        "tools": _opt({"type": "array", "items": FUNCTION_TOOL}, "Function tools only; built-in tools are a 400."),
+        "tools": _opt({"type": "array", "items": {"oneOf": [FUNCTION_TOOL, NAMESPACE_TOOL, HOSTED_TOOL]}},
+                      "Function tools, and a namespace's function tools under their own names; hosted tools (web "
+                      "search and the like) are left out, named in the X-Fleet-Left-Out header."),
         "tool_choice": _opt({"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
                                        _object(["type", "name"], type=_kind("function"), name=STRING)]}),
         "parallel_tool_calls": _opt({"type": "boolean"}, "Echoed; the model may make several calls either way."),
@@ -95,7 +101,8 @@ def responses_request() -> dict[str, Any]:
         "stream": _opt({"type": "boolean"}),
         "truncation": _opt({"type": "string", "enum": ["disabled"]}),
         "reasoning": _opt({"type": "object", "properties": {
-            "effort": _opt({"type": "string", "enum": ["none", "minimal"]}), "summary": IGNORED}}),
+            "effort": _opt({"type": "string", "enum": ["none", "minimal", "low", "medium", "high", "xhigh"]},
+                           "Accepted; above minimal it is left out (X-Fleet-Left-Out)."), "summary": IGNORED}}),
         "background": _opt({"type": "boolean", "enum": [False]}, "Not supported."),
         "user": IGNORED, "service_tier": IGNORED, "safety_identifier": IGNORED, "prompt_cache_key": IGNORED,
         "stream_options": IGNORED,
@@ -132,7 +139,7 @@ BLOCK = {"oneOf": [
     _object(["type", "tool_use_id"], type=_kind("tool_result"), tool_use_id=STRING, is_error={"type": "boolean"},
             content=_opt({"oneOf": [STRING, {"type": "array", "items": TEXT_BLOCK}]})),
 ], "description": "User messages: text, image, tool_result; assistant messages: text, tool_use."}
-MESSAGE = _object(["role", "content"], role={"type": "string", "enum": ["user", "assistant"]},
+MESSAGE = _object(["role", "content"], role={"type": "string", "enum": ["user", "assistant", "system"]},
                   content={"oneOf": [STRING, {"type": "array", "items": BLOCK}]})
 TOOL = _object(["name", "input_schema"], name=NAME, description=STRING, input_schema=SCHEMA)
 TOOL_CHOICE = {"oneOf": [_object(["type"], type={"type": "string", "enum": ["auto", "any", "none"]}),
@@ -146,7 +153,9 @@ def _prompt() -> dict[str, Any]:
         "system": _opt({"oneOf": [STRING, {"type": "array", "items": TEXT_BLOCK}]}),
         "tools": _opt({"type": "array", "items": TOOL}, "Client tools only; server tools are a 400."),
         "tool_choice": _opt(TOOL_CHOICE, "Needs tools unless auto or none."),
-        "thinking": _opt(_object(["type"], type=_kind("disabled")), "Extended thinking is not supported."),
+        "thinking": _opt(_object(["type"], type={"type": "string", "enum": ["enabled", "adaptive", "disabled"]},
+                                 budget_tokens={"type": "integer"}),
+                         "Accepted; the answer has no thinking blocks, and X-Fleet-Left-Out says so."),
     }
 
 

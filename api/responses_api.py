@@ -78,14 +78,16 @@ def responses_request(body: Any, *, api_key=None, user=None) -> ResponsesRequest
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("instructions must be a string.", param="instructions")
     messages = input_messages(body.get("input"))
+    tools, left_out = _tools(body.get("tools"))
     chat = {"model": body.get("model"), "messages": messages, "stream": body.get("stream"),
-            "tools": _tools(body.get("tools")), "tool_choice": _tool_choice(body.get("tool_choice")),
+            "tools": tools, "tool_choice": _tool_choice(body.get("tool_choice")),
             "priority": body.get("priority"), **_sampling(body), **_logprobs(body), **_text_format(body.get("text"))}
     try:
         gen = chat_request({k: v for k, v in chat.items() if v is not None}, api_key=api_key, user=user)
     except OpenAIError as exc:
         raise _renamed(exc) from None
     gen.api = "responses"
+    gen.left_out += _reasoning_left_out(body.get("reasoning")) + left_out
     system = [{"role": "system", "content": instructions}] if instructions else []
     gen.spec.messages = _for_node(system + history + gen.new_messages, gen.tools)
     return ResponsesRequest(gen, body, history, _items(body.get("input"), gen.gen_id), previous, store)
@@ -98,9 +100,8 @@ def _refuse(body: dict[str, Any]) -> None:
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
         raise invalid("reasoning must be an object.", param="reasoning")
-    if reasoning and reasoning.get("effort") not in (None, "none", "minimal"):
-        raise invalid("reasoning.effort is not supported: the fleet's models do not reason on request; leave it out.",
-                      param="reasoning", code="unsupported_parameter")
+    if reasoning and reasoning.get("effort") not in (None, "none", "minimal", "low", "medium", "high", "xhigh"):
+        raise invalid("reasoning.effort must be none, minimal, low, medium, high or xhigh.", param="reasoning.effort")
     if body.get("truncation") not in (None, "disabled"):
         raise invalid('truncation must be "disabled": the head does not drop items from a conversation.',
                       param="truncation")
@@ -195,25 +196,45 @@ def _content(content: Any, param: str) -> Any:
     return parts
 
 
-def _tools(tools: Any) -> list[dict[str, Any]] | None:
+def _reasoning_left_out(reasoning: dict[str, Any] | None) -> list[str]:
+    if reasoning and reasoning.get("effort") not in (None, "none", "minimal"):
+        return [f"reasoning.effort {reasoning['effort']}: the fleet's models do not reason on request"]
+    return []
+
+
+def _tools(tools: Any, inner: bool = False) -> tuple[list[dict[str, Any]] | None, list[str]]:
+    """The function tools the model sees (a namespace's own function tools under their own names), and the hosted
+    tools left out (web search, file search and the like run on OpenAI's side, which a fleet has not)."""
     if tools is None:
-        return None
+        return None, []
     if not isinstance(tools, list):
         raise invalid("tools must be a list of function tools.", param="tools")
-    out = []
+    out: list[dict[str, Any]] = []
+    left_out: list[str] = []
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise invalid(f"tools[{i}].type {kind!r} is not supported: only function tools run on a fleet (no "
-                          "built-in tools such as web search, file search or code interpreter).",
-                          param=f"tools[{i}].type", code="unsupported_tool")
-        if not isinstance(tool.get("strict"), bool | None) or not isinstance(tool.get("description"), str | None) or \
-                not isinstance(tool.get("parameters"), dict | None):
-            raise invalid(f"tools[{i}]: parameters is a JSON schema object, strict true or false, description text.",
+        if kind == "namespace" and isinstance(tool.get("tools"), list) and not inner:
+            functions, skipped = _tools(tool["tools"], inner=True)
+            out += functions or []
+            left_out += [f"tools[{i}].{what}" for what in skipped]
+        elif not isinstance(kind, str) or kind == "namespace":
+            raise invalid(f"tools[{i}] must be a tool object with a type (a namespace holds function and hosted "
+                          "tools).",
                           param=f"tools[{i}]")
-        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
-                                                     if tool.get(k) is not None}})
-    return out
+        elif kind != "function":
+            left_out.append(f"tools[{i}] ({kind}): a hosted tool the fleet cannot run")
+        else:
+            out.append(_function_tool(tool, i))
+    return out, left_out
+
+
+def _function_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    if not isinstance(tool.get("strict"), bool | None) or not isinstance(tool.get("description"), str | None) or \
+            not isinstance(tool.get("parameters"), dict | None):
+        raise invalid(f"tools[{i}]: parameters is a JSON schema object, strict true or false, description text.",
+                      param=f"tools[{i}]")
+    return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
+                                             if tool.get(k) is not None}}
 
 
 def _tool_choice(choice: Any) -> Any:

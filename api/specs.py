@@ -55,6 +55,7 @@ class GenerationRequest:
     batch: bool = False  # a batch line: placed below interactive generations (fleet.dispatch)
     priority: str = DEFAULT_PRIORITY  # its class in the waiting room (fleet.waiting): its key's, or lower if asked
     api: str = ""  # the interface that asked, where it is not `kind`'s own ("responses", "messages")
+    left_out: list[str] = field(default_factory=list)  # what the request sent that the fleet accepted but cannot do
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -218,10 +218,12 @@ async def respond(gen: GenerationRequest, ticket: Ticket | None = None, *, body:
     answer (chat's or completion's shape unless given); `sink(run)` streams another API's events (api.sse.Sink;
     OpenAI's chunks unless given)."""
     run = Run(gen, ticket)
+    if gen.left_out:
+        log.info("generation %s: left out what the fleet cannot do: %s", gen.gen_id, "; ".join(gen.left_out))
     try:
         if gen.stream:
             first = await first_event(run)
-            return sse_response(run, first, sink(run) if sink else None)
+            return left_out(sse_response(run, first, sink(run) if sink else None), gen)
         async for _ in run.events():
             pass
         answer = await body(run) if body else shape_for(run).response()
@@ -231,6 +233,13 @@ async def respond(gen: GenerationRequest, ticket: Ticket | None = None, *, body:
     response = JsonResponse(answer)
     response["X-Fleet-Node"] = run.node
     response["X-Fleet-Generation"] = gen.gen_id
+    return left_out(response, gen)
+
+
+def left_out(response: HttpResponse, gen: GenerationRequest) -> HttpResponse:
+    """`X-Fleet-Left-Out`: what the request asked for that the fleet accepted and did not do (docs/api.md)."""
+    if gen.left_out:
+        response["X-Fleet-Left-Out"] = "; ".join(gen.left_out)
     return response
 
 

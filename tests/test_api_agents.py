@@ -154,9 +154,9 @@ async def test_a_function_call_round_trip_continues_the_stored_conversation(bear
 
 
 REFUSED = [
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": "required"}, "tool_choice"),
     ({"background": True}, "background"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "very"}}, "reasoning.effort"),
     ({"include": ["file_search_call.results"]}, "include"),
     ({"max_output_tokens": 999_999}, "max_output_tokens"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
@@ -200,7 +200,53 @@ async def test_text_format_json_schema_is_the_node_grammar_and_a_length_cut_is_i
     assert body["text"]["format"]["type"] == "json_schema"
 
 
+async def test_codex_clis_first_request_shape_is_served_and_says_what_it_left_out(bearer):
+    """Codex CLI's first request, as it sends it (namespace and hosted tools, reasoning, developer messages), with
+    our own text: the model sees every function tool, the namespace's under their own names; the hosted tool and the
+    reasoning effort are left out, and the answer's X-Fleet-Left-Out header says so."""
+    link = add_fake_node()
+    spawn = {**WEATHER, "name": "spawn_agent", "description": "Start a helper agent"}
+    ex = await request("POST", "/v1/responses", key=bearer, body={
+        "model": "smollm2", "instructions": "You are a coding agent.", "stream": True, "store": False,
+        "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be terse."}]},
+                  {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+        "tools": [WEATHER, {"type": "namespace", "name": "multi_agent_v1", "description": "agents",
+                            "tools": [spawn]},
+                  {"type": "web_search", "external_web_access": False}],
+        "tool_choice": "auto", "parallel_tool_calls": True, "reasoning": {"effort": "medium", "summary": "auto"},
+        "include": ["reasoning.encrypted_content"], "prompt_cache_key": "c0dex", "client_metadata": {"a": "b"}})
+    assert ex.status == 200, ex.body
+    assert sse(ex)[-1][0] == "response.completed"
+    seen = json.dumps(link.specs[0]["messages"])
+    assert "get_weather" in seen and "spawn_agent" in seen and "web_search" not in seen
+    left = ex.headers["x-fleet-left-out"]
+    assert "tools[2] (web_search)" in left and "reasoning.effort medium" in left
+
+
 # --- /v1/messages -------------------------------------------------------------------------------------------------
+
+
+async def test_claude_codes_first_request_shape_is_served_and_says_what_it_left_out(bearer):
+    """Claude Code's first request, as it sends it (thinking, context management, effort, cache_control, a system
+    message inside messages, 32,000 max_tokens), with our own text: answered, the system texts joined first."""
+    link = add_fake_node()
+    ex = await request("POST", "/v1/messages?beta=true", key=bearer, body={
+        "model": "smollm2", "max_tokens": 32000, "stream": True, "thinking": {"type": "adaptive"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"}, "metadata": {"user_id": "u1"},
+        "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "system", "content": "Mind the repo."},
+                     {"role": "user", "content": [{"type": "text", "text": "Hi",
+                                                   "cache_control": {"type": "ephemeral"}}]}]})
+    assert ex.status == 200, ex.body
+    assert sse(ex)[-1][0] == "message_stop"
+    assert link.specs[0]["messages"] == [{"role": "system", "content": "You are Claude Code.\n\nMind the repo."},
+                                         {"role": "user", "content": "Hi"}]
+    assert "thinking (adaptive)" in ex.headers["x-fleet-left-out"]
+    refused = await request("POST", "/v1/messages", key=bearer, body=msg(thinking={"type": "pondering"}))
+    assert refused.status == 400 and "thinking" in refused.json()["error"]["message"]
+
+
 
 
 def msg(**extra):
