@@ -2,7 +2,7 @@
 
 The view waits briefly for the first event before it sends headers, so errors that come before any token
 (unknown model, prompt too long, no lane by the deadline) still get a clean HTTP status. After that, the body
-streams; a client that goes away cancels the node's lane (Django cancels the body's iterator on disconnect).
+streams (api.streaming_app writes it); a client that goes away cancels the loop, which cancels the node's lane.
 """
 
 from __future__ import annotations
@@ -34,46 +34,28 @@ async def first_event(run: Run) -> Any:
     return await run.next_event(timeout=HEADER_WAIT_S)
 
 
-_bodies: ContextVar[list[tuple[SSEBody, Run]] | None] = ContextVar("fleet_sse_bodies", default=None)
+_runs: ContextVar[list[Run] | None] = ContextVar("fleet_streamed_runs", default=None)
 
 
-class SSEBody:
-    """A stream's body that `sse_guard` can tell was never started.
+def unfinished_streams_abandoned(app):
+    """ASGI wrapper for Django's HTTP app (which still serves the transcription and session-message streams): after
+    each request, abandon the runs whose streams it never finished. A client that hangs up between the view's return
+    and the first chunk makes Django drop the response on its way out (in the middleware, or while sending the
+    headers): the loop then never starts, so its own cleanup never runs, and the node would decode for nobody.
 
-    A client that hangs up between the view's return and the first chunk makes Django cancel the response on
-    its way out (in the middleware, or while sending the headers): the body generator then never starts, so
-    its own cleanup never runs, and the node would keep decoding for nobody.
-    """
-
-    def __init__(self, body: Any):
-        self.started = False
-        self._body = body
-
-    def __aiter__(self):  # Django takes the iterator at once; the body starts at its first step
-        return self._steps()
-
-    async def _steps(self):
-        self.started = True
-        async for chunk in self._body:
-            yield chunk
-
-
-def sse_guard(app):
-    """ASGI wrapper for Django's HTTP app: after each request, abandon the streams Django never started.
-
-    The list lives in a context variable set here, in the request's own task; Django runs the view in a child
-    task, which shares the list object, so what the view registers is seen here whatever Django did.
+    The list lives in a context variable set here, in the request's own task; Django runs the view in a child task,
+    which shares the list object, so what the view registers is seen here whatever Django did.
     """
 
     async def guarded(scope, receive, send):
-        token = _bodies.set([])
+        token = _runs.set([])
         try:
             await app(scope, receive, send)
         finally:
-            pending = _bodies.get() or []
-            _bodies.reset(token)
-            for body, run in pending:
-                if not body.started and not run.over:
+            runs = _runs.get() or []
+            _runs.reset(token)
+            for run in runs:
+                if not run.over:
                     await run.abandon("client went away before the stream started")
 
     return guarded
@@ -82,10 +64,11 @@ def sse_guard(app):
 def sse_response(run: Run, first: Any, sink: Sink | None = None) -> StreamingHttpResponse:
     """The stream of `run` from event `first` on, as `sink` writes it (OpenAI's chunks of the run's chat or
     completion unless given: the Responses and Messages APIs and transcriptions have sinks of their own)."""
-    body = SSEBody(drive(run, first, sink or OpenAIChunks(shape_for(run))))
-    if (pending := _bodies.get()) is not None:
-        pending.append((body, run))
-    response = StreamingHttpResponse(body, content_type="text/event-stream; charset=utf-8")
+    events = drive(run, first, sink or OpenAIChunks(shape_for(run)))
+    response = StreamingHttpResponse(events, content_type="text/event-stream; charset=utf-8")
+    response.events, response.run = events, run  # what api.streaming_app writes, and abandons if never started
+    if (runs := _runs.get()) is not None:
+        runs.append(run)
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     response["X-Fleet-Generation"] = run.request.gen_id

@@ -1,5 +1,5 @@
-"""ASGI entry point: HTTP (Django, behind the body-size limit), the node link (/ws/node/) and client streams
-(/ws/v1/generate)."""
+"""ASGI entry point: HTTP behind the body-size limit (the generation endpoints by api.streaming_app, the rest by
+Django), the node link (/ws/node/) and client streams (/ws/v1/generate)."""
 
 import os
 
@@ -21,7 +21,8 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
 from api.draining import refuse_while_draining  # noqa: E402
 from api.limits import body_limit  # noqa: E402
-from api.sse import sse_guard  # noqa: E402
+from api.sse import unfinished_streams_abandoned  # noqa: E402
+from api.streaming_app import generations_first  # noqa: E402
 from fleet.autobahn_logs import plain_frame_logs  # noqa: E402
 from fleet.discovery import announce_served_head  # noqa: E402
 from fleet.eager_writes import eager_tcp_writes  # noqa: E402
@@ -43,7 +44,7 @@ heads_start()  # with Redis: this process joins the live head processes, so ever
 install_drain_on_signals(lambda: registry().shutdown, settings.FLEET_SHUTDOWN_GRACE_S)
 
 application = refuse_while_draining(ProtocolTypeRouter({
-    "http": body_limit(sse_guard(django_app)),
+    "http": body_limit(generations_first(unfinished_streams_abandoned(django_app))),
     "websocket": URLRouter(websocket_urlpatterns),
 }), lambda: registry().shutdown)
 

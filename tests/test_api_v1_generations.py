@@ -8,12 +8,11 @@ import struct
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.conf import settings
 
 from api.grammars import JSON_GBNF
 from sessions.models import Generation, Message
 from sessions.services import grammar_handle_create, logit_bias_handle_create, session_create
-from tests.api_support import FakeLink, Script, add_fake_node, on_a_fresh_loop_thread, request, start
+from tests.api_support import FakeLink, Script, add_fake_node, request, start, written_rows
 
 pytest_plugins = ["tests.api_fixtures"]
 
@@ -87,34 +86,62 @@ async def test_chat_stream_is_openai_chunks_ending_with_usage_and_done(bearer):
     assert [r["status"] for r in await generations()] == ["done"]
 
 
-@pytest.mark.skipif(bool(settings.REDIS_URL), reason="on Redis the key's revocation stamp is read on the request's "
-                                                     "thread (Django's cache.aget)")
-def test_a_stream_with_a_key_this_process_verified_ends_without_a_thread_hop(bearer):
-    """fleet/threads.py: Django's last step, response.close(), runs in place for a request that ran nothing on its
-    thread. A /v1 stream whose key was verified lately runs nothing there (its record goes to a writer thread)."""
-    import threading
+async def test_the_generation_endpoints_are_served_ahead_of_djangos_handler(bearer):
+    """api.streaming_app: the four generation endpoints never enter Django's handler; the rest of /v1 does."""
+    from django.core.signals import request_started
 
-    from django.core.signals import request_finished
+    add_fake_node()
+    started: list[str] = []
 
-    from fleet.apps import wire_request_started
+    def note(scope=None, **_):
+        started.append(scope["path"])
 
-    finished_on: list[threading.Thread] = []
-
-    def note(**_):
-        finished_on.append(threading.current_thread())
-
-    async def two_streams():
-        add_fake_node()
-        for _ in range(2):  # the first verifies the key on the request's thread
-            assert (await request("POST", CHAT, key=bearer, body=chat(stream=True))).data()[-1] == "[DONE]"
-
-    wire_request_started()  # as the head wires it (Django's test client, used by other tests, connects it again)
-    request_finished.connect(note)
+    request_started.connect(note)
     try:
-        _, loop_thread = on_a_fresh_loop_thread(two_streams)
+        for path, body in ((CHAT, chat(stream=True)), ("/v1/completions", {"model": "smollm2", "prompt": "Hi"}),
+                           ("/v1/responses", {"model": "smollm2", "input": "Hi"}),
+                           ("/v1/messages", {"model": "smollm2", "max_tokens": 8,
+                                             "messages": [{"role": "user", "content": "Hi"}]})):
+            assert (await request("POST", path, key=bearer, body=body)).status == 200, path
+        assert (await request("GET", "/v1/models", key=bearer)).status == 200
     finally:
-        request_finished.disconnect(note)
-    assert len(finished_on) == 2 and finished_on[1] is loop_thread
+        request_started.disconnect(note)
+    assert started == ["/v1/models"]
+
+
+async def test_a_client_gone_before_the_first_chunk_still_cancels_the_lane_and_leaves_a_record(bearer):
+    """The view answered a stream, and the client left while its headers were being sent: the loop never started,
+    and the app abandons the run itself (the node's lane cancelled, the record written as cancelled)."""
+    from fleet.asgi import application
+
+    link = add_fake_node(FakeLink(script=Script(hang=True)), lanes=1)
+    payload = json.dumps(chat(stream=True)).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": CHAT, "raw_path": CHAT.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"authorization", f"Bearer {bearer}".encode()),
+                         (b"content-length", str(len(payload)).encode())],
+             "client": ("127.0.0.1", 50000), "server": ("testserver", 80)}
+    heading, gone = asyncio.Event(), asyncio.Event()
+    messages = [{"type": "http.request", "body": payload, "more_body": False}]
+
+    async def receive():
+        if messages:
+            return messages.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):  # the headers never get out: the client hangs up meanwhile
+        heading.set()
+        await asyncio.Event().wait()
+
+    serving = asyncio.ensure_future(application(scope, receive, send))
+    await asyncio.wait_for(heading.wait(), 5)
+    (gen_id,) = link.running
+    gone.set()
+    await asyncio.wait_for(serving, 5)
+    assert gen_id in link.cancelled
+    rows = await written_rows(lambda: list(Generation.objects.values_list("status", flat=True)))
+    assert rows == ["cancelled"]
 
 
 async def test_completion_with_logprobs_streamed_and_not(bearer):
