@@ -13,9 +13,9 @@ from fleet import tracing  # noqa: E402
 
 tracing.setup("fleet-head")  # OTEL_EXPORTER_OTLP_ENDPOINT set: spans exported; else nothing
 
-from fleet.threads import PooledThreadsHandler  # noqa: E402
+from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 
-django_app = PooledThreadsHandler()  # Django's handler, each request's sync parts on a pooled thread
+django_app = ASGIHandler()  # Django's own handler (what get_asgi_application returns, django being set up above)
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 

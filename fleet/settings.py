@@ -78,17 +78,16 @@ INSTALLED_APPS = [
     "api",
 ]
 
-# Django's stock list and WhiteNoise, as the subclasses in fleet.middleware: their hooks run on the event loop
-# instead of a thread hop each where they do no I/O.
+# Django's stock list and WhiteNoise (the generation endpoints never pass through it: api/streaming_app.py).
 MIDDLEWARE = [
-    "fleet.middleware.SecurityMiddleware",
-    "fleet.middleware.WhiteNoiseMiddleware",
-    "fleet.middleware.SessionMiddleware",
-    "fleet.middleware.CommonMiddleware",
-    "fleet.middleware.CsrfViewMiddleware",
-    "fleet.middleware.AuthenticationMiddleware",
-    "fleet.middleware.MessageMiddleware",
-    "fleet.middleware.XFrameOptionsMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
 ROOT_URLCONF = "fleet.urls"
