@@ -23,19 +23,13 @@ from api.draining import refuse_while_draining  # noqa: E402
 from api.limits import body_limit  # noqa: E402
 from api.sse import unfinished_streams_abandoned  # noqa: E402
 from api.streaming_app import generations_first  # noqa: E402
-from fleet.autobahn_logs import plain_frame_logs  # noqa: E402
 from fleet.discovery import announce_served_head  # noqa: E402
-from fleet.eager_writes import eager_tcp_writes  # noqa: E402
-from fleet.form_parsing import skip_form_parsing  # noqa: E402
 from fleet.heads import heads_start  # noqa: E402
 from fleet.heap import freeze_startup_heap  # noqa: E402
 from fleet.links import registry  # noqa: E402
 from fleet.routing import websocket_urlpatterns  # noqa: E402
 from fleet.shutdown import install_drain_on_signals  # noqa: E402
 
-plain_frame_logs()  # no click colouring built for each websocket frame's dropped debug line
-eager_tcp_writes()  # a chunk goes to the client's socket at once, not on the loop's next turn
-skip_form_parsing()  # Django parses request bodies; Twisted no longer parses forms first, on the event loop
 announce_served_head()  # with FLEET_ANNOUNCE set, nodes started with no head address find this one
 heads_start()  # with Redis: this process joins the live head processes, so every node links to it too
 
