@@ -24,9 +24,19 @@ class NodeModelSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class ModelName(serializers.SlugRelatedField):
+    """A registry model by its name; a name with a NUL character is refused before the lookup (PostgreSQL cannot
+    even compare one: the query would fail, a 500)."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, str) and "\x00" in data:
+            raise ValidationError("A model name cannot contain a NUL character: send a name as /api/models/ lists it.")
+        return super().to_internal_value(data)
+
+
 class DeploymentSerializer(serializers.ModelSerializer):
-    model = serializers.SlugRelatedField(slug_field="name", queryset=Model.objects.all(),
-                                         help_text="A registry model's name (/api/models/).")
+    model = ModelName(slug_field="name", queryset=Model.objects.all(),
+                      help_text="A registry model's name (/api/models/).")
     nodes = serializers.ListField(child=serializers.CharField(max_length=200), required=False, default=list,
                                   help_text="Node identities to put it on.")
     labels = serializers.DictField(child=serializers.CharField(max_length=200), required=False, default=dict,

@@ -85,6 +85,7 @@ def test_the_api_makes_deployments_and_shows_each_pair_as_pulling_serving_or_fai
     ({"model": NAME, "labels": {"": "x"}}, "labels must map"),
     ({"model": NAME, "labels": {"g\u0000": "a"}}, "labels must map"),  # PostgreSQL's jsonb refuses NUL
     ({"model": NAME, "labels": {"gpu": "a\u0000"}}, "Null characters are not allowed"),
+    ({"model": "a\u0000", "nodes": ["a"]}, "cannot contain a NUL"),  # PostgreSQL cannot look it up: was a 500
 ])
 def test_a_deployment_that_cannot_be_made_is_a_400_saying_why(staff, body, says):
     registry_model()
