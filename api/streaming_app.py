@@ -2,7 +2,7 @@
 app, routed in fleet/asgi.py ahead of Django's handler, under daphne.
 
 A generation's request needs none of what Django's handler and middleware do for a page (sessions, CSRF, messages,
-static files, a thread lent to each request): its view authenticates its own key, and its answer is one JSON object
+static files): its view authenticates its own key, and its answer is one JSON object
 or a stream of SSE events. Here the body (already bounded by api.limits) is read whole and handed to the same view
 as a Django request object (so the views, the URLconf and Django's test client are unchanged), and the answer is
 written straight to the server: each chunk `api.sse.drive` makes is one `send`, with nothing between.
@@ -22,7 +22,7 @@ from contextlib import suppress
 from io import BytesIO
 from typing import Any
 
-from asgiref.sync import sync_to_async
+from asgiref.sync import ThreadSensitiveContext, sync_to_async
 from django.core.handlers.asgi import ASGIRequest
 from django.db import close_old_connections
 from django.http import HttpResponseBase
@@ -59,19 +59,20 @@ async def serve(view: Callable[..., Any], scope, receive, send) -> None:
     body = await _body(receive)
     if body is None:  # gone while sending it
         return
-    answering = asyncio.ensure_future(answer(view, ASGIRequest(scope, BytesIO(body)), send))
-    leaving = asyncio.ensure_future(_gone(receive))
-    try:
-        await asyncio.wait((answering, leaving), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        leaving.cancel()
-        if not answering.done():
-            answering.cancel()
-        with suppress(asyncio.CancelledError):
-            await answering
-        # As Django's handler at a request's end: the thread these requests' database work shares (no request
-        # context lends each one of its own, as for the client websocket) drops a connection that failed or is old.
-        await sync_to_async(close_old_connections)()
+    # As Django's handler: the request's synchronous work (its database calls) on a thread of its own, so that one
+    # slow call never holds up another request's, and stale connections closed there at its end.
+    async with ThreadSensitiveContext():
+        answering = asyncio.ensure_future(answer(view, ASGIRequest(scope, BytesIO(body)), send))
+        leaving = asyncio.ensure_future(_gone(receive))
+        try:
+            await asyncio.wait((answering, leaving), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            leaving.cancel()
+            if not answering.done():
+                answering.cancel()
+            with suppress(asyncio.CancelledError):
+                await answering
+            await sync_to_async(close_old_connections)()
 
 
 async def answer(view: Callable[..., Any], request: ASGIRequest, send) -> None:
