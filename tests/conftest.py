@@ -42,7 +42,7 @@ TIERS: dict[str, set[str]] = {
         "test_quotas.py", "test_record_inline.py", "test_request_path.py", "test_sessions_services.py",
         "test_settings.py", "test_socket_sessions.py", "test_threads.py", "test_tiers.py", "test_tokenizers.py",
         "test_transcriptions.py", "test_writer.py", "test_api_agents.py", "test_hardening.py", "test_head_pin.py",
-        "test_tracing.py", "test_up_command.py", "test_waiting_room.py", "test_on_demand.py",
+        "test_tracing.py", "test_up_command.py", "test_waiting_room.py", "test_on_demand.py", "test_node_device.py",
     },
     "real_procs": {
         "test_adapters_e2e.py", "test_api_e2e.py", "test_batches_e2e.py", "test_celery_worker.py",
