@@ -88,3 +88,17 @@ def test_node_join_and_deployments_size_from_the_device_memory(monkeypatch):
     with pytest.raises(deploy.DeployRefused, match="of VRAM available"):
         deploy.deployed_window(bundled_model_path(), lanes=4, context=8192, available=INFO.size + GB // 2,
                                memory="VRAM")
+
+
+def test_part_of_the_model_on_the_gpu_counts_its_layers_against_vram_and_the_rest_against_ram(monkeypatch):
+    import nodes.agent.main as main
+
+    monkeypatch.setattr(main, "device_memory", lambda offload: (16 * GB, "VRAM"))
+    monkeypatch.setattr(main, "mem_available", lambda: INFO.size // 2 + GB // 4)  # RAM the tighter of the two
+    total = INFO.blocks + 1
+    options = main.NodeOptions(head=None, model="smollm2", max_batch=4)
+    sized = main.device_window(bundled_model_path(), options, gpu.OffloadPlan("cuda", total // 2))
+    assert f"of RAM ({total - total // 2} of {total} layers) available" in sized.why
+    assert sized.tokens < 8192  # RAM alone would give the trained context to a whole-GPU load
+    whole = main.device_window(bundled_model_path(), options, gpu.OffloadPlan("cuda", -1))
+    assert whole.tokens == 8192 and "of VRAM available" in whole.why
