@@ -19,17 +19,29 @@ from sessions.services import nul_problem
 class NodeSerializer(serializers.ModelSerializer):
     live = serializers.SerializerMethodField(help_text="The last heartbeat (lanes busy, tokens/s), if recent.")
     connected = serializers.SerializerMethodField(help_text="Whether this head process holds the node's link.")
+    device = serializers.SerializerMethodField(
+        help_text="What its engines run on: backend (cpu, cuda, rocm, vulkan, metal; unknown for a node that does not "
+                  "say), devices with memory total and free in bytes (from the last heartbeat, else as registered), "
+                  "layers offloaded of layers_total, the host's GPUs, cpu_fallback (on the CPU beside a GPU) and the "
+                  "line the pages show.")
 
     class Meta:
         model = Node
         fields = ["id", "identity", "state", "hold", "models_served", "lanes", "context_window", "labels", "address",
-                  "version", "engine", "capabilities", "replicas", "joined_at", "last_seen_at", "created_at",
+                  "version", "engine", "device", "capabilities", "replicas", "joined_at", "last_seen_at", "created_at",
                   "updated_at", "live", "connected"]
         read_only_fields = fields
 
     @extend_schema_field(serializers.DictField(allow_null=True))
     def get_live(self, node: Node) -> dict | None:
         return (self.context.get("live") or {}).get(str(node.id))
+
+    @extend_schema_field(serializers.DictField())
+    def get_device(self, node: Node) -> dict:
+        from nodes.selectors import node_device
+
+        report = node_device(node=node, beat=self.get_live(node))
+        return {**report.to_wire(), "cpu_fallback": report.cpu_fallback, "line": report.line()}
 
     def get_connected(self, node: Node) -> bool:
         return str(node.id) in (self.context.get("connected") or set())

@@ -28,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from fleet.links import registry
 from fleet.metric_store import Totals, store
+from nodes.link.device import DeviceReport
 
 
 @dataclass(frozen=True)
@@ -246,9 +247,12 @@ def live_gauges(waiting: dict[str, int]) -> Iterator[Metric]:
     linked = {s.identity for s in slots}
     up = GaugeMetricFamily("fleet_node_up", "1 while the node is linked to the head, 0 for a known node that is not",
                            labels=["node"])
-    for identity in sorted(linked | set(Node.objects.values_list("identity", flat=True))):
+    registered = dict(Node.objects.values_list("identity", "device"))
+    for identity in sorted(linked | set(registered)):
         up.add_metric([identity], 1.0 if identity in linked else 0.0)
     yield up
+    yield from device_gauges({s.identity: DeviceReport.from_wire((beats.get(liveness_key(s.node_id)) or {}).get(
+        "device") or registered.get(s.identity)) for s in slots})
     per_node = {
         "fleet_lanes": "Lanes (generations at once) of the node",
         "fleet_lanes_busy": "Lanes busy, as the node's last heartbeat said",
@@ -278,6 +282,33 @@ def live_gauges(waiting: dict[str, int]) -> Iterator[Metric]:
     for model in sorted({m for s in slots for m in s.models} | set(waiting)):
         queued.add_metric([model], float(waiting.get(model, 0)))
     yield queued
+
+
+def device_gauges(reports: dict[str, DeviceReport]) -> Iterator[Metric]:
+    """What each linked node runs on (nodes.link.device): its backend, its GPUs' memory, layers offloaded, and 1 in
+    fleet_node_cpu_fallback for a node on the CPU although its host has a GPU."""
+    info = GaugeMetricFamily("fleet_node_info", "1 for each linked node, labelled with the backend its engines run "
+                             "on (cpu, cuda, rocm, vulkan, metal; unknown when the node does not say)",
+                             labels=["node", "backend"])
+    memory = GaugeMetricFamily("fleet_node_device_memory_bytes", "Memory of each GPU a node's engines use, by kind "
+                               "(total, free), as its last heartbeat said", labels=["node", "index", "device", "kind"])
+    layers = GaugeMetricFamily("fleet_node_layers_offloaded", "Model layers the node offloads to its GPUs",
+                               labels=["node"])
+    total = GaugeMetricFamily("fleet_node_layers", "Model layers of the node's model (with the output layer)",
+                              labels=["node"])
+    fallback = GaugeMetricFamily("fleet_node_cpu_fallback", "1 while the node runs on the CPU although its host "
+                                 "has a GPU (node_join --cpu)", labels=["node"])
+    for node, report in sorted(reports.items()):
+        info.add_metric([node, report.backend], 1.0)
+        fallback.add_metric([node], 1.0 if report.cpu_fallback else 0.0)
+        if report.layers_total:
+            layers.add_metric([node], float(report.layers))
+            total.add_metric([node], float(report.layers_total))
+        for index, device in enumerate(report.devices):
+            for kind, value in (("total", device.total), ("free", device.free)):
+                if value:
+                    memory.add_metric([node, str(index), device.name, kind], float(value))
+    yield from (info, memory, layers, total, fallback)
 
 
 def waiting_gauges(classes: dict[str, dict[str, int]]) -> Iterator[Metric]:

@@ -12,9 +12,10 @@ from django.urls import reverse
 from django.utils import timezone
 
 from fleet.links import registry
+from nodes.link.device import DeviceReport
 from nodes.models import Node
 from nodes.preparing import node_preparing_list
-from nodes.selectors import node_models_preparing
+from nodes.selectors import node_device, node_models_preparing
 from sessions.models import Generation
 
 
@@ -27,6 +28,7 @@ class NodeRow:
     beat: dict = field(default_factory=dict)  # the last heartbeat: KV use, tokens/s history, replicas
     preparing: list[dict] = field(default_factory=list)  # models it is pulling or loading, with progress
     joining: bool = False  # not joined yet: pulling or loading its own model (nodes.preparing), no record yet
+    device: DeviceReport = field(default_factory=DeviceReport)  # what it runs on (nodes.selectors.node_device)
 
 
 FIGURES = ("lanes", "lanes_busy", "kv_used", "kv_total", "tokens_per_s")
@@ -56,7 +58,7 @@ def fleet_overview() -> dict:
     for node in nodes:
         beat = beats.get(liveness_key(str(node.id))) or {}
         rows.append(NodeRow(node, beat.get("lanes_busy"), beat.get("tokens_per_s"), str(node.id) in links, beat,
-                            preparing.get(node.id, [])))
+                            preparing.get(node.id, []), device=node_device(node=node, beat=beat)))
     rows += _rows_joining(rows)
     since = timezone.now() - timedelta(hours=1)
     recent = Generation.objects.filter(created_at__gte=since)
@@ -137,6 +139,7 @@ def _live_node(row: NodeRow, placed: int | None) -> dict:
         "placed": placed, "tokens_per_s": row.tokens_per_s, "kv_used": beat.get("kv_used"),
         "kv_total": beat.get("kv_total"), "history": beat.get("history") or [], "context_window": node.context_window,
         "address": node.address, "engine": node.engine,
+        "device": row.device.line(), "device_backend": row.device.backend, "cpu_fallback": row.device.cpu_fallback,
         "per_model": {name: node_model_figures(beat, name, lanes=node.lanes) for name in node.models_served},
         "preparing": row.preparing,
         "last_seen": node.last_seen_at.isoformat() if node.last_seen_at else None,

@@ -17,6 +17,7 @@ from nodes.deployments import (
     deployment_update,
     model_node_states,
 )
+from nodes.link.device import DeviceReport
 from nodes.models import Deployment, FleetToken, Model, ModelAlias, Node, RevokedNodeKey
 from nodes.registry import model_delete
 from nodes.services import (
@@ -30,19 +31,27 @@ from nodes.services import (
 )
 
 
+def _device_html(report: DeviceReport):
+    """The device line; a CPU run on a host with a GPU in orange, so the operator sees it is not using the GPU."""
+    if report.cpu_fallback:
+        return format_html('<b style="color:#e65100">{}</b>', report.line())
+    return report.line()
+
+
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
     empty_hint = ("No node has joined yet. Make a fleet token (Fleet tokens, Add; or `manage.py fleet_token`) and run "
                   "the line it prints on a node host: `FLEET_TOKEN=… make node HEAD=…`.")
-    list_display = ("identity", "state_badge", "models_list", "lanes", "context_window", "address", "key_fingerprint",
-                    "last_seen_at")
+    list_display = ("identity", "state_badge", "models_list", "device_line", "lanes", "context_window", "address",
+                    "key_fingerprint", "last_seen_at")
     list_filter = ("state", "hold", "engine")
     search_fields = ("identity", "address")
     readonly_fields = ("id", "identity", "models_served", "lanes", "context_window", "state", "address", "version",
-                       "engine", "capabilities", "replicas", "live", "links", "token", "key_fingerprint",
+                       "engine", "device_now", "capabilities", "replicas", "live", "links", "token", "key_fingerprint",
                        "key_bound_at", "joined_at", "last_seen_at", "created_at", "updated_at")
     fields = ("id", "identity", "state", "hold", "labels", "models_served", "lanes", "context_window", "live",
-              "links", "address", "version", "engine", "capabilities", "replicas", "token", "key_fingerprint",
+              "links", "address", "version", "engine", "device_now", "capabilities", "replicas", "token",
+              "key_fingerprint",
               "key_bound_at", "joined_at", "last_seen_at", "created_at", "updated_at")
     list_select_related = ("token",)
     actions = ("drain", "cordon", "uncordon", "release_key", "revoke")
@@ -53,7 +62,7 @@ class NodeAdmin(admin.ModelAdmin):
     def change_view(self, request, object_id, form_url="", extra_context=None):
         """The node's page: its models and replicas with their states, recent generations and link history."""
         from fleet.selectors import node_model_figures
-        from nodes.selectors import node_link_history, node_replicas
+        from nodes.selectors import node_device, node_link_history, node_replicas
         from sessions.selectors import generation_list_recent
 
         node = self.get_object(request, object_id)
@@ -62,13 +71,29 @@ class NodeAdmin(admin.ModelAdmin):
             figures = [(name, node_model_figures(beat or {}, name, lanes=node.lanes)) for name in node.models_served]
             extra_context = {**(extra_context or {}), "beat": beat, "replicas": replicas, "model_figures": figures,
                              "generations": generation_list_recent(node_id=node.pk),
-                             "link_events": node_link_history(node=node)}
+                             "link_events": node_link_history(node=node),
+                             "device": node_device(node=node, beat=beat)}
         return super().change_view(request, object_id, form_url, extra_context)
 
     @admin.display(description="state", ordering="state")
     def state_badge(self, node):
         colour = {"online": "#2e7d32", "offline": "#999", "draining": "#e65100", "cordoned": "#e65100"}[node.state]
         return format_html('<b style="color:{}">{}</b>', colour, node.state)
+
+    @admin.display(description="device")
+    def device_line(self, node):
+        """As the node registered (the list reads no heartbeat): backend, GPUs, layers, memory."""
+        return _device_html(DeviceReport.from_wire(node.device))
+
+    @admin.display(description="device")
+    def device_now(self, node):
+        """What its engines run on, the GPUs' memory from the last heartbeat (else as it registered)."""
+        from django.core.cache import cache
+
+        from fleet.names import liveness_key
+        from nodes.selectors import node_device
+
+        return _device_html(node_device(node=node, beat=cache.get(liveness_key(str(node.pk)))))
 
     @admin.display(description="links (head processes)")
     def links(self, node):

@@ -34,6 +34,7 @@ from nodes import link_deploy, preparing, services, tokenizers
 from nodes import registry as model_registry
 from nodes.link.channel import SecureChannel
 from nodes.link.codes import REFUSALS, CloseCode
+from nodes.link.device import DeviceReport
 from nodes.link.handshake import LOCAL_TOKEN_ID, Responder, TokenRefused
 from nodes.link.messages import (
     Accepted,
@@ -135,7 +136,8 @@ def _register_problem(msg: Register) -> str | None:
         return "tokenizers must map model names to tokenizer fingerprints (64 hex digits, or mock or bytes)"
     if not all(isinstance(g, str) and 0 < len(g) <= 64 for g in msg.warm) or len(msg.warm) > 64 * max(msg.lanes, 1):
         return "warm must list generation ids (at most 64 per lane)"
-    return _json_problem(models=msg.models, capabilities=msg.capabilities, labels=msg.labels, replicas=msg.replicas)
+    return _json_problem(models=msg.models, capabilities=msg.capabilities, labels=msg.labels, replicas=msg.replicas,
+                         device=msg.device)
 
 
 async def _node_down(reg, node_id: str) -> bool:
@@ -428,6 +430,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
             models=[m["name"] for m in msg.models], lanes=msg.lanes, context_window=msg.context_window,
             capabilities=msg.capabilities, engine=f"{msg.engine} {msg.engine_version}".strip(), version=msg.version,
             labels=msg.labels, replicas=msg.replicas, tokenizers=msg.tokenizers,
+            device=DeviceReport.from_wire(msg.device).to_wire() if msg.device else {},
         )
         try:
             reg = await register(**fields)
@@ -502,6 +505,8 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
                  "prefill_tps": msg.prefill_tps, "decode_slowdown_ms": msg.decode_slowdown_ms,
                  "history": list(self.tokens_history), "models": msg.models}
         stats.update(memory_free=msg.memory_free, on_demand=msg.on_demand)  # room for on-demand models
+        if msg.device:  # its GPUs' memory now (an older node sends none: the registered report stands)
+            stats["device"] = DeviceReport.from_wire(msg.device).to_wire()
         await database_sync_to_async(cache.set)(liveness_key(self.node_id), stats, settings.FLEET_NODE_TIMEOUT_S)
         await link_deploy.check_idle(self, msg.models)
         fleet_changed()

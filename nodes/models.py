@@ -39,6 +39,10 @@ class Node(models.Model):
     engine = models.CharField(max_length=100, blank=True)
     capabilities = models.JSONField(default=dict, blank=True)
     replicas = models.JSONField(default=list, blank=True)
+    device = models.JSONField(
+        default=dict, blank=True,
+        help_text="What its engine workers run on, as it registered (nodes.link.device: backend, GPUs and their "
+                  "memory, layers offloaded, the host's GPUs); {} for a node that does not say.")
     token = models.ForeignKey("nodes.FleetToken", null=True, blank=True, on_delete=models.SET_NULL)
     public_key = models.CharField(
         max_length=64, blank=True, db_index=True,

@@ -2,6 +2,7 @@
 
 from django.db.models import QuerySet
 
+from nodes.link.device import DeviceReport
 from nodes.models import FleetToken, LinkEvent, Model, Node, NodeModel
 
 
@@ -57,6 +58,11 @@ def node_replicas(*, node: Node) -> tuple[dict | None, list[dict]]:
     beat = cache.get(liveness_key(str(node.pk)))
     replicas = (beat or {}).get("replicas") or node.replicas or []
     return beat, [{**r, "state": "alive" if r.get("alive", True) else "down"} for r in replicas]
+
+
+def node_device(*, node: Node, beat: dict | None) -> DeviceReport:
+    """What the node runs on: its last heartbeat's report (its GPUs' memory now), else the one it registered with."""
+    return DeviceReport.from_wire((beat or {}).get("device") or node.device)
 
 
 def node_link_history(*, node: Node, limit: int = 50) -> list[LinkEvent]:

@@ -263,11 +263,12 @@ def node_fleet_model_name(own: str, *, served: set[str]) -> tuple[str, str | Non
 def node_register(
     *, identity: str, public_key: str, address: str, token: FleetToken | None, models: list[str], lanes: int,
     context_window: int, capabilities: dict, engine: str, version: str, labels: dict, replicas: list[dict],
-    tokenizers: dict[str, str] | None = None,
+    tokenizers: dict[str, str] | None = None, device: dict | None = None,
 ) -> Registration:
     """Create or update the Node for a (re)joining host; a rejoin is recognised by its identity, whose key must be
     the one bound to it (the first join, or the first after a release, binds it). `tokenizers`: the node's models'
-    tokenizer fingerprints. Raises JoinRefused (also for a model whose tokenizer is not its registry namesake's)."""
+    tokenizer fingerprints; `device`: what its engines run on (nodes.link.device, {} from a node that does not say).
+    Raises JoinRefused (also for a model whose tokenizer is not its registry namesake's)."""
     tokenizers = tokenizers or {}
     _tokenizer_refusal(tokenizers)
     served = _served_model_names()
@@ -290,6 +291,7 @@ def node_register(
     node.models_served, node.lanes, node.context_window = names, lanes, context_window
     node.capabilities, node.engine, node.version = capabilities, engine, version
     node.labels, node.replicas, node.address, node.token = labels, replicas, address, token
+    node.device = device or {}
     node.state = {Node.Hold.DRAIN: Node.State.DRAINING, Node.Hold.CORDON: Node.State.CORDONED}.get(
         node.hold, Node.State.ONLINE
     )

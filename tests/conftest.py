@@ -28,7 +28,7 @@ TIERS: dict[str, set[str]] = {
         "test_engine_lora.py", "test_engine_mock.py", "test_engine_pace.py", "test_engine_speech.py",
         "test_engine_vision.py", "test_engine_worker.py", "test_link_channel.py",
         "test_link_noise.py", "test_media_cache.py", "test_replicas.py", "test_timers.py", "test_window.py",
-        "test_on_demand_node.py", "test_shutdown.py", "test_makefile_gpu.py",
+        "test_on_demand_node.py", "test_shutdown.py", "test_makefile_gpu.py", "test_gpu.py",
     },
     "in_process": {
         "test_adapters.py", "test_admin.py", "test_api_access.py", "test_api_fuzz_regressions.py",
@@ -42,7 +42,7 @@ TIERS: dict[str, set[str]] = {
         "test_quotas.py", "test_record_inline.py", "test_request_path.py", "test_sessions_services.py",
         "test_settings.py", "test_tiers.py", "test_tokenizers.py",
         "test_transcriptions.py", "test_writer.py", "test_api_agents.py", "test_hardening.py", "test_head_pin.py",
-        "test_tracing.py", "test_up_command.py", "test_waiting_room.py", "test_on_demand.py",
+        "test_tracing.py", "test_up_command.py", "test_waiting_room.py", "test_on_demand.py", "test_node_device.py",
     },
     "real_procs": {
         "test_adapters_e2e.py", "test_api_e2e.py", "test_batches_e2e.py", "test_celery_worker.py",

@@ -135,7 +135,7 @@ def test_a_budget_never_promises_more_than_the_device_has_free(monkeypatch):
     import nodes.agent.deploy as deploy
 
     node, _, _ = deployer(monkeypatch, budget=HELD * 3)
-    monkeypatch.setattr(deploy, "device_memory", lambda: (HELD, "VRAM"))
+    monkeypatch.setattr(deploy, "device_memory", lambda offload: (HELD, "VRAM"))
     assert asyncio.run(node.available()) == (HELD, "VRAM")
-    monkeypatch.setattr(deploy, "device_memory", lambda: (HELD * 10, "VRAM"))
+    monkeypatch.setattr(deploy, "device_memory", lambda offload: (HELD * 10, "VRAM"))
     assert asyncio.run(node.available()) == (HELD * 3, "the node's memory budget")

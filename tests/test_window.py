@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from nodes.agent import gpu
 from nodes.agent import window as window_module
 from nodes.agent.engine.local import bundled_model_path
 from nodes.agent.gguf_info import read_gguf
@@ -60,10 +61,9 @@ def fake_nvidia_smi(tmp_path, monkeypatch):
 
 
 def test_on_a_gpu_the_window_is_sized_from_the_visible_gpus_free_vram(fake_nvidia_smi, monkeypatch):
-    monkeypatch.setattr(window_module, "_gpu_offload", lambda: True)
-    assert window_module.device_memory() == (16000 << 20, "VRAM")
+    assert window_module.device_memory(offload=True) == (16000 << 20, "VRAM")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    available, memory = window_module.device_memory()
+    available, memory = window_module.device_memory(offload=True)
     assert (available, memory) == (10000 << 20, "VRAM")
     sized = size_window(kv_bytes_per_token=INFO.kv_bytes_per_token, trained=INFO.context_length, lanes=4,
                         model_bytes=INFO.size, available=available, memory=memory)
@@ -71,11 +71,9 @@ def test_on_a_gpu_the_window_is_sized_from_the_visible_gpus_free_vram(fake_nvidi
 
 
 def test_without_gpu_offload_the_ram_is_the_device_memory_even_with_a_gpu_present(fake_nvidia_smi, monkeypatch):
-    monkeypatch.setattr(window_module, "_gpu_offload", lambda: False)  # a CPU build of llama.cpp never uses the GPU
-    assert window_module.device_memory()[1] == "RAM"
-    monkeypatch.setattr(window_module, "_gpu_offload", lambda: True)
+    assert window_module.device_memory(offload=False)[1] == "RAM"  # a CPU run (--cpu) never uses the GPU
     monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi: RAM, never a guess
-    assert window_module.device_memory()[1] == "RAM"
+    assert window_module.device_memory(offload=True)[1] == "RAM"
 
 
 def test_node_join_and_deployments_size_from_the_device_memory(monkeypatch):
@@ -83,9 +81,24 @@ def test_node_join_and_deployments_size_from_the_device_memory(monkeypatch):
     import nodes.agent.main as main
 
     for module in (main, deploy):
-        monkeypatch.setattr(module, "device_memory", lambda: (INFO.size + GB // 2, "VRAM"))
-    sized = main.device_window(bundled_model_path(), main.NodeOptions(head=None, model="smollm2", max_batch=4))
+        monkeypatch.setattr(module, "device_memory", lambda offload: (INFO.size + GB // 2, "VRAM"))
+    sized = main.device_window(bundled_model_path(), main.NodeOptions(head=None, model="smollm2", max_batch=4),
+                               gpu.OffloadPlan("cuda", -1))
     assert sized.tokens == 4096 and "of VRAM available" in sized.why
     with pytest.raises(deploy.DeployRefused, match="of VRAM available"):
         deploy.deployed_window(bundled_model_path(), lanes=4, context=8192, available=INFO.size + GB // 2,
                                memory="VRAM")
+
+
+def test_part_of_the_model_on_the_gpu_counts_its_layers_against_vram_and_the_rest_against_ram(monkeypatch):
+    import nodes.agent.main as main
+
+    monkeypatch.setattr(main, "device_memory", lambda offload: (16 * GB, "VRAM"))
+    monkeypatch.setattr(main, "mem_available", lambda: INFO.size // 2 + GB // 4)  # RAM the tighter of the two
+    total = INFO.blocks + 1
+    options = main.NodeOptions(head=None, model="smollm2", max_batch=4)
+    sized = main.device_window(bundled_model_path(), options, gpu.OffloadPlan("cuda", total // 2))
+    assert f"of RAM ({total - total // 2} of {total} layers) available" in sized.why
+    assert sized.tokens < 8192  # RAM alone would give the trained context to a whole-GPU load
+    whole = main.device_window(bundled_model_path(), options, gpu.OffloadPlan("cuda", -1))
+    assert whole.tokens == 8192 and "of VRAM available" in whole.why

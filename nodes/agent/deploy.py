@@ -24,6 +24,7 @@ from typing import Any
 
 from nodes.agent.engine.base import EngineConfig, StateOpError
 from nodes.agent.gguf_info import GgufError, read_gguf
+from nodes.agent.gpu import OffloadPlan
 from nodes.agent.model_set import ModelSet
 from nodes.agent.window import WindowError, device_memory, size_window
 from nodes.link.codes import ErrorCode, ModelPhase
@@ -79,8 +80,9 @@ class Deployer:
     def __init__(self, models: ModelSet, *, fetch: Callable[[str, Callable[[float], None]], Awaitable[Path]],
                  send: Callable[[Any], None], make_worker: Callable[[EngineConfig], Any],
                  batch_invariant: bool = False, memory_budget: int = 0, on_demand: bool = True,
-                 mock: dict | None = None, primary_bytes: int = 0) -> None:
+                 mock: dict | None = None, primary_bytes: int = 0, plan: OffloadPlan | None = None) -> None:
         self.models = models
+        self.plan = plan or OffloadPlan("cpu", 0)  # what each model's engine worker loads with (nodes.agent.gpu)
         self.fetch, self.send, self.make_worker = fetch, send, make_worker
         self.batch_invariant = batch_invariant
         self.memory_budget, self.on_demand, self.mock = memory_budget, on_demand, mock
@@ -224,7 +226,9 @@ class Deployer:
                 self.held[name] = await asyncio.to_thread(footprint, path, lanes=lanes, window=window)
             worker = self.make_worker(EngineConfig(model_path=str(path), model_name=name, lanes=lanes,
                                                    max_context=window, batch_invariant=self.batch_invariant,
-                                                   mmproj_path=str(projector) if projector else None, mock=self.mock))
+                                                   mmproj_path=str(projector) if projector else None, mock=self.mock,
+                                                   gpu_layers=self.plan.gpu_layers,
+                                                   host_gpus=list(self.plan.host_gpus)))
             info = await worker.start(on_progress=self._progress(name, phase=ModelPhase.LOADING))
         except asyncio.CancelledError:
             self.held.pop(name, None)
@@ -262,7 +266,7 @@ class Deployer:
     async def available(self) -> tuple[int, str]:
         """(bytes free for another model, which memory): the budget less what the loaded models (and those loading)
         hold, and never more than the device has free (which already lacks what they hold); else the device's."""
-        device, memory = await asyncio.to_thread(device_memory)
+        device, memory = await asyncio.to_thread(device_memory, offload=self.plan.gpu_layers != 0)
         if self.memory_budget and (left := max(self.memory_budget - sum(self.held.values()), 0)) < device:
             return left, "the node's memory budget"
         return device, memory

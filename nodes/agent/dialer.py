@@ -379,6 +379,7 @@ class NodeAgent:
             labels=self.config.labels, replicas=info.get("replicas", []), cache_cleared=self.cache_cleared,
             warm=list(info.get("warm_generations", [])) if self.cache_cleared else [],
             tokenizers={info["model_name"]: info["tokenizer"]} if info.get("tokenizer") else {},
+            device=dict(info.get("device") or {}),
             features=[Feature.HEADS.value],
         )))
         reply = self._head_proved(channel, await asyncio.wait_for(ws.recv(), 15))
@@ -547,6 +548,7 @@ def heartbeat_of(stats: dict, *, engine_ready: bool) -> Heartbeat:
         prefill_tps=float(stats.get("prefill_tps", 0.0)),
         decode_slowdown_ms=float(stats.get("decode_slowdown_ms", 0.0)), models=dict(stats.get("models") or {}),
         memory_free=int(stats.get("memory_free", 0)), on_demand=bool(stats.get("on_demand", False)),
+        device=dict(stats.get("device") or {}),
     )
 
 

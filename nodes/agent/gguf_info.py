@@ -30,6 +30,7 @@ class GgufInfo:
     # "model"; "adapter": a LoRA adapter (general.type "adapter"); "projector": a multimodal projector (a CLIP GGUF,
     # general.architecture "clip"). Neither of the last two has a context or KV of its own.
     kind: str = "model"
+    blocks: int = 0  # `<arch>.block_count`: its repeating layers (llama.cpp offloads one more, the output layer)
 
 
 def _attachment(reader: Any, arch: str, size: int) -> GgufInfo | None:
@@ -155,4 +156,5 @@ def read_gguf(path: str | os.PathLike) -> GgufInfo:
     template = _value(reader, "tokenizer.chat_template")
     return GgufInfo(architecture=arch, quantization=_quantization(reader), context_length=context,
                     kv_bytes_per_token=kv_bytes_per_token(reader, arch), size=size,
-                    chat_template=template if isinstance(template, str) else "")
+                    chat_template=template if isinstance(template, str) else "",
+                    blocks=_required_int(reader, f"{arch}.block_count"))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from nodes.agent import keys, pull
+from nodes.agent import gpu, keys, pull
 from nodes.agent.deploy import Deployer, footprint
 from nodes.agent.dialer import BACKOFF_MAX_S, BACKOFF_START_S, AgentConfig, NodeAgent, Refused
 from nodes.agent.engine.base import EngineConfig
@@ -21,7 +21,7 @@ from nodes.agent.model_set import ModelSet
 from nodes.agent.models import ModelNotFound, is_registry_name, resolve_model, resolve_speech_model
 from nodes.agent.preparing import PreparingReports
 from nodes.agent.replicas import ReplicaConfigError, ReplicaSet, cpu_groups, gpu_groups
-from nodes.agent.window import Window, WindowError, device_memory, size_window
+from nodes.agent.window import Window, WindowError, device_memory, mem_available, size_window
 from nodes.link import logs, trace
 from nodes.link.handshake import BadToken, parse_token
 from nodes.link.messages import PullGrant
@@ -55,6 +55,8 @@ class NodeOptions:
     mmproj: str | None = None  # --mmproj: the model's multimodal projector (GGUF); images in chats need it
     memory_budget: int = 0  # --memory-budget: bytes this node's models may hold (0: the device's free memory)
     on_demand: bool = True  # --no-on-demand: False, the head never loads a model here on demand
+    cpu: bool = False  # --cpu: run on the CPU although the host has a GPU
+    gpu_layers: int | None = None  # --gpu-layers N: offload the first N layers (default: all when a GPU is used)
 
 
 class NodeError(Exception):
@@ -105,8 +107,25 @@ def remember_token(options: NodeOptions) -> str:
     return token
 
 
-def engine_configs(options: NodeOptions, pulled: Path | None = None) -> tuple[list[EngineConfig], str, str]:
+def offload(options: NodeOptions, host: list[gpu.HostGpu] | None = None,
+            build: list[gpu.BuildGpu] | None = None) -> gpu.OffloadPlan:
+    """How this node's engines load (nodes.agent.gpu): the host's GPUs against the build's, unless given. A mock
+    engine runs no llama.cpp: the CPU, with whatever GPUs the host has named in its report. Raises NodeError for a
+    host GPU the build cannot use (the line says which `make node GPU=` fixes it)."""
+    host = gpu.host_gpus() if host is None else host
+    if options.mock is not None:
+        return gpu.OffloadPlan("cpu", 0, tuple(g.name for g in host))
+    try:
+        return gpu.offload_plan(host=host, build=gpu.build_gpus() if build is None else build, cpu=options.cpu,
+                                gpu_layers=options.gpu_layers)
+    except gpu.GpuMismatch as exc:
+        raise NodeError(str(exc)) from None
+
+
+def engine_configs(options: NodeOptions, pulled: Path | None = None,
+                   plan: gpu.OffloadPlan | None = None) -> tuple[list[EngineConfig], str, str]:
     """The engine workers' configs, the model's name on the fleet, and why each lane has the window it has."""
+    plan = plan or gpu.OffloadPlan("cpu", 0)
     if options.mock is not None:
         path, own_name = None, options.model_name or options.model
     elif pulled is not None:
@@ -118,7 +137,7 @@ def engine_configs(options: NodeOptions, pulled: Path | None = None) -> tuple[li
     name = options.model_name or own_name
     max_context, why = options.max_context, "--max-context"
     if max_context is None and path is not None:
-        window = device_window(path, options)
+        window = device_window(path, options, plan)
         max_context, why = window.tokens, window.why
     gpus, cpus = gpu_groups(options.replicas, options.gpus), cpu_groups(options.replicas)
     park = str(options.home / "park" / name) if options.park else None
@@ -132,22 +151,34 @@ def engine_configs(options: NodeOptions, pulled: Path | None = None) -> tuple[li
             cpu_affinity=cpus[index] if options.replicas > 1 else None, env=env, threads=len(cpus[index]),
             batch_invariant=options.batch_invariant,
             speech_model_path=str(speech_path) if speech_path else None, speech_model_name=speech_name,
-            adapters=options.adapters, mmproj_path=options.mmproj,
+            adapters=options.adapters, mmproj_path=options.mmproj, gpu_layers=plan.gpu_layers,
+            host_gpus=list(plan.host_gpus),
         ))
     return configs, name, why
 
 
-def device_window(path: Path, options: NodeOptions) -> Window:
-    """Each lane's window from the model's KV bytes a token and the memory free on this device (nodes.agent.window)."""
+def device_window(path: Path, options: NodeOptions, plan: gpu.OffloadPlan) -> Window:
+    """Each lane's window from the model's KV bytes a token and the memory free on this device (nodes.agent.window):
+    with part of the model on the GPU (`--gpu-layers`), that part against VRAM and the rest against RAM."""
     try:
         info = read_gguf(path)
     except (GgufError, OSError) as exc:
         raise NodeError(f"the model file {str(path)!r} is refused: {exc}") from None
+    total = info.blocks + 1
+    on_gpu = 0 if plan.gpu_layers == 0 else total if plan.gpu_layers < 0 else min(plan.gpu_layers, total)
     try:
-        available, memory = device_memory()
-        return size_window(kv_bytes_per_token=info.kv_bytes_per_token, trained=info.context_length,
-                           lanes=options.max_batch, model_bytes=info.size, available=available,
-                           workers=options.replicas, memory=memory)
+        available, memory = device_memory(offload=on_gpu > 0)
+        if memory == "RAM" or on_gpu == total:
+            return size_window(kv_bytes_per_token=info.kv_bytes_per_token, trained=info.context_length,
+                               lanes=options.max_batch, model_bytes=info.size, available=available,
+                               workers=options.replicas, memory=memory)
+        return min((size_window(kv_bytes_per_token=max(int(info.kv_bytes_per_token * share), 1),
+                                trained=info.context_length, lanes=options.max_batch,
+                                model_bytes=int(info.size * share), available=free, workers=options.replicas,
+                                memory=f"{kind} ({layers} of {total} layers)")
+                    for share, free, kind, layers in ((on_gpu / total, available, "VRAM", on_gpu),
+                                                      (1 - on_gpu / total, mem_available(), "RAM", total - on_gpu))),
+                   key=lambda w: w.tokens)
     except WindowError as exc:
         raise NodeError(f"{exc}, or pin the window with --max-context") from None
 
@@ -204,6 +235,9 @@ async def _run(options: NodeOptions, resolve_head) -> None:
     from nodes.agent.engine.worker import EngineWorker
 
     token = remember_token(options)
+    plan = await asyncio.to_thread(offload, options)  # a wrong build is refused before anything is pulled or loaded
+    log.info("fleet node: runs on %s%s", plan.backend, f" ({plan.gpu_layers} layers offloaded)"
+             if plan.gpu_layers > 0 else " (every layer offloaded)" if plan.gpu_layers < 0 else "")
     if options.accept_new_head:
         keys.forget_head(options.home)
     identity = options.identity or AgentConfig.identity_default()
@@ -218,7 +252,7 @@ async def _run(options: NodeOptions, resolve_head) -> None:
                                     ) if options.mock is None and is_registry_name(options.model) else None
         if options.mmproj and is_registry_name(options.mmproj):  # the head's registry entry for the projector
             options = replace(options, mmproj=str(await pulled_model(replace(options, model=options.mmproj), asker)))
-        configs, name, why = engine_configs(options, pulled)
+        configs, name, why = engine_configs(options, pulled, plan)
 
         def forward(index: int):
             def on_event(event):
@@ -240,7 +274,7 @@ async def _run(options: NodeOptions, resolve_head) -> None:
     models.forward = agent.on_engine_event
     own = configs[0].model_path
     primary_bytes = footprint(Path(own), lanes=configs[0].lanes, window=info["context_window"]) if own else 0
-    agent.deployer = deployer_for(options, agent, models, primary_bytes=primary_bytes * len(configs))
+    agent.deployer = deployer_for(options, agent, models, primary_bytes=primary_bytes * len(configs), plan=plan)
     try:
         await agent.run()
     finally:
@@ -263,7 +297,8 @@ async def _load(engine, name: str, reports: PreparingReports) -> dict[str, Any]:
     return info
 
 
-def deployer_for(options: NodeOptions, agent: NodeAgent, models: ModelSet, *, primary_bytes: int = 0) -> Deployer:
+def deployer_for(options: NodeOptions, agent: NodeAgent, models: ModelSet, *, primary_bytes: int = 0,
+                 plan: gpu.OffloadPlan | None = None) -> Deployer:
     """What applies the head's deployments on this node: pulls as `--model NAME` does, one engine worker a model."""
     from nodes.agent.engine.worker import EngineWorker
 
@@ -273,7 +308,7 @@ def deployer_for(options: NodeOptions, agent: NodeAgent, models: ModelSet, *, pr
     return Deployer(models, fetch=fetch, send=agent.send,
                     make_worker=lambda config: EngineWorker(config, on_event=models.on_event),
                     batch_invariant=options.batch_invariant, memory_budget=options.memory_budget,
-                    on_demand=options.on_demand, mock=options.mock, primary_bytes=primary_bytes)
+                    on_demand=options.on_demand, mock=options.mock, primary_bytes=primary_bytes, plan=plan)
 
 
 def run_node(options: NodeOptions) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 from nodes.agent.engine.base import ENDS, Event
 from nodes.agent.vocab import BUILTINS, BYTES, tokenizer_of
 from nodes.link.codes import ErrorCode
+from nodes.link.device import merged_device
 from nodes.link.lifecycle import PlacementLifecycle, aplacement_keys
 from nodes.link.messages import Accepted, Done, TokenBatch
 from nodes.link.placement import NodeSlot, PlacementState
@@ -91,6 +92,7 @@ class ReplicaSet:
         first = infos[0]
         self.tokenizer = tokenizer_of(first)
         self._info = {**first, "lanes": sum(i["lanes"] for i in infos), "replicas": self._replica_states(),
+                      "device": merged_device([i.get("device") for i in infos]),
                       "warm_generations": sorted({g for i in infos for g in i.get("warm_generations", [])})}
         return self._info
 
@@ -153,6 +155,7 @@ class ReplicaSet:
             measured = [p[figure] for p in per if p.get(figure)]
             total[figure] = sum(measured) / len(measured) if measured else 0.0
         total["cache_cleared"] = any(p.get("cache_cleared") for p in per)
+        total["device"] = merged_device([p.get("device") for p in per])
         total["replicas"] = self._replica_states()
         return total
 

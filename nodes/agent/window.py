@@ -1,9 +1,11 @@
 """A lane's context window sized for the device when `node_join --max-context` is not given.
 
-The memory free for the KV cache is the device's: the free VRAM of the visible GPUs when this llama.cpp offloads to
-a GPU and `nvidia-smi` reports one, else the RAM the kernel says is available (MemAvailable); less what the model's
-weights will take (its file size, once per engine worker), of which KV_SHARE is given to the cache (the rest stays for
-llama.cpp's compute buffers and the system). That over the KV bytes of one token (from the GGUF's metadata) and the
+The memory free for the KV cache is the device's: the free VRAM of the visible GPUs when the node offloads to a GPU
+(nodes.agent.gpu.offload_plan) and `nvidia-smi` reports one, else the RAM the kernel says is available (MemAvailable);
+less what the model's weights will take (its file size, once per engine worker), of which KV_SHARE is given to the
+cache (the rest stays for llama.cpp's compute buffers and the system). With part of the model offloaded
+(`--gpu-layers`), the layers on the GPU and their KV count against VRAM, the rest against RAM, and the window is the
+smaller of the two. That over the KV bytes of one token (from the GGUF's metadata) and the
 lanes is each lane's window, clamped to the context the model was trained for and rounded down to STEP tokens.
 """
 
@@ -39,21 +41,12 @@ def mem_available() -> int:
     raise WindowError(f"{MEMINFO} has no MemAvailable line; give the window with --max-context")
 
 
-def device_memory() -> tuple[int, str]:
-    """(bytes free for weights and KV, which memory that is): the visible GPUs' free VRAM where llama.cpp offloads
-    to a GPU, else the RAM available."""
-    if _gpu_offload() and (free := vram_free()):
+def device_memory(*, offload: bool) -> tuple[int, str]:
+    """(bytes free for weights and KV, which memory that is): the visible GPUs' free VRAM where the node offloads
+    to a GPU and nvidia-smi says, else the RAM available."""
+    if offload and (free := vram_free()):
         return free, "VRAM"
     return mem_available(), "RAM"
-
-
-def _gpu_offload() -> bool:
-    try:
-        import llama_cpp
-
-        return bool(llama_cpp.llama_supports_gpu_offload())
-    except (ImportError, OSError, AttributeError):
-        return False
 
 
 def vram_free() -> int:

@@ -96,6 +96,9 @@ class Register(Message):
     tokenizers: dict[str, str] = field(default_factory=dict)
     # what this node takes beyond protocol 1 (Feature values): "heads", so the head sends it `heads` messages
     features: list[str] = field(default_factory=list)
+    # what its engine workers run on: a nodes.link.device.DeviceReport (backend, devices and their memory, layers
+    # offloaded, the host's GPUs); absent from an older node, which the head shows as "unknown"
+    device: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -152,6 +155,8 @@ class Heartbeat(Message):
     # An older node sends neither: 0 bytes, so nothing is loaded there on demand.
     memory_free: int = 0
     on_demand: bool = True
+    # the device report again, its GPUs' memory as the engine last asked it (Register's `device`); absent: unchanged
+    device: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -71,7 +71,8 @@
     tds[7].className = "chart";
     tds[8].textContent = n.context_window;
     tds[9].textContent = n.address;
-    tds[10].textContent = n.engine;
+    const device = el("span", n.device || "", n.cpu_fallback ? "fleet-device fleet-fallback" : "fleet-device");
+    if (n.url) tds[10].replaceChildren(n.engine, device); else tds[10].textContent = n.engine;
     return tr;
   }
 

@@ -55,6 +55,11 @@ class EngineConfig:
     # The model's multimodal projector (`node_join --mmproj`): a GGUF mmproj file read by llama.cpp's mtmd, so chats
     # may hold images (nodes.agent.engine.vision).
     mmproj_path: str | None = None
+    # llama.cpp's n_gpu_layers: -1 all the model's layers on the GPUs the build sees, 0 none (`node_join --cpu`, or a
+    # host without a GPU), N the first N (`--gpu-layers`). The agent sets it from nodes.agent.gpu.offload_plan.
+    gpu_layers: int = -1
+    # The host's GPU names (nvidia-smi, ...), for the engine's device report: a CPU engine beside them is flagged.
+    host_gpus: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -176,5 +176,8 @@ class _ChildLoop:
         load = (stats["lanes_busy"], stats.get("queued", 0))
         now = time.monotonic()
         if load != self.last_load or (load[0] and now - self.last_stats_at >= STATS_EVERY_S):
+            device = getattr(self.engine, "device", None)  # asked only when sent: not once a decode step
+            if device is not None:
+                stats["device"] = device()
             self.conn.send(("stats", stats))
             self.last_stats_at, self.last_load = now, load

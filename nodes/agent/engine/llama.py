@@ -16,6 +16,7 @@ from typing import Any
 import llama_cpp as L
 import numpy as np
 
+from nodes.agent import gpu
 from nodes.agent.engine.base import (
     EngineConfig,
     EngineError,
@@ -102,7 +103,9 @@ class LlamaEngine(LaneEngine):
 
         if not config.model_path:
             raise ValueError("the llama.cpp engine needs a model_path")
-        self.model = LoadedModel(config.model_path, on_progress)
+        self.model = LoadedModel(config.model_path, on_progress, config.gpu_layers)
+        # the GPUs this worker's build sees (CUDA_VISIBLE_DEVICES applied): asked here, where the engine holds them
+        self.gpus = gpu.build_gpus() if config.gpu_layers else []
         window = config.max_context or min(self.model.n_ctx_train or DEFAULT_WINDOW, DEFAULT_WINDOW)
         n_batch = max(config.n_batch, config.lanes)
         self.threads = config.threads or len(os.sched_getaffinity(0))
@@ -152,7 +155,14 @@ class LlamaEngine(LaneEngine):
             "warm_lanes": self.warm_lanes,  # lanes restored from the park directory at start
             # the generations whose prefixes those lanes hold (the head's index keeps what they put there)
             "warm_generations": sorted({gen for lane in self.lanes for gen, _ in lane.holders}),
+            "device": self.device(),
         }
+
+    def device(self) -> dict[str, Any]:
+        """What this worker runs on (nodes.link.device), each GPU's memory as it is now."""
+        build = gpu.build_gpus(memory=True) if self.gpus else []
+        return gpu.engine_report(build=build, gpu_layers=self.config.gpu_layers, n_layer=self.model.n_layer,
+                                 host=self.config.host_gpus).to_wire()
 
     def close(self) -> None:
         if self.ctx is None:

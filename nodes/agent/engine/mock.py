@@ -26,6 +26,7 @@ from nodes.agent.engine.runs import Run
 from nodes.agent.engine.scheduler import Lane, LaneEngine, Sample, Work
 from nodes.agent.vocab import MOCK
 from nodes.link.codes import ErrorCode
+from nodes.link.device import DeviceReport
 from nodes.link.spec import GenerateSpec
 
 EOG_ID = 0
@@ -63,6 +64,8 @@ class MockParams:
     load_s: float = 0.0  # pretend loading takes this long (reports progress)
     embedding_dim: int = 8
     engine_version: str = "mock-1"
+    # what it says it runs on (a nodes.link.device report), standing in for a GPU node's; default: the CPU
+    device: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MockParams:
@@ -118,7 +121,13 @@ class MockEngine(LaneEngine):
             "engine": "mock",
             "engine_version": self.params.engine_version,
             "tokenizer": MOCK,
+            "device": self.device(),
         }
+
+    def device(self) -> dict[str, Any]:
+        if self.params.device is not None:
+            return dict(self.params.device)
+        return DeviceReport("cpu", host_gpus=list(self.config.host_gpus)).to_wire()
 
     def close(self) -> None:
         """Nothing to free."""

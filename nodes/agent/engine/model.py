@@ -28,7 +28,7 @@ _META_BUF = 1 << 16
 class LoadedModel:
     """One GGUF model and its vocabulary, with the helpers the engine needs around them."""
 
-    def __init__(self, path: str, on_progress: Callable[[float], Any] | None = None) -> None:
+    def __init__(self, path: str, on_progress: Callable[[float], Any] | None = None, gpu_layers: int = -1) -> None:
         if not os.path.isfile(path):
             raise EngineLoadError(f"could not load the model: no file at {path!r}")
         L.llama_backend_init()
@@ -36,6 +36,7 @@ class LoadedModel:
         # The CPU backend repacks weights into AMX tiles when the CPU reports AMX, but VMs that do not grant
         # the tile state (XTILEDATA) then die on SIGILL at the first decode. Plain buffers work everywhere.
         params.use_extra_bufts = False
+        params.n_gpu_layers = gpu_layers  # -1: all (llama.cpp's default), 0: none
         if on_progress is not None:
             # Kept on self: ctypes must not collect the callback while llama.cpp still holds it.
             self._progress_cb = L.llama_progress_callback(lambda p, _data: _report(on_progress, p))
@@ -48,6 +49,7 @@ class LoadedModel:
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
         self.n_embd = L.llama_model_n_embd(self.model)
+        self.n_layer = L.llama_model_n_layer(self.model)
         self.eog_ids = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
         self._pieces: dict[int, bytes] = {}
         self.chat_template = self.meta("tokenizer.chat_template")

@@ -98,6 +98,8 @@ class EngineWorker:
 
     def stats(self) -> dict[str, Any]:
         stats = {**self._stats, "alive": self._alive, "restarts": self.restarts}
+        if "device" not in stats and "device" in self._info:  # the child reports stats once it has work
+            stats["device"] = self._info["device"]
         if not stats.get("lanes_busy") and not stats.get("queued"):
             # the child's last report as it went idle still held its last two seconds' rate, and an idle child
             # reports nothing more: idle generates nothing

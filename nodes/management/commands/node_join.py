@@ -41,6 +41,14 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _layers(value: str) -> int:
+    import argparse
+
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of layers (0 or more)")
+    return int(value)
+
+
 def _label(value: str) -> tuple[str, str]:
     import argparse
     import re
@@ -124,6 +132,12 @@ class Command(BaseCommand):
                                  "device's free memory); the head loads on-demand models here within it")
         parser.add_argument("--no-on-demand", action="store_true",
                             help="the head never loads a registry model here on demand (deployments still do)")
+        parser.add_argument("--cpu", action="store_true",
+                            help="run on the CPU although this host has a GPU (without it, a GPU the llama.cpp build "
+                                 "cannot use stops the node with the `make node GPU=...` that fixes it)")
+        parser.add_argument("--gpu-layers", type=_layers, metavar="N",
+                            help="offload the model's first N layers to the GPU, the rest on the CPU (default: all "
+                                 "when the build sees a GPU; llama.cpp counts the output layer as one)")
         parser.add_argument("--transcribe", metavar="SPEECH_MODEL",
                             help="also serve /v1/audio/transcriptions with this speech model: whisper-tiny.en (the "
                                  "bundled one) or a CTranslate2 Whisper model folder; run by faster-whisper in the "
@@ -151,6 +165,9 @@ class Command(BaseCommand):
         if options["mmproj"] and not options["model"]:
             sys.stderr.write("node_join: --mmproj needs --model: the projector belongs to a text model\n")
             sys.exit(2)
+        if options["cpu"] and options["gpu_layers"]:
+            sys.stderr.write("node_join: --cpu offloads nothing; leave out --gpu-layers, or --cpu\n")
+            sys.exit(2)
         if options["offline"] and not options["head"]:
             sys.stderr.write("node_join: --offline needs the head's address (host:port)\n")
             sys.exit(2)
@@ -165,6 +182,7 @@ class Command(BaseCommand):
             replicas=options["replicas"], gpus=options["gpus"], accept_new_head=options["accept_new_head"],
             batch_invariant=options["batch_invariant"], home=settings.FLEET_HOME, transcribe=options["transcribe"],
             mmproj=options["mmproj"], memory_budget=options["memory_budget"], on_demand=not options["no_on_demand"],
+            cpu=options["cpu"], gpu_layers=options["gpu_layers"],
         ))
         if code:
             sys.exit(code)
