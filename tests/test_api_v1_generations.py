@@ -109,6 +109,28 @@ async def test_the_generation_endpoints_are_served_ahead_of_djangos_handler(bear
     assert started == ["/v1/models"]
 
 
+async def test_a_generation_requests_synchronous_work_runs_on_a_thread_of_its_own(bearer, monkeypatch):
+    """api.streaming_app: as under Django's handler, a request's sync_to_async calls (here its parse, which a body
+    with tools makes in a thread) run on a thread of the request's own, not on the one every caller outside a request
+    shares, where one slow call would hold up every other request's."""
+    import threading
+
+    from api import v1
+
+    parsed_on: list[threading.Thread] = []
+    original = v1.chat_request
+
+    def spy(*args, **kwargs):
+        parsed_on.append(threading.current_thread())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(v1, "chat_request", spy)
+    add_fake_node()
+    assert (await request("POST", CHAT, key=bearer, body=chat(tools=[WEATHER]))).status == 200
+    shared = await sync_to_async(threading.current_thread)()
+    assert len(parsed_on) == 1 and parsed_on[0] is not shared and parsed_on[0] is not threading.current_thread()
+
+
 async def test_a_client_gone_before_the_first_chunk_still_cancels_the_lane_and_leaves_a_record(bearer):
     """The view answered a stream, and the client left while its headers were being sent: the loop never started,
     and the app abandons the run itself (the node's lane cancelled, the record written as cancelled)."""
