@@ -23,6 +23,7 @@ from api.specs import MAX_TOP_LOGPROBS, GenerationRequest, _for_node, chat_reque
 from api.sse import KEEPALIVE
 from api.v1 import json_body, openai_view, respond
 from fleet.dispatch import Tokens
+from fleet.selectors import model_context_window
 from sessions import selectors
 from sessions.models import StoredResponse
 from sessions.services import nul_problem, stored_response_create, stored_response_delete
@@ -87,6 +88,8 @@ def responses_request(body: Any, *, api_key=None, user=None) -> ResponsesRequest
     except OpenAIError as exc:
         raise _renamed(exc) from None
     gen.api = "responses"
+    if body.get("max_output_tokens") is None:  # as OpenAI's: no cap but the window (Codex CLI sends none)
+        gen.spec.max_tokens = max(model_context_window(gen.spec.model) or 0, gen.spec.max_tokens)
     gen.left_out += _reasoning_left_out(body.get("reasoning")) + left_out
     system = [{"role": "system", "content": instructions}] if instructions else []
     gen.spec.messages = _for_node(system + history + gen.new_messages, gen.tools)

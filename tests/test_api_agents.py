@@ -223,6 +223,16 @@ async def test_codex_clis_first_request_shape_is_served_and_says_what_it_left_ou
     assert "tools[2] (web_search)" in left and "reasoning.effort medium" in left
 
 
+async def test_a_response_without_max_output_tokens_runs_to_the_window_not_a_default(bearer):
+    """Codex CLI sends no max_output_tokens: the answer may run to the model's window, as on OpenAI's API (a 512
+    default cut its answers short, "incomplete", and Codex exited 1); a client's own limit is kept."""
+    link = add_fake_node(context_window=4096)
+    await request("POST", "/v1/responses", key=bearer, body={"model": "smollm2", "input": "Hi"})
+    await request("POST", "/v1/responses", key=bearer, body={"model": "smollm2", "input": "Hi",
+                                                              "max_output_tokens": 7})
+    assert [spec["max_tokens"] for spec in link.specs] == [4096, 7]
+
+
 # --- /v1/messages -------------------------------------------------------------------------------------------------
 
 
