@@ -18,7 +18,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from api.errors import OpenAIError, anthropic_body, anthropic_status, invalid
 from api.generation import Run
 from api.json_out import json_bytes
-from api.specs import GenerationRequest, chat_request
+from api.specs import GenerationRequest, chat_request, unknown_fields
 from api.v1 import json_body, openai_view, respond
 from fleet.dispatch import Tokens
 from fleet.links import registry
@@ -27,6 +27,11 @@ from nodes.agent.vocab import BUILTINS, BYTES
 from nodes.tokenizers import fingerprint_served, tokenizer_get
 
 REFUSED = {"container": "containers are not supported.", "mcp_servers": "MCP servers are not supported."}
+# Every top-level field the Messages API knows (docs/api.md): others are accepted, ignored and named as left out.
+KNOWN = frozenset({
+    "model", "max_tokens", "system", "messages", "stop_sequences", "temperature", "top_p", "top_k", "tools",
+    "tool_choice", "output_config", "stream", "metadata", "service_tier", "thinking", "context_management",
+    "deadline_ms", "priority", *REFUSED})
 
 
 def anthropic_error_response(exc: OpenAIError) -> HttpResponse:
@@ -75,7 +80,7 @@ def messages_request(body: Any, *, api_key=None, user=None, counting: bool = Fal
             exc.param, exc.message = name, exc.message.replace(exc.param, name, 1)
         raise
     gen.api = "messages"
-    gen.left_out += thinking + capped
+    gen.left_out += thinking + capped + unknown_fields(body, KNOWN)
     return gen
 
 

@@ -19,7 +19,7 @@ from api.errors import OpenAIError, invalid
 from api.generation import Run
 from api.json_out import json_bytes
 from api.responses import chat_logprobs
-from api.specs import MAX_TOP_LOGPROBS, GenerationRequest, _for_node, chat_request
+from api.specs import MAX_TOP_LOGPROBS, GenerationRequest, _for_node, chat_request, unknown_fields
 from api.sse import KEEPALIVE
 from api.v1 import json_body, openai_view, respond
 from fleet.dispatch import Tokens
@@ -38,6 +38,12 @@ REFUSED = {
     "prompt": "prompt templates are not supported; send instructions and input.",
     "max_tool_calls": "max_tool_calls is not supported; the model makes at most one turn of calls.",
 }
+# Every top-level field the Responses API knows (docs/api.md): others are accepted, ignored and named as left out.
+KNOWN = frozenset({
+    "model", "input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "temperature", "top_p",
+    "store", "previous_response_id", "include", "top_logprobs", "stream", "metadata", "parallel_tool_calls", "user",
+    "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "stream_options", "truncation",
+    "reasoning", "client_metadata", "priority", "top_k", "seed", "stop", "deadline_ms", *REFUSED})
 # Where a chat field's error should name the Responses field the client sent.
 RENAMED = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 
@@ -90,7 +96,7 @@ def responses_request(body: Any, *, api_key=None, user=None) -> ResponsesRequest
     gen.api = "responses"
     if body.get("max_output_tokens") is None:  # as OpenAI's: no cap but the window (Codex CLI sends none)
         gen.spec.max_tokens = max(model_context_window(gen.spec.model) or 0, gen.spec.max_tokens)
-    gen.left_out += _reasoning_left_out(body.get("reasoning")) + left_out
+    gen.left_out += _reasoning_left_out(body.get("reasoning")) + left_out + unknown_fields(body, KNOWN)
     system = [{"role": "system", "content": instructions}] if instructions else []
     gen.spec.messages = _for_node(system + history + gen.new_messages, gen.tools)
     return ResponsesRequest(gen, body, history, _items(body.get("input"), gen.gen_id), previous, store)

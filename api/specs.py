@@ -176,6 +176,12 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
+def unknown_fields(body: dict[str, Any], known: frozenset[str]) -> list[str]:
+    """Top-level fields an API does not know, as left-out entries: accepted and ignored, as OpenAI's and Anthropic's
+    servers do for forward compatibility, and named in X-Fleet-Left-Out and the log line."""
+    return [f"{name}: a field Fleet does not know, ignored" for name in body if name not in known]
+
+
 def model_name(model: Any, kind: str = "a model") -> str:
     """The `model` a request names, trimmed; a 400 when it is missing or could name no model (PostgreSQL cannot
     even look up a name with a NUL character, and the request's record would keep it)."""

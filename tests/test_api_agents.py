@@ -233,6 +233,21 @@ async def test_a_response_without_max_output_tokens_runs_to_the_window_not_a_def
     assert [spec["max_tokens"] for spec in link.specs] == [4096, 7]
 
 
+async def test_fields_an_api_does_not_know_are_accepted_ignored_and_named(bearer):
+    """A top-level field from a newer client is no 400 on either agents' API: the answer comes, and
+    X-Fleet-Left-Out names the field, as OpenAI's and Anthropic's servers accept what they do not know."""
+    add_fake_node()
+    answered = await request("POST", "/v1/responses", key=bearer, body={"model": "smollm2", "input": "Hi",
+                                                                          "future_knob": {"x": 1}})
+    assert answered.status == 200, answered.body
+    assert "future_knob: a field Fleet does not know" in answered.headers["x-fleet-left-out"]
+    answered = await request("POST", "/v1/messages", key=bearer, body=msg(future_knob=True))
+    assert answered.status == 200, answered.body
+    assert "future_knob: a field Fleet does not know" in answered.headers["x-fleet-left-out"]
+    known = await request("POST", "/v1/messages", key=bearer, body=msg(metadata={"user_id": "u"}))
+    assert "x-fleet-left-out" not in known.headers
+
+
 # --- /v1/messages -------------------------------------------------------------------------------------------------
 
 
