@@ -57,6 +57,7 @@ class ResponsesRequest:
     previous: StoredResponse | None = None
     store: bool = True
     ids: dict[str, str] = field(default_factory=dict)
+    namespaces: dict[str, str] = field(default_factory=dict)  # a namespace's function name -> the namespace's name
 
     @property
     def id(self) -> str:
@@ -99,7 +100,8 @@ def responses_request(body: Any, *, api_key=None, user=None) -> ResponsesRequest
     gen.left_out += _reasoning_left_out(body.get("reasoning")) + left_out + unknown_fields(body, KNOWN)
     system = [{"role": "system", "content": instructions}] if instructions else []
     gen.spec.messages = _for_node(system + history + gen.new_messages, gen.tools)
-    return ResponsesRequest(gen, body, history, _items(body.get("input"), gen.gen_id), previous, store)
+    return ResponsesRequest(gen, body, history, _items(body.get("input"), gen.gen_id), previous, store,
+                            namespaces=_namespaces(body.get("tools")))
 
 
 def _refuse(body: dict[str, Any]) -> None:
@@ -237,6 +239,13 @@ def _tools(tools: Any, inner: bool = False) -> tuple[list[dict[str, Any]] | None
     return out, left_out
 
 
+def _namespaces(tools: list[Any] | None) -> dict[str, str]:
+    """Each namespaced function's namespace, for the calls' `namespace` field (tools as _tools has checked them)."""
+    return {inner["name"]: tool["name"] for tool in tools or [] if tool.get("type") == "namespace"
+            and isinstance(tool.get("name"), str) for inner in tool["tools"]
+            if isinstance(inner, dict) and inner.get("type") == "function" and isinstance(inner.get("name"), str)}
+
+
 def _function_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     if not isinstance(tool.get("strict"), bool | None) or not isinstance(tool.get("description"), str | None) or \
             not isinstance(tool.get("parameters"), dict | None):
@@ -363,8 +372,11 @@ def _message_item(req: ResponsesRequest, text: str, logprobs: list | None, statu
 def _call_item(req: ResponsesRequest, index: int, call: dict[str, Any], arguments: str | None = None,
                status: str = "completed") -> dict[str, Any]:
     function = call["function"]
-    return {"type": "function_call", "id": req.item_id("fc", index), "call_id": call["id"], "name": function["name"],
+    item = {"type": "function_call", "id": req.item_id("fc", index), "call_id": call["id"], "name": function["name"],
             "arguments": function["arguments"] if arguments is None else arguments, "status": status}
+    if namespace := req.namespaces.get(function["name"]):
+        item["namespace"] = namespace  # a namespace's tool is called under its namespace, as OpenAI's API has it
+    return item
 
 
 def output_items(req: ResponsesRequest, run: Run) -> list[dict[str, Any]]:

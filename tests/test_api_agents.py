@@ -223,6 +223,23 @@ async def test_codex_clis_first_request_shape_is_served_and_says_what_it_left_ou
     assert "tools[2] (web_search)" in left and "reasoning.effort medium" in left
 
 
+async def test_a_namespaced_tools_call_comes_back_under_its_namespace(bearer):
+    """A call to a namespace's function is a function_call item with the namespace named (OpenAI's shape for a
+    namespaced tool), in the answer and in the stream's items."""
+    spawn = ['{"name": "spawn_agent", ', '"arguments": {"city": "X"}}']
+    add_fake_node(FakeLink(script=lambda spec: Script(tokens=spawn)))
+    tools = [WEATHER, {"type": "namespace", "name": "multi_agent_v1", "description": "agents",
+                       "tools": [{**WEATHER, "name": "spawn_agent"}]}]
+    body = (await request("POST", "/v1/responses", key=bearer, body={
+        "model": "smollm2", "input": "Start one.", "tools": tools, "tool_choice": "required"})).json()
+    call = body["output"][0]
+    assert (call["type"], call["name"], call["namespace"]) == ("function_call", "spawn_agent", "multi_agent_v1")
+    ex = await request("POST", "/v1/responses", key=bearer, body={
+        "model": "smollm2", "input": "Start one.", "tools": tools, "tool_choice": "required", "stream": True})
+    done = [data["item"] for name, data in sse(ex) if name == "response.output_item.done"]
+    assert done[0]["namespace"] == "multi_agent_v1"
+
+
 async def test_a_response_without_max_output_tokens_runs_to_the_window_not_a_default(bearer):
     """Codex CLI sends no max_output_tokens: the answer may run to the model's window, as on OpenAI's API (a 512
     default cut its answers short, "incomplete", and Codex exited 1); a client's own limit is kept."""
