@@ -19,6 +19,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http.multipartparser import MultiPartParserError
 from django.views.decorators.csrf import csrf_exempt
 
 from api.auth import v1_authenticate_async, v1_staff_session
@@ -94,6 +95,9 @@ async def _serve_admitted(view, request: HttpRequest, methods, wants: tuple[bool
         return await view(request, *args, **kwargs)
     except OpenAIError as exc:
         return errors(exc)
+    except MultiPartParserError as exc:  # Django's parser, when the view reads request.POST or FILES
+        return errors(invalid(f"The multipart/form-data body could not be read ({exc}); send it with its boundary, "
+                              "as an HTTP client's multipart encoder does."))
     except Exception as exc:
         if (unavailable := store_unavailable(exc)) is not None:
             log.warning("api: %s %s: %s (%s)", request.method, request.path, unavailable.message, exc)

@@ -23,7 +23,7 @@ async def files(request: HttpRequest) -> HttpResponse:
     if request.method == "GET":
         page = await sync_to_async(batches.file_list)(owner=owner, purpose=request.GET.get("purpose"),
                                                       limit=_limit(request, 100, 10_000),
-                                                      after=request.GET.get("after"))
+                                                      after=request.GET.get("after") or None)
         return JsonResponse(page)
     upload = request.FILES.get("file")
     if upload is None:
@@ -51,7 +51,7 @@ async def file_content(request: HttpRequest, file_id: str) -> HttpResponse:
 async def batch_collection(request: HttpRequest) -> HttpResponse:
     if request.method == "GET":
         return JsonResponse(await sync_to_async(batches.batch_list)(
-            owner=request.api_key.owner, limit=_limit(request, 20, 100), after=request.GET.get("after")))
+            owner=request.api_key.owner, limit=_limit(request, 20, 100), after=request.GET.get("after") or None))
     row = await sync_to_async(batches.batch_create)(api_key=request.api_key, body=json_body(request))
     return JsonResponse(batches.batch_object(row))
 

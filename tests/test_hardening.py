@@ -126,3 +126,24 @@ def test_the_management_api_answers_503_with_retry_after_while_the_database_is_a
     monkeypatch.setattr(selectors, "session_list", _down(OperationalError("the database system is starting up")))
     answer = client.get("/api/sessions/")
     assert answer.status_code == 503 and answer["Retry-After"] == "5" and "database" in answer.json()["detail"]
+
+
+# --- issue 50, item 10: empty cursors and multipart bodies without a boundary ----------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("path", ["/v1/files?after=", "/v1/batches?after="])
+async def test_an_empty_after_cursor_is_the_first_page_not_a_500(bearer, path):
+    answer = await request("GET", path, key=bearer)
+    assert answer.status == 200, answer.body
+    assert answer.json()["object"] == "list"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("path", ["/v1/files", "/v1/audio/transcriptions"])
+async def test_multipart_without_a_boundary_is_a_400_in_openais_shape(bearer, path):
+    answer = await request("POST", path, key=bearer, headers={"content-type": "multipart/form-data"},
+                           raw=b"--x\r\ncontent-disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--x--\r\n")
+    assert answer.status == 400, answer.body
+    error = answer.json()["error"]
+    assert "multipart" in error["message"] and error["type"] == "invalid_request_error"
