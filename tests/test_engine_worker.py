@@ -220,3 +220,15 @@ def test_an_idle_engine_reports_no_tokens_a_second_whatever_its_last_report_said
     assert worker.stats()["tokens_per_s"] == 7.8
     worker._on_message(0, ("stats", {"lanes_busy": 0, "lanes": 2, "queued": 0, "tokens_per_s": 7.8}))  # as it went idle
     assert worker.stats()["tokens_per_s"] == 0.0
+
+
+async def test_a_worker_reports_its_lanes_and_kv_from_the_moment_it_has_loaded():
+    """Before its first generation too: a node idle since it started heartbeats its real lanes, not 0 / 0."""
+    worker = EngineWorker(mock_config(context_window=1024), on_event=lambda event: None)
+    await worker.start()
+    try:
+        await wait_until(lambda: "lanes" in worker.stats(), timeout=10)
+        stats = worker.stats()
+        assert (stats["lanes"], stats["lanes_busy"], stats["kv_total"]) == (2, 0, 2048)
+    finally:
+        await worker.stop()

@@ -114,6 +114,7 @@ class _ChildLoop:
         self.last_load: tuple[int, int] | None = None
 
     def run(self) -> None:
+        self.report_stats()  # once loaded: an idle engine's heartbeat says its lanes, not 0 / 0, before any work
         while True:
             if self.engine.busy():
                 while self.conn.poll():
