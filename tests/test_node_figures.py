@@ -6,6 +6,7 @@ The node is driven through a real link (the node-link consumer) with the message
 `--model` (4 lanes of 8,192 tokens), then loads a deployed model (4 lanes of 2,048) and an on-demand one (2 lanes of
 1,024), and heartbeats while five lanes stream."""
 
+import asyncio
 import dataclasses
 import re
 
@@ -119,3 +120,40 @@ async def test_a_node_serving_three_models_shows_the_same_lanes_everywhere():
             == (lanes, busy)
     await node.disconnect()
     await page.disconnect()
+
+
+async def test_a_model_the_head_renamed_shows_the_figures_its_engine_reports(settings):
+    """The head serves the node's model under its own name (FLEET_MODELS names one); the node's heartbeat names it
+    as the node knows it, and its figures still show under the fleet's name."""
+    settings.FLEET_MODELS = ["chat"]
+    page = await staff_page()
+    node, channel = await joined(register=dataclasses.replace(REGISTER, models=[OWN], lanes=4, context_window=8192))
+    await node.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=4, lanes=4, kv_used=900, kv_total=32768,
+                                                         tokens_per_s=40.0, models={"smollm2": PER_MODEL["smollm2"]})))
+    frame = await snapshot_where(page, lambda f: (node_named(f, "gpu-7") or {}).get("tokens_per_s"))
+    row = node_named(frame, "gpu-7")
+    assert row["models"] == ["chat"]
+    assert {name: (f["lanes"], f["lanes_busy"], f["context_window"]) for name, f in row["per_model"].items()} == {
+        "chat": (4, 4, 8192)}
+    assert frame["models"] == [{"name": "chat", "nodes": 1, "lanes": 4, "busy": 4, "waiting": 0}]
+    await node.disconnect()
+    await page.disconnect()
+
+
+async def test_before_its_first_heartbeat_a_node_shows_the_lanes_of_every_model_it_loaded():
+    node, channel = await joined(register=dataclasses.replace(REGISTER, models=[OWN], lanes=4, context_window=8192))
+    await node.send_to(bytes_data=channel.seal(Models(models=[OWN, DEPLOYED, ON_DEMAND], lanes=10,
+                                                      context_window=8192)))
+    from nodes.models import Node
+
+    async def announced():
+        while (await Node.objects.aget(identity="gpu-7")).models_served != ["smollm2", "dep-m", "od-m"]:
+            await asyncio.sleep(0.02)
+    await asyncio.wait_for(announced(), 10)
+    from fleet.selectors import fleet_overview
+
+    overview = await sync_to_async(fleet_overview)()
+    assert (overview["lanes_busy"], overview["lanes_total"]) == (0, 10)
+    (api_node,) = (await sync_to_async(pages)(str((await Node.objects.aget(identity="gpu-7")).pk)))["nodes"]
+    assert (api_node["lanes_busy"], api_node["lanes"]) == (None, 10)
+    await node.disconnect()
