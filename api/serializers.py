@@ -18,6 +18,16 @@ from sessions.services import nul_problem
 
 class NodeSerializer(serializers.ModelSerializer):
     live = serializers.SerializerMethodField(help_text="The last heartbeat (lanes busy, tokens/s), if recent.")
+    lanes = serializers.SerializerMethodField(
+        help_text="Lanes of all its engines (its own model's and every deployed or on-demand one's), as its last "
+                  "heartbeat said, else as it joined; null for a node serving several models that has not beaten yet.")
+    lanes_busy = serializers.SerializerMethodField(help_text="Lanes busy, as its last heartbeat said (null: none).")
+    tokens_per_s = serializers.SerializerMethodField(help_text="Tokens a second it generated lately (null: no "
+                                                               "heartbeat).")
+    models = serializers.SerializerMethodField(
+        help_text="Each model it serves with its own engine's lanes, lanes busy, KV used and total, tokens/s and the "
+                  "context window its lanes run with (a LoRA adapter or speech model counts under its engine's model: "
+                  "zero lanes). The live page, the node's page and /metrics show the same figures.")
     connected = serializers.SerializerMethodField(help_text="Whether this head process holds the node's link.")
     device = serializers.SerializerMethodField(
         help_text="What its engines run on: backend (cpu, cuda, rocm, vulkan, metal; unknown for a node that does not "
@@ -27,7 +37,8 @@ class NodeSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Node
-        fields = ["id", "identity", "state", "hold", "models_served", "lanes", "context_window", "labels", "address",
+        fields = ["id", "identity", "state", "hold", "models_served", "lanes", "lanes_busy", "tokens_per_s", "models",
+                  "context_window", "labels", "address",
                   "version", "engine", "device", "capabilities", "replicas", "joined_at", "last_seen_at", "created_at",
                   "updated_at", "live", "connected"]
         read_only_fields = fields
@@ -35,6 +46,27 @@ class NodeSerializer(serializers.ModelSerializer):
     @extend_schema_field(serializers.DictField(allow_null=True))
     def get_live(self, node: Node) -> dict | None:
         return (self.context.get("live") or {}).get(str(node.id))
+
+    def _figures(self, node: Node):
+        from nodes.selectors import node_figures
+
+        return node_figures(node=node, beat=self.get_live(node))
+
+    @extend_schema_field(serializers.IntegerField(allow_null=True))
+    def get_lanes(self, node: Node) -> int | None:
+        return self._figures(node).lanes
+
+    @extend_schema_field(serializers.IntegerField(allow_null=True))
+    def get_lanes_busy(self, node: Node) -> int | None:
+        return self._figures(node).lanes_busy
+
+    @extend_schema_field(serializers.FloatField(allow_null=True))
+    def get_tokens_per_s(self, node: Node) -> float | None:
+        return self._figures(node).tokens_per_s
+
+    @extend_schema_field(serializers.ListField(child=serializers.DictField()))
+    def get_models(self, node: Node) -> list[dict]:
+        return [{"name": name, **f.as_dict()} for name, f in self._figures(node).models.items()]
 
     @extend_schema_field(serializers.DictField())
     def get_device(self, node: Node) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from asgiref.sync import async_to_sync
-from django.core.cache import cache
 from django.db.models import Count
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
@@ -51,11 +50,9 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     permission_classes = [IsStaff]
 
     def get_serializer_context(self):
-        from fleet.names import liveness_key
+        from nodes.selectors import node_beats
 
-        ids = list(Node.objects.values_list("id", flat=True))
-        beats = cache.get_many([liveness_key(str(i)) for i in ids]) if ids else {}
-        live = {str(i): beats.get(liveness_key(str(i))) for i in ids}
+        live = node_beats(Node.objects.values_list("id", flat=True))
         return {**super().get_serializer_context(), "live": live, "connected": set(registry().links)}
 
     def _hold(self, hold: str) -> Response:

@@ -239,8 +239,8 @@ def exposed(family: Family, series: dict[str, float]) -> Metric:
 def live_gauges(waiting: dict[str, int]) -> Iterator[Metric]:
     """Nodes and lanes from placement (every head process's nodes with Redis), load from the heartbeats."""
     from fleet.names import liveness_key
-    from fleet.selectors import node_model_figures
     from nodes.models import Node
+    from nodes.selectors import lane_figures
 
     slots = registry().placement.nodes()
     beats = cache.get_many([liveness_key(s.node_id) for s in slots]) if slots else {}
@@ -254,8 +254,8 @@ def live_gauges(waiting: dict[str, int]) -> Iterator[Metric]:
     yield from device_gauges({s.identity: DeviceReport.from_wire((beats.get(liveness_key(s.node_id)) or {}).get(
         "device") or registered.get(s.identity)) for s in slots})
     per_node = {
-        "fleet_lanes": "Lanes (generations at once) of the node",
-        "fleet_lanes_busy": "Lanes busy, as the node's last heartbeat said",
+        "fleet_lanes": "Lanes (generations at once) of the model's engine on the node",
+        "fleet_lanes_busy": "Lanes of the model's engine busy, as the node's last heartbeat said",
         "fleet_generations_running": "Generations placed on the node and not ended",
         "fleet_node_kv_cache_used_tokens": "KV cache cells in use, as the node's last heartbeat said",
         "fleet_node_kv_cache_capacity_tokens": "KV cache cells of all lanes, as the node's last heartbeat said",
@@ -264,17 +264,13 @@ def live_gauges(waiting: dict[str, int]) -> Iterator[Metric]:
     gauges = {name: GaugeMetricFamily(name, doc, labels=list(MODEL_NODE)) for name, doc in per_node.items()}
     for slot in sorted(slots, key=lambda s: s.identity):
         beat = beats.get(liveness_key(slot.node_id)) or {}
-        values = {"fleet_lanes": slot.lanes, "fleet_generations_running": slot.running,
-                  "fleet_lanes_busy": beat.get("lanes_busy"), "fleet_node_kv_cache_used_tokens": beat.get("kv_used"),
-                  "fleet_node_kv_cache_capacity_tokens": beat.get("kv_total"),
-                  "fleet_node_decode_tokens_per_second": beat.get("tokens_per_s")}
-        for model in slot.models:
-            figures = node_model_figures(beat, model, lanes=slot.lanes)
-            own = {**values, "fleet_lanes": figures["lanes"], "fleet_lanes_busy": figures["lanes_busy"],
-                   "fleet_node_kv_cache_used_tokens": figures["kv_used"],
-                   "fleet_node_kv_cache_capacity_tokens": figures["kv_total"],
-                   "fleet_node_decode_tokens_per_second": figures["tokens_per_s"]}
-            for name, value in own.items():
+        figures = lane_figures(beat, models=list(slot.models), lanes=slot.lanes, context_window=slot.context_window)
+        for model, own in figures.models.items():
+            values = {"fleet_lanes": own.lanes, "fleet_generations_running": slot.running,
+                      "fleet_lanes_busy": own.lanes_busy, "fleet_node_kv_cache_used_tokens": own.kv_used,
+                      "fleet_node_kv_cache_capacity_tokens": own.kv_total,
+                      "fleet_node_decode_tokens_per_second": own.tokens_per_s}
+            for name, value in values.items():
                 if value is not None:
                     gauges[name].add_metric([model, slot.identity], float(value))
     yield from gauges.values()

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from django.core.cache import cache
 from django.db.models import Avg, Count, Sum
 from django.urls import reverse
 from django.utils import timezone
@@ -15,50 +14,40 @@ from fleet.links import registry
 from nodes.link.device import DeviceReport
 from nodes.models import Node
 from nodes.preparing import node_preparing_list
-from nodes.selectors import node_device, node_models_preparing
+from nodes.selectors import NodeFigures, node_beats, node_device, node_figures, node_models_preparing
 from sessions.models import Generation
 
 
 @dataclass
 class NodeRow:
     node: Node
-    lanes_busy: int | None
-    tokens_per_s: float | None
     connected_here: bool
     beat: dict = field(default_factory=dict)  # the last heartbeat: KV use, tokens/s history, replicas
     preparing: list[dict] = field(default_factory=list)  # models it is pulling or loading, with progress
     joining: bool = False  # not joined yet: pulling or loading its own model (nodes.preparing), no record yet
     device: DeviceReport = field(default_factory=DeviceReport)  # what it runs on (nodes.selectors.node_device)
+    figures: NodeFigures = field(default_factory=lambda: NodeFigures(0))  # nodes.selectors.node_figures
 
-
-FIGURES = ("lanes", "lanes_busy", "kv_used", "kv_total", "tokens_per_s")
-
-
-def node_model_figures(beat: dict, model: str, *, lanes: int) -> dict:
-    """`model`'s own lanes, busy lanes, KV and tokens/s on a node, from the node's last heartbeat (`beat`, {} when
-    none): its engine worker's figures (the heartbeat's `models`). A model with no engine of its own there (a LoRA
-    adapter, a speech model beside the text model) has zeros: its work counts under its engine's model. A heartbeat
-    without `models` (an older node, serving one model) gives the node's totals; no heartbeat, the node's `lanes`."""
-    per_model = beat.get("models")
-    if not isinstance(per_model, dict) or not per_model:
-        return {"lanes": beat.get("lanes", lanes), **{key: beat.get(key) for key in FIGURES[1:]}}
-    own = per_model.get(model) or {}
-    return {key: own.get(key, 0) for key in FIGURES}
+    @property
+    def context(self) -> str:
+        """The window its lanes run with: one figure, or each model's where its models' engines differ."""
+        windows = {name: f.context_window for name, f in self.figures.models.items() if f.lanes}
+        if len(set(windows.values())) > 1:
+            return ", ".join(f"{name} {window}" for name, window in windows.items())
+        return str(next(iter(windows.values()), self.node.context_window))
 
 
 def fleet_overview() -> dict:
     """Everything the fleet page shows, in a fixed number of queries."""
-    from fleet.names import liveness_key
-
     nodes = list(Node.objects.all())
-    beats = cache.get_many([liveness_key(str(n.id)) for n in nodes]) if nodes else {}
+    beats = node_beats(n.id for n in nodes)
     links = registry().links
     preparing = node_models_preparing() if nodes else {}
     rows = []
     for node in nodes:
-        beat = beats.get(liveness_key(str(node.id))) or {}
-        rows.append(NodeRow(node, beat.get("lanes_busy"), beat.get("tokens_per_s"), str(node.id) in links, beat,
-                            preparing.get(node.id, []), device=node_device(node=node, beat=beat)))
+        beat = beats.get(str(node.id)) or {}
+        rows.append(NodeRow(node, str(node.id) in links, beat, preparing.get(node.id, []),
+                            device=node_device(node=node, beat=beat), figures=node_figures(node=node, beat=beat)))
     rows += _rows_joining(rows)
     since = timezone.now() - timedelta(hours=1)
     recent = Generation.objects.filter(created_at__gte=since)
@@ -67,26 +56,29 @@ def fleet_overview() -> dict:
         cached_tokens=Sum("cached_tokens"), ttft_ms=Avg("ttft_ms"),
     )
     by_status = dict(recent.values_list("status").annotate(n=Count("id")).values_list("status", "n"))
-    models: dict[str, dict] = {}
-    for row in rows:
-        if row.node.state == Node.State.OFFLINE:
-            continue
-        for name in row.node.models_served:
-            figures = node_model_figures(row.beat, name, lanes=row.node.lanes)
-            entry = models.setdefault(name, {"name": name, "nodes": 0, "lanes": 0, "lanes_busy": 0})
-            entry["nodes"] += 1
-            entry["lanes"] += figures["lanes"] or 0
-            entry["lanes_busy"] += figures["lanes_busy"] or 0
+    serving = [row for row in rows if row.node.state != Node.State.OFFLINE]
     from fleet.dispatch import queue_length
 
     return {
         "nodes": rows,
-        "models": sorted(models.values(), key=lambda m: m["name"]),
+        "models": _models_served(serving),
         "last_hour": {**totals, "by_status": by_status},
         "queue_length": queue_length(),
-        "lanes_total": sum(n.lanes for n in nodes if n.state != Node.State.OFFLINE),
-        "lanes_busy": sum(r.lanes_busy or 0 for r in rows if r.node.state != Node.State.OFFLINE),
+        "lanes_total": sum(row.figures.lanes or 0 for row in serving),
+        "lanes_busy": sum(row.figures.lanes_busy or 0 for row in serving),
     }
+
+
+def _models_served(rows: list[NodeRow]) -> list[dict]:
+    """Each model's nodes, lanes and busy lanes: its own engines' on each node (node_figures), summed."""
+    models: dict[str, dict] = {}
+    for row in rows:
+        for name, figures in row.figures.models.items():
+            entry = models.setdefault(name, {"name": name, "nodes": 0, "lanes": 0, "lanes_busy": 0})
+            entry["nodes"] += 1
+            entry["lanes"] += figures.lanes or 0
+            entry["lanes_busy"] += figures.lanes_busy or 0
+    return sorted(models.values(), key=lambda m: m["name"])
 
 
 def _rows_joining(rows: list[NodeRow]) -> list[NodeRow]:
@@ -102,7 +94,7 @@ def _rows_joining(rows: list[NodeRow]) -> list[NodeRow]:
                 known[identity].preparing = [shown, *known[identity].preparing]
         else:
             node = Node(identity=identity, state="joining", address=entry["address"], lanes=0, context_window=0)
-            new.append(NodeRow(node, None, None, False, {}, [shown], joining=True))
+            new.append(NodeRow(node, False, {}, [shown], joining=True))
     return new
 
 
@@ -130,17 +122,18 @@ def fleet_live(*, waiting: dict[str, int], classes: dict[str, dict[str, int]] | 
 
 
 def _live_node(row: NodeRow, placed: int | None) -> dict:
-    node, beat = row.node, row.beat
+    node, beat, figures = row.node, row.beat, row.figures
     return {
         "id": f"joining-{node.identity}" if row.joining else str(node.id), "identity": node.identity,
         "state": node.state, "models": node.models_served,
-        "url": "" if row.joining else reverse("admin:nodes_node_change", args=[node.id]), "lanes": node.lanes,
-        "lanes_busy": row.lanes_busy,
-        "placed": placed, "tokens_per_s": row.tokens_per_s, "kv_used": beat.get("kv_used"),
-        "kv_total": beat.get("kv_total"), "history": beat.get("history") or [], "context_window": node.context_window,
+        "url": "" if row.joining else reverse("admin:nodes_node_change", args=[node.id]), "lanes": figures.lanes,
+        "lanes_busy": figures.lanes_busy,
+        "placed": placed, "tokens_per_s": figures.tokens_per_s, "kv_used": figures.kv_used,
+        "kv_total": figures.kv_total, "history": beat.get("history") or [], "context_window": node.context_window,
+        "context": row.context,
         "address": node.address, "engine": node.engine,
         "device": row.device.line(), "device_backend": row.device.backend, "cpu_fallback": row.device.cpu_fallback,
-        "per_model": {name: node_model_figures(beat, name, lanes=node.lanes) for name in node.models_served},
+        "per_model": {name: f.as_dict() for name, f in figures.models.items()},
         "preparing": row.preparing,
         "last_seen": node.last_seen_at.isoformat() if node.last_seen_at else None,
     }

@@ -61,15 +61,14 @@ class NodeAdmin(admin.ModelAdmin):
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
         """The node's page: its models and replicas with their states, recent generations and link history."""
-        from fleet.selectors import node_model_figures
-        from nodes.selectors import node_device, node_link_history, node_replicas
+        from nodes.selectors import node_device, node_figures, node_link_history, node_replicas
         from sessions.selectors import generation_list_recent
 
         node = self.get_object(request, object_id)
         if node is not None:
             beat, replicas = node_replicas(node=node)
-            figures = [(name, node_model_figures(beat or {}, name, lanes=node.lanes)) for name in node.models_served]
-            extra_context = {**(extra_context or {}), "beat": beat, "replicas": replicas, "model_figures": figures,
+            figures = node_figures(node=node, beat=beat)
+            extra_context = {**(extra_context or {}), "beat": beat, "replicas": replicas, "figures": figures,
                              "generations": generation_list_recent(node_id=node.pk),
                              "link_events": node_link_history(node=node),
                              "device": node_device(node=node, beat=beat)}
@@ -109,18 +108,17 @@ class NodeAdmin(admin.ModelAdmin):
     @admin.display(description="live (last heartbeat)")
     def live(self, node):
         """Lanes, KV use, speed and per-replica state from the last heartbeat (kept with a TTL, not in the row)."""
-        from django.core.cache import cache
+        from nodes.selectors import node_beats, node_figures
 
-        from fleet.names import liveness_key
-
-        beat = cache.get(liveness_key(str(node.pk)))
+        beat = node_beats([node.pk]).get(str(node.pk))
         if not beat:
             return "no heartbeat (offline, or just joined)"
         replicas = "; ".join(
             f"replica {r['index']}: {'alive' if r.get('alive') else 'DOWN'}, {r.get('running', 0)} running, "
             f"{r.get('routed', 0)} routed" for r in beat.get("replicas") or [])
-        return format_html("{} / {} lanes busy, KV {} / {}, {} tokens/s{}<br>{}", beat["lanes_busy"], beat["lanes"],
-                           beat["kv_used"], beat["kv_total"], round(beat["tokens_per_s"], 1),
+        shown = node_figures(node=node, beat=beat)
+        return format_html("{} / {} lanes busy, KV {} / {}, {} tokens/s{}<br>{}", shown.lanes_busy, shown.lanes,
+                           shown.kv_used, shown.kv_total, round(shown.tokens_per_s or 0.0, 1),
                            f" — {replicas}" if replicas else "", self._pace(node, beat))
 
     @staticmethod

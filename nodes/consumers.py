@@ -503,12 +503,12 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         stats = {"lanes_busy": msg.lanes_busy, "lanes": msg.lanes, "kv_used": msg.kv_used, "kv_total": msg.kv_total,
                  "tokens_per_s": msg.tokens_per_s, "replicas": msg.replicas, "at": now_s,
                  "prefill_tps": msg.prefill_tps, "decode_slowdown_ms": msg.decode_slowdown_ms,
-                 "history": list(self.tokens_history), "models": msg.models}
+                 "history": list(self.tokens_history), "models": link_deploy.fleet_figures(self, msg.models)}
         stats.update(memory_free=msg.memory_free, on_demand=msg.on_demand)  # room for on-demand models
         if msg.device:  # its GPUs' memory now (an older node sends none: the registered report stands)
             stats["device"] = DeviceReport.from_wire(msg.device).to_wire()
         await database_sync_to_async(cache.set)(liveness_key(self.node_id), stats, settings.FLEET_NODE_TIMEOUT_S)
-        await link_deploy.check_idle(self, msg.models)
+        await link_deploy.check_idle(self, stats["models"])
         fleet_changed()
         if self.heads_sent is not None and (live := heads.heads_live()) != self.heads_sent:
             self.heads_sent = live

@@ -143,11 +143,11 @@ def node_models_forget(*, node_id, keep: list[str]) -> None:
     NodeModel.objects.filter(node_id=node_id).exclude(model__in=[*keep, *adapters]).delete()
 
 
-def node_models_set(*, node_id, names: list[str], capabilities: dict | None = None) -> None:
-    """The models a node now serves (it loaded or unloaded one, or an adapter), and its capabilities when an adapter
-    changed them; a transition, written once."""
-    changed: dict = {"models_served": names} if capabilities is None else {"models_served": names,
-                                                                           "capabilities": capabilities}
+def node_models_set(*, node_id, names: list[str], lanes: int | None = None, capabilities: dict | None = None) -> None:
+    """The models a node now serves (it loaded or unloaded one, or an adapter), with all its engines' lanes, and its
+    capabilities when an adapter changed them; a transition, written once."""
+    changed: dict = {"models_served": names, **({} if lanes is None else {"lanes": lanes}),
+                     **({} if capabilities is None else {"capabilities": capabilities})}
     Node.objects.filter(pk=node_id).update(**changed)
 
 

@@ -84,11 +84,16 @@ async def on_models(consumer, msg: Models) -> None:
     capabilities = msg.capabilities or None  # sent when an adapter was loaded or unloaded
     flags = sorted(k for k, v in capabilities.items() if v is True) if capabilities else None
     await registry().aplacement.node_models(consumer.node_id, names, msg.lanes, flags)  # never waits on Redis
-    await database_sync_to_async(deployments.node_models_set)(node_id=consumer.node_id, names=names,
+    await database_sync_to_async(deployments.node_models_set)(node_id=consumer.node_id, names=names, lanes=msg.lanes,
                                                               capabilities=capabilities)
     log.info("fleet node %r serves %s (%d lanes)", consumer.identity, ", ".join(names), msg.lanes)
     registry().lanes.notify()
     fleet_changed()
+
+
+def fleet_figures(consumer, figures: dict) -> dict:
+    """A heartbeat's per-model figures under the names the head serves the models as (the node names its own)."""
+    return {_fleet_name(consumer, str(name)): f for name, f in figures.items()}
 
 
 def _fleet_name(consumer, name: str) -> str:

@@ -1,4 +1,6 @@
-"""Reads for nodes and fleet tokens."""
+"""Reads for nodes and fleet tokens, and a node's figures (lanes, busy lanes, KV, tokens/s, each model's window)."""
+
+from dataclasses import asdict, dataclass, field
 
 from django.db.models import QuerySet
 
@@ -82,3 +84,73 @@ def node_models_preparing() -> dict:
             {"model": model, "state": state, "progress": progress, "percent": int(progress * 100),
              **({"why": f"on demand: {why}"} if on_demand else {})})
     return preparing
+
+
+FIGURES = ("lanes", "lanes_busy", "kv_used", "kv_total", "tokens_per_s")
+
+
+@dataclass(frozen=True)
+class LaneFigures:
+    """A node's or one of its models' lanes as every page, API and /metrics shows them: what the node's last heartbeat
+    said (`lanes_busy` and the rest None before its first), and the context window its lanes run with."""
+
+    lanes: int | None
+    lanes_busy: int | None = None
+    kv_used: int | None = None
+    kv_total: int | None = None
+    tokens_per_s: float | None = None
+    context_window: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class NodeFigures(LaneFigures):
+    """The node's totals (every engine's summed, as the node sums them) and each model it serves, by fleet name."""
+
+    models: dict[str, LaneFigures] = field(default_factory=dict)
+
+
+def node_figures(*, node: Node, beat: dict | None) -> NodeFigures:
+    """The one computation of a node's figures: the live page, the node's page, /api/nodes/, /api/fleet/ and /metrics
+    read them here, so they agree. `beat`: its last heartbeat (None when there is none)."""
+    return lane_figures(beat, models=node.models_served or [], lanes=node.lanes, context_window=node.context_window)
+
+
+def lane_figures(beat: dict | None, *, models: list[str], lanes: int, context_window: int) -> NodeFigures:
+    """node_figures from a node's parts (/metrics has the placement's slot, not the row). The heartbeat's totals and
+    its `models` (each engine's own figures); without a heartbeat the node's registered lanes and nothing busy."""
+    beat = beat or {}
+    per_model = beat.get("models") if isinstance(beat.get("models"), dict) else {}
+    shown = {name: _model_figures(beat, per_model, name, lanes=lanes if len(models) == 1 else None,
+                                  context_window=context_window) for name in models}
+    if not beat:
+        return NodeFigures(lanes, context_window=context_window, models=shown)
+    return NodeFigures(**{key: beat.get(key) for key in FIGURES[1:]}, lanes=beat.get("lanes", lanes),
+                       context_window=context_window, models=shown)
+
+
+def _model_figures(beat: dict, per_model: dict, name: str, *, lanes: int | None, context_window: int) -> LaneFigures:
+    """A model's own engine's figures. One with no engine of its own there (a LoRA adapter BASE:ADAPTER, a speech model
+    beside the text model) has zeros: its work counts under its engine's model, whose window it shares. A heartbeat
+    without `models` (a node serving one model) gives the node's totals; no heartbeat, the lanes the node registered
+    when it serves one model, else none known yet."""
+    if not per_model:
+        figures = {key: beat.get(key) for key in FIGURES[1:]} if beat else {}
+        return LaneFigures(beat.get("lanes", lanes) if beat else lanes, **figures, context_window=context_window)
+    own = per_model.get(name) or {}
+    window = own.get("context_window") or (per_model.get(name.partition(":")[0]) or {}).get("context_window")
+    return LaneFigures(**{key: own.get(key, 0) for key in FIGURES}, context_window=window or context_window)
+
+
+def node_beats(node_ids) -> dict[str, dict]:
+    """Each node's last heartbeat (kept in the cache with a TTL), in one read: {node id: beat}, none for a node
+    without one."""
+    from django.core.cache import cache
+
+    from fleet.names import liveness_key
+
+    ids = [str(i) for i in node_ids]
+    beats = cache.get_many([liveness_key(i) for i in ids]) if ids else {}
+    return {i: beats[liveness_key(i)] for i in ids if beats.get(liveness_key(i))}

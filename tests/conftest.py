@@ -37,7 +37,7 @@ TIERS: dict[str, set[str]] = {
         "test_celery_tasks.py", "test_channel_layer.py", "test_chat_images.py", "test_commands.py",
         "test_dbsweep.py", "test_deployments.py", "test_deployments_link.py", "test_fleet_live.py", "test_heap.py",
         "test_json_out.py", "test_link_fuzz.py", "test_logs.py", "test_maintenance.py", "test_metrics.py",
-        "test_metrics_events.py", "test_model_registry.py", "test_node_consumer.py",
+        "test_metrics_events.py", "test_model_registry.py", "test_node_consumer.py", "test_node_figures.py",
         "test_nodes_services.py", "test_placement.py", "test_placement_redis.py", "test_playground.py",
         "test_quotas.py", "test_record_inline.py", "test_request_path.py", "test_sessions_services.py",
         "test_settings.py", "test_tiers.py", "test_tokenizers.py",

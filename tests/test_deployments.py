@@ -253,6 +253,9 @@ def test_the_heartbeat_carries_each_models_own_engine_figures_and_an_older_one_s
     from nodes.link.messages import PROTOCOL_VERSION, Heartbeat, decode, encode
 
     class Busy(FakeWorker):
+        def info(self):
+            return {**super().info(), "context_window": 4096}
+
         def stats(self):
             return {"lanes": self.lanes, "lanes_busy": self.lanes, "kv_used": 10, "kv_total": 100 * self.lanes,
                     "tokens_per_s": 7.5}
@@ -261,8 +264,10 @@ def test_the_heartbeat_carries_each_models_own_engine_figures_and_an_older_one_s
     models.add("deployed", FakeWorker("deployed", lanes=8))
     beat = decode(encode(heartbeat_of(models.stats(), engine_ready=True)))
     assert (beat.lanes, beat.lanes_busy, beat.kv_total) == (12, 4, 400)  # the node's totals, as before
-    assert beat.models == {"own": {"lanes": 4, "lanes_busy": 4, "kv_used": 10, "kv_total": 400, "tokens_per_s": 7.5},
+    assert beat.models == {"own": {"lanes": 4, "lanes_busy": 4, "kv_used": 10, "kv_total": 400, "tokens_per_s": 7.5,
+                                   "context_window": 4096},
                            "deployed": {"lanes": 8, "lanes_busy": 0, "kv_used": 0, "kv_total": 0, "tokens_per_s": 0,
+                                        "context_window": 1024,  # the window its own lanes run with
                                         "idle_s": 0.0}}  # since it last ran a generation (on-demand keep-alive)
     older = msgpack.packb({"t": "heartbeat", "v": PROTOCOL_VERSION, "lanes_busy": 1, "lanes": 4})
     assert decode(older) == Heartbeat(lanes_busy=1, lanes=4)

@@ -220,3 +220,44 @@ def test_an_idle_engine_reports_no_tokens_a_second_whatever_its_last_report_said
     assert worker.stats()["tokens_per_s"] == 7.8
     worker._on_message(0, ("stats", {"lanes_busy": 0, "lanes": 2, "queued": 0, "tokens_per_s": 7.8}))  # as it went idle
     assert worker.stats()["tokens_per_s"] == 0.0
+
+
+async def test_a_worker_reports_its_lanes_and_kv_from_the_moment_it_has_loaded():
+    """Before its first generation too: a node idle since it started heartbeats its real lanes, not 0 / 0."""
+    worker = EngineWorker(mock_config(context_window=1024), on_event=lambda event: None)
+    await worker.start()
+    try:
+        await wait_until(lambda: "lanes" in worker.stats(), timeout=10)
+        stats = worker.stats()
+        assert (stats["lanes"], stats["lanes_busy"], stats["kv_total"]) == (2, 0, 2048)
+    finally:
+        await worker.stop()
+
+
+def test_lanes_that_start_streaming_report_their_rate_once_tokens_flow_not_a_second_later():
+    """The report as lanes start says 0 tokens/s (none made yet); the next report goes out as soon as they have a rate,
+    so a heartbeat taken while they stream says it (a 5 s heartbeat after the start showed `–` while 5 lanes ran)."""
+    from nodes.agent.engine import create_engine
+    from nodes.agent.engine.child import _ChildLoop
+
+    class Pipe:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, message):
+            self.sent.append(message)
+
+        def poll(self):
+            return False
+
+    pipe, engine = Pipe(), create_engine(EngineConfig(model_name="mock", lanes=8, mock={"decode_tps": 2000}))
+    loop = _ChildLoop(pipe, engine)
+    for i in range(5):
+        loop.handle(("submit", GenerateSpec(gen_id=f"g{i}", prompt="hello there", max_tokens=50).to_dict()))
+    loop.report_stats()
+    for _ in range(3):
+        engine.step()
+        loop.report_stats()
+    reports = [m[1] for m in pipe.sent if m[0] == "stats"]
+    assert reports[0]["lanes_busy"] == 5 and reports[0]["tokens_per_s"] == 0.0
+    assert reports[-1]["lanes_busy"] == 5 and reports[-1]["tokens_per_s"] > 0

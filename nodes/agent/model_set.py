@@ -106,17 +106,18 @@ class ModelSet:
         return self.primary.alive
 
     def stats(self) -> dict[str, Any]:
-        """The node's figures (every engine's summed) and, under "models", each served model's own engine's: the
-        head shows a model's lanes, busy lanes and KV from these, not the node's totals repeated per model."""
+        """The node's figures (every engine's summed) and, under "models", each served model's own engine's with its
+        context window: the head shows a model's lanes, busy lanes, KV and window from these (nodes.selectors
+        .node_figures), not the node's totals repeated per model."""
         own = self.primary.stats()
-        stats, per_model = dict(own), {self.primary_name: _figures(own)}
+        stats, per_model = dict(own), {self.primary_name: _figures(own, self.primary)}
         for name, engine in (*self.serving.items(), *self.draining.items()):
             other = engine.stats()
             for key in SUMMED:
                 stats[key] = stats.get(key, 0) + other.get(key, 0)
             if name in self.serving:  # idle_s: how long since it last ran a generation (on-demand keep-alive, LRU)
                 idle = 0.0 if self.running(engine) else time.monotonic() - self.last_used.get(name, time.monotonic())
-                per_model[name] = {**_figures(other), "idle_s": round(idle, 1)}
+                per_model[name] = {**_figures(other, engine), "idle_s": round(idle, 1)}
         stats["models"] = per_model
         return stats
 
@@ -149,8 +150,10 @@ class ModelSet:
             await engine.stop()
 
 
-def _figures(stats: dict[str, Any]) -> dict[str, Any]:
-    return {key: stats.get(key, 0) for key in SUMMED}
+def _figures(stats: dict[str, Any], engine: Any) -> dict[str, Any]:
+    """An engine's figures, with the window its lanes run with (a deployed or on-demand model's may differ from the
+    node's own model's: the pages show each model's)."""
+    return {**{key: stats.get(key, 0) for key in SUMMED}, "context_window": engine.info().get("context_window", 0)}
 
 
 def _adapters(info: dict[str, Any]) -> list[str]:

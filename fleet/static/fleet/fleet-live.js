@@ -69,7 +69,7 @@
     cells.forEach((c, i) => { tds[i].replaceChildren(c); });
     tds[1].className = "state-" + n.state;
     tds[7].className = "chart";
-    tds[8].textContent = n.context_window;
+    tds[8].textContent = n.context;
     tds[9].textContent = n.address;
     const device = el("span", n.device || "", n.cpu_fallback ? "fleet-device fleet-fallback" : "fleet-device");
     if (n.url) tds[10].replaceChildren(n.engine, device); else tds[10].textContent = n.engine;

@@ -112,8 +112,10 @@ class _ChildLoop:
         self.transcriber = transcriber
         self.last_stats_at = 0.0
         self.last_load: tuple[int, int] | None = None
+        self.last_rate = 0.0  # the tokens/s of the last report
 
     def run(self) -> None:
+        self.report_stats()  # once loaded: an idle engine's heartbeat says its lanes, not 0 / 0, before any work
         while True:
             if self.engine.busy():
                 while self.conn.poll():
@@ -175,9 +177,12 @@ class _ChildLoop:
         stats = self.engine.stats()
         load = (stats["lanes_busy"], stats.get("queued", 0))
         now = time.monotonic()
-        if load != self.last_load or (load[0] and now - self.last_stats_at >= STATS_EVERY_S):
+        # Lanes that just started report 0 tokens/s; their first rate goes out at once, not a second later, since the
+        # node's heartbeat may sample that report and the pages show it for a whole heartbeat.
+        rate_came = bool(load[0] and stats.get("tokens_per_s") and not self.last_rate)
+        if load != self.last_load or rate_came or (load[0] and now - self.last_stats_at >= STATS_EVERY_S):
             device = getattr(self.engine, "device", None)  # asked only when sent: not once a decode step
             if device is not None:
                 stats["device"] = device()
             self.conn.send(("stats", stats))
-            self.last_stats_at, self.last_load = now, load
+            self.last_stats_at, self.last_load, self.last_rate = now, load, stats.get("tokens_per_s", 0.0)
