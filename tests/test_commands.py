@@ -231,3 +231,19 @@ def test_sample_wav_speaks_the_sentence_into_a_16_khz_wav(tmp_path):
 def test_sample_wav_to_a_path_it_cannot_write_is_one_line_and_exit_2(tmp_path):
     out = run_manage("sample_wav", str(tmp_path / "no" / "such" / "dir.wav"))
     assert out.returncode == 2 and "cannot write" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("park", [True, False])
+def test_node_join_park_gives_each_engine_worker_a_park_folder(monkeypatch, settings, tmp_path, park):
+    """`--park` reaches the engine: each worker's config names its folder (the engine then starts warm from it:
+    tests/test_engine_llama.py, test_park_saves_lanes_and_a_new_engine_starts_warm)."""
+    from nodes.agent.main import engine_configs
+
+    asked = []
+    monkeypatch.setattr("nodes.management.commands.node_join.run_node", lambda options: asked.append(options) or 0)
+    settings.FLEET_HOME = tmp_path
+    call_command("node_join", "127.0.0.1:1", "--model", "smollm2", "--max-context", "512", "--replicas", "2",
+                 *(["--park"] if park else []))
+    configs, name, _ = engine_configs(asked[0])
+    expected = [str(tmp_path / "park" / name / f"r{i}") for i in range(2)] if park else [None, None]
+    assert [config.park_dir for config in configs] == expected
