@@ -94,3 +94,20 @@ def test_the_first_run_gives_the_key_as_an_export_line_and_later_runs_say_how_to
     assert "manage.py changepassword admin" in later.getvalue()
     assert "manage.py create_api_key --user admin" in later.getvalue()
     assert key not in later.getvalue() and "user admin   password" not in later.getvalue()
+
+
+@pytest.mark.django_db
+def test_fleet_token_prints_the_address_up_bound_its_head_to(monkeypatch, settings, tmp_path):
+    """`up --host 0.0.0.0 --port 8765` says where it listens; `fleet_token` on the same machine then prints a
+    `make node HEAD=` line for that port (this machine's name for 0.0.0.0), not a guess of 8000."""
+    import io
+    import socket
+
+    from django.core.management import call_command
+
+    monkeypatch.delenv("FLEET_PUBLIC_ADDRESS", raising=False)
+    settings.FLEET_HOME = tmp_path
+    started_with_env(monkeypatch, host="0.0.0.0", port=8765)
+    out = io.StringIO()
+    call_command("fleet_token", "--name", "far", stdout=out, stderr=io.StringIO())
+    assert f"make node HEAD={socket.gethostname()}:8765" in out.getvalue()
