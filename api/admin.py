@@ -11,6 +11,7 @@ from django.utils.html import format_html
 from api.batches import batch_generations, batch_ref, file_ref
 from api.models import ApiKey, Batch, BatchFile
 from api.services import api_key_create, api_key_revoke
+from fleet.display import size_text, when_text
 from sessions.selectors import expires_at
 
 
@@ -67,18 +68,18 @@ def _download_link(row) -> str:
     if row is None:
         return "–"
     url = reverse("admin:api_batchfile_download", args=[row.pk])
-    return format_html('<a href="{}">{}</a> ({} bytes)', url, row.filename, row.bytes)
+    return format_html('<a href="{}">{}</a> ({})', url, row.filename, size_text(row.bytes))
 
 
 @admin.register(BatchFile)
 class BatchFileAdmin(NoAddMixin, admin.ModelAdmin):
     empty_hint = ("No file. Clients upload batch inputs with POST /v1/files (purpose batch).")
-    list_display = ("file_id", "filename", "purpose", "owner", "bytes", "created_at", "purged", "download")
+    list_display = ("file_id", "filename", "purpose", "owner", "size", "created_at", "purged", "download")
     list_filter = ("purpose",)
     search_fields = ("filename", "owner__username")
     list_select_related = ("owner",)
-    readonly_fields = ("owner", "filename", "purpose", "bytes", "created_at", "purged", "download")
-    exclude = ("content",)
+    readonly_fields = ("owner", "filename", "purpose", "size", "created_at", "purged", "download")
+    exclude = ("content", "bytes")
 
     def get_urls(self):
         download = self.admin_site.admin_view(self.download_view)
@@ -97,9 +98,13 @@ class BatchFileAdmin(NoAddMixin, admin.ModelAdmin):
     def download(self, row):
         return _download_link(row)
 
-    @admin.display(description="purged at (later while a batch uses it)")
+    @admin.display(description="size", ordering="bytes")
+    def size(self, row):
+        return size_text(row.bytes)
+
+    @admin.display(description="to be purged (later while a batch uses it)")
     def purged(self, row):
-        return expires_at(row.created_at, settings.FLEET_FILE_RETENTION_DAYS) or "never"
+        return when_text(expires_at(row.created_at, settings.FLEET_FILE_RETENTION_DAYS), empty="never")
 
     @admin.display(description="id")
     def file_id(self, row):

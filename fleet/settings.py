@@ -159,7 +159,7 @@ else:
     _broker_dir.mkdir(parents=True, exist_ok=True)
     (FLEET_HOME / "celery" / "processed").mkdir(parents=True, exist_ok=True)
     (FLEET_HOME / "celery" / "results").mkdir(parents=True, exist_ok=True)
-    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_URL = "filesystem://localhost/"  # the folders below are the broker; kombu warns of no host named
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker_dir),
         "data_folder_out": str(_broker_dir),

@@ -4,9 +4,9 @@ import copy
 
 from django import forms
 from django.contrib import admin, messages
-from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
+from fleet.display import size_text, when_text
 from nodes import on_demand
 from nodes.deployments import (
     DeploymentError,
@@ -102,8 +102,7 @@ class NodeAdmin(admin.ModelAdmin):
         rows = node_links(str(node.pk))
         if not rows:
             return "none (offline)"
-        return format_html_join(format_html("<br>"), "{} since {}",
-                                ((url, timezone.localtime(since).strftime("%Y-%m-%d %H:%M:%S")) for url, since in rows))
+        return format_html_join(format_html("<br>"), "{} since {}", ((url, when_text(since)) for url, since in rows))
 
     @admin.display(description="live (last heartbeat)")
     def live(self, node):
@@ -251,6 +250,7 @@ class ModelOnDemandForm(forms.ModelForm):
     class Meta:
         model = Model
         fields = ("on_demand", "min_replicas", "max_replicas", "keep_alive_s")
+        help_texts = {"on_demand": ""}  # the fieldset's description says it, for an operator rather than in code terms
 
     def clean(self):
         cleaned = super().clean()
@@ -272,18 +272,18 @@ class ModelAdmin(admin.ModelAdmin):
     empty_hint = ("The registry is empty. Add a model to upload a GGUF file nodes can pull (the bundled smollm2 is "
                   "served by nodes without being here); then deploy it (Deployments).")
 
-    list_display = ("name", "kind", "base", "architecture", "quantization", "size_mb", "context_length",
-                    "kv_bytes_per_token", "on_demand", "sha256_short", "created_at")
-    fieldsets = ((None, {"fields": ("id", "name", "kind", "base", "on_nodes", "sha256", "size", "architecture",
-                                    "quantization", "context_length", "kv_bytes_per_token", "chat_template",
+    list_display = ("name", "kind", "base", "architecture", "quantization", "file_size", "context_length",
+                    "kv_per_token", "on_demand", "sha256_short", "created_at")
+    fieldsets = ((None, {"fields": ("id", "name", "kind", "base", "on_nodes", "sha256", "file_size", "architecture",
+                                    "quantization", "context_length", "kv_per_token", "chat_template",
                                     "created_at", "updated_at")}),
                  ("On demand", {"fields": ("on_demand", "min_replicas", "max_replicas", "keep_alive_s"),
                                 "description": "Loaded where there is room when a request names it and no node "
                                                "serves it; more replicas while its queue waits; unloaded when idle "
                                                "for its keep-alive (docs/operations.md, On-demand models)."}))
     search_fields = ("name", "sha256", "architecture")
-    readonly_fields = ("id", "name", "kind", "base", "on_nodes", "sha256", "size", "architecture", "quantization",
-                       "context_length", "kv_bytes_per_token", "chat_template", "created_at", "updated_at")
+    readonly_fields = ("id", "name", "kind", "base", "on_nodes", "sha256", "file_size", "architecture",
+                       "quantization", "context_length", "kv_per_token", "chat_template", "created_at", "updated_at")
 
     def add_view(self, request, form_url="", extra_context=None):
         from django.conf import settings
@@ -322,9 +322,14 @@ class ModelAdmin(admin.ModelAdmin):
         """Each node's state for it (a deployed model, or an adapter of a model nodes serve), as last reported."""
         return _pairs(model_node_states(model=model), empty="no node reported it")
 
-    @admin.display(description="size (MB)", ordering="size")
-    def size_mb(self, model):
-        return f"{model.size / 1e6:,.1f}"
+    @admin.display(description="size", ordering="size")
+    def file_size(self, model):
+        return size_text(model.size)
+
+    @admin.display(description="KV cache a token", ordering="kv_bytes_per_token")
+    def kv_per_token(self, model):
+        """K and V of one token in every layer (f16): what a lane's context costs in memory, token by token."""
+        return size_text(model.kv_bytes_per_token)
 
     @admin.display(description="sha256")
     def sha256_short(self, model):

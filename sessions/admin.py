@@ -7,6 +7,7 @@ from django.contrib import admin, messages
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
+from fleet.display import when_text
 from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message, StoredResponse
 from sessions.selectors import expires_at
 
@@ -39,7 +40,7 @@ class InferenceSessionAdmin(admin.ModelAdmin):
 
     @admin.display(description="expires (untouched until)")
     def expires(self, row):
-        return expires_at(row.updated_at, settings.FLEET_SESSION_TTL_DAYS) or "never"
+        return when_text(expires_at(row.updated_at, settings.FLEET_SESSION_TTL_DAYS), empty="never")
 
 
 class BatchFilter(admin.SimpleListFilter):
@@ -99,9 +100,9 @@ class GenerationAdmin(ReadOnlyMixin, admin.ModelAdmin):
             "", "<tr><th>{}</th><td>{}</td></tr>",
             ((key, json.dumps(value) if isinstance(value, dict | list) else value) for key, value in params.items())))
 
-    @admin.display(description="purged at")
+    @admin.display(description="to be purged")  # by maintenance, after the retention: always ahead of now
     def purged(self, row):
-        return expires_at(row.created_at, settings.FLEET_GENERATION_RETENTION_DAYS) or "never"
+        return when_text(expires_at(row.created_at, settings.FLEET_GENERATION_RETENTION_DAYS), empty="never")
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
         """The generation's page: its timeline and the placement evidence of every attempt, above the record."""
@@ -121,7 +122,7 @@ class FreeableAdmin(admin.ModelAdmin):
     def expires(self, row):
         if row.freed_at is not None:
             return "freed"
-        return expires_at(row.updated_at, settings.FLEET_HANDLE_TTL_DAYS) or "never"
+        return when_text(expires_at(row.updated_at, settings.FLEET_HANDLE_TTL_DAYS), empty="never")
 
     @admin.action(description="Free: generations naming it get a clear error")
     def free(self, request, queryset):
@@ -158,4 +159,4 @@ class StoredResponseAdmin(ReadOnlyMixin, admin.ModelAdmin):
 
     @admin.display(description="expires")
     def expires(self, row):
-        return expires_at(row.created_at, settings.FLEET_SESSION_TTL_DAYS) or "never"
+        return when_text(expires_at(row.created_at, settings.FLEET_SESSION_TTL_DAYS), empty="never")

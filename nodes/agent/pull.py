@@ -35,7 +35,8 @@ class GrantExpired(PullError):
 
 
 class Progress:
-    """A bar redrawn in place on a terminal; in a log file (stderr not a TTY) one line per 10%; with
+    """A bar redrawn in place on a terminal; in a log file (stderr not a TTY) one line per 10% of a pull (minutes,
+    between other lines), and a load's steps on one line (seconds: "loading m: 0% 10% ... 100%"); with
     FLEET_LOG_FORMAT=json a log record per 10% (JSON like every other line, with `progress`)."""
 
     def __init__(self, label: str, total: int, stream=None, *, figures: bool = True):
@@ -50,7 +51,7 @@ class Progress:
         step = percent if self.tty else percent // 10 * 10
         if step == self.shown:
             return
-        self.shown = step
+        first, self.shown = self.shown == -1, step
         figures = f"{step:3d}%" + (f" ({done / 1e6:.1f} of {self.total / 1e6:.1f} MB)" if self.figures else "")
         if self.as_log:
             log.info("%s: %s", self.label, figures.strip(), extra={"progress": step})
@@ -58,9 +59,17 @@ class Progress:
         if self.tty:
             bar = "#" * (step * 30 // 100)
             self.stream.write(f"\r{self.label} [{bar:.<30}] {figures}" + ("\n" if step == 100 else ""))
-        else:
+        elif self.figures:
             self.stream.write(f"{self.label}: {figures}\n")
+        else:
+            self.stream.write((f"{self.label}:" if first else "") + f" {step}%" + ("\n" if step == 100 else ""))
         self.stream.flush()
+
+    def abandon(self) -> None:
+        """End a line left open (a load that failed before 100%), so what is said next starts a line of its own."""
+        if not self.as_log and 0 <= self.shown < 100 and (self.tty or not self.figures):
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 def model_dir(home: Path, name: str) -> Path:

@@ -57,7 +57,9 @@ class Command(BaseCommand):
 
     def _first_run(self, options):
         users = get_user_model().objects
-        if users.filter(is_superuser=True).exists():
+        admin = users.filter(is_superuser=True).order_by("date_joined", "pk").first()
+        if admin is not None:
+            self._lost_credentials(admin.get_username())
             return
         password = secrets.token_urlsafe(12)
         user = users.create_superuser("admin", "", password)
@@ -68,11 +70,18 @@ class Command(BaseCommand):
             f"  admin:     {base}/admin/   user admin   password {password}\n"
             f"  fleet:     {base}/admin/fleet/\n"
             f"  API key:   {key}\n"
-            f"  try:       curl {base}/v1/chat/completions -H 'Authorization: Bearer {key}' "
+            f"  in shells: export KEY={key}   (the README's examples send $KEY)\n"
+            f"  try:       curl {base}/v1/chat/completions -H \"Authorization: Bearer $KEY\" "
             "-H 'Content-Type: application/json' "
             f"-d '{{\"model\":\"{options['model']}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hi\"}}]}}'\n"
             f"  API docs:  {base}/api/docs/\n\n"
         )
+
+    def _lost_credentials(self, username: str) -> None:
+        """Later starts show no password or key (only hashes are kept): they say how to make new ones."""
+        manage = f"{_shown_python()} manage.py"
+        self.stdout.write(f"Lost the admin password? {manage} changepassword {username}   "
+                          f"A new API key: {manage} create_api_key --user {username} --name NAME\n")
 
     def _start(self, options) -> dict[str, subprocess.Popen]:
         python, manage = sys.executable, str(settings.BASE_DIR / "manage.py")
@@ -87,12 +96,14 @@ class Command(BaseCommand):
         commands = {
             # No access line per request (every static file, every poll): Fleet logs each generation itself;
             # FLEET_ACCESS_LOG=- (or a path) brings daphne's access log back.
-            "daphne": [python, "-m", "daphne", "-b", options["host"], "-p", str(options["port"]),
+            # -v 0: not daphne's four lines of its own start (Fleet's loggers keep their level; `up` says it).
+            "daphne": [python, "-m", "daphne", "-v", "0", "-b", options["host"], "-p", str(options["port"]),
                        "--access-log", os.environ.get("FLEET_ACCESS_LOG") or os.devnull,
                        *daphne_limit_args(), "fleet.asgi:application"],
         }
         if not options["no_celery"]:
-            commands["celery"] = [python, "-m", "celery", "-A", "fleet", "worker", "-B", "--pool=solo",
+            # --quiet: no banner (its warnings and errors still show)
+            commands["celery"] = [python, "-m", "celery", "-A", "fleet", "--quiet", "worker", "-B", "--pool=solo",
                                   "--loglevel=WARNING", "-s", str(settings.FLEET_HOME / "celerybeat-schedule")]
         if not options["no_node"]:
             head = f"127.0.0.1:{options['port']}" if options["host"] in {"0.0.0.0", "127.0.0.1"} else \
@@ -101,14 +112,17 @@ class Command(BaseCommand):
                                 "--max-batch", str(options["max_batch"]), "--offline"]
             if options["transcribe"]:
                 commands["node"] += ["--transcribe", options["transcribe"]]
-        children = {}
+        children, quiet = {}, _quiet_env()
         for name, argv in commands.items():
             # Own process groups: Ctrl-C reaches `up`, which stops each child in order.
-            children[name] = subprocess.Popen(argv, env=env, cwd=settings.BASE_DIR, start_new_session=True)
+            children[name] = subprocess.Popen(argv, env={**env, **quiet.get(name, {})}, cwd=settings.BASE_DIR,
+                                              start_new_session=True)
             if name == "daphne":
                 self._wait_listening(children[name], options["host"], options["port"])
                 # what `fleet_token` prints for nodes to dial (nodes.services.fleet_token_head_address)
                 head_served_address_path().write_text(f"{options['host']}:{options['port']}\n")
+            self.stdout.write(f"  {name + ':':8} {_started_line(name, options)}\n")
+            self.stdout.flush()
         return children
 
     def _wait_listening(self, proc: subprocess.Popen, host: str, port: int) -> None:
@@ -170,6 +184,33 @@ class Command(BaseCommand):
             daphne.wait(settings.FLEET_SHUTDOWN_GRACE_S + 30)
         except subprocess.TimeoutExpired:
             daphne.kill()
+
+
+def _quiet_env() -> dict[str, dict[str, str]]:
+    """What each child's environment adds for a quiet start. The worker runs as the user who ran `up`, who chose
+    it: Celery's warning against root is not said again each start. The local node's own INFO lines (device, window,
+    key pinned, joined) repeat what the head logs of its join in one line; FLEET_LOG_LEVEL set brings them back."""
+    warnings = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"),
+                                      "ignore:You're running the worker with superuser privileges"]))
+    return {"celery": {"PYTHONWARNINGS": warnings},
+            "node": {"FLEET_LOG_LEVEL": os.environ.get("FLEET_LOG_LEVEL") or "WARNING"}}
+
+
+
+def _started_line(name: str, options) -> str:
+    """The one line `up` says of each child it started."""
+    if name == "daphne":
+        return f"the head, on http://{options['host']}:{options['port']}/"
+    if name == "celery":
+        return "the Celery worker, with beat (batch jobs, maintenance)"
+    also = f" and {options['transcribe']}" if options["transcribe"] else ""
+    return f"the local node, serving {options['model']}{also} on {options['max_batch']} lanes once loaded"
+
+
+def _shown_python() -> str:
+    """This interpreter as a user would type it: `.venv/bin/python` run from the clone, else its full path."""
+    relative = os.path.relpath(sys.executable)
+    return sys.executable if relative.startswith("..") else relative
 
 
 def _refuse_taken_port(host: str, port: int) -> None:

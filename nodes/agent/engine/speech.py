@@ -44,6 +44,7 @@ class Transcriber:
         self.name, self.send = name, send
         self.jobs: queue.Queue[GenerateSpec | None] = queue.Queue()
         self.cancelled: set[str] = set()
+        self.closing = False
         self.thread = threading.Thread(target=self._serve, name="transcriber", daemon=True)
         self.thread.start()
 
@@ -61,10 +62,15 @@ class Transcriber:
         self.cancelled.add(gen_id)
 
     def close(self) -> None:
+        """Stop after the running transcription's current segment, and wait for the thread to end: the process's exit
+        tearing CTranslate2 down under a thread still running in it tripped ggml's crash handler, which printed a gdb
+        backtrace of the worker (about 90 lines) at a stop after a transcription."""
+        self.closing = True
         self.jobs.put(None)
+        self.thread.join(30)
 
     def _serve(self) -> None:
-        while (spec := self.jobs.get()) is not None:
+        while (spec := self.jobs.get()) is not None and not self.closing:
             try:
                 self._run(spec)
             except Exception as exc:  # one failed transcription answers its client; the model stays loaded
@@ -89,7 +95,7 @@ class Transcriber:
         # audio makes the same segments, so those are skipped, not sent twice.
         seq, tokens, reason, skip = 1, 0, FINISH_STOP, len(spec.resume_text)
         for segment in segments:
-            if spec.gen_id in self.cancelled:
+            if spec.gen_id in self.cancelled or self.closing:
                 reason = FINISH_CANCELLED
                 break
             if skip > 0:
