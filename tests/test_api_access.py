@@ -242,6 +242,7 @@ def stored(w: World) -> dict[str, Any]:
 
 NAMED: dict[str, list[Case]] = {
     "healthz": [Case("GET", PUBLIC)],
+    "home": [Case("GET", statuses(302, 302, 302, 302))],  # everyone is sent on to the admin (its login page)
     "metrics": [Case("GET", statuses(401, 401, 401, 200))],  # an API key is no scrape token; a staff session is
     "fleet-overview": [Case("GET", ADMIN)],
     "fleet-playground": [Case("GET", ADMIN)],

@@ -15,6 +15,7 @@ from django.utils import timezone
 from api.batches import file_purge
 from api.constraints import apply_constraints
 from api.models import Batch, BatchFile
+from fleet.display import when_text
 from nodes.link.spec import GenerateSpec
 from nodes.models import Model
 from nodes.registry import blob_path, media_put
@@ -150,9 +151,10 @@ def test_the_admin_shows_when_a_session_and_a_handle_expire(settings, admin_clie
     session, handle = SessionFactory(), GrammarHandleFactory()
     from django.contrib import admin
 
-    assert InferenceSessionAdmin(InferenceSession, admin.site).expires(session) == session.updated_at + 30 * DAY
+    session_admin = InferenceSessionAdmin(InferenceSession, admin.site)
+    assert session_admin.expires(session) == when_text(session.updated_at + 30 * DAY)
     grammar_admin = GrammarHandleAdmin(GrammarHandle, admin.site)
-    assert grammar_admin.expires(handle) == handle.updated_at + 7 * DAY
+    assert grammar_admin.expires(handle) == when_text(handle.updated_at + 7 * DAY)
     handle.freed_at = timezone.now()
     assert grammar_admin.expires(handle) == "freed"
     settings.FLEET_SESSION_TTL_DAYS = 0
