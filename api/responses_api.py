@@ -19,7 +19,7 @@ from api.errors import OpenAIError, invalid
 from api.generation import Run
 from api.json_out import json_bytes
 from api.responses import chat_logprobs
-from api.specs import MAX_TOP_LOGPROBS, GenerationRequest, _for_node, chat_request, unknown_fields
+from api.specs import MAX_TOP_LOGPROBS, GenerationRequest, _for_node, chat_request, shown, unknown_fields
 from api.sse import KEEPALIVE
 from api.v1 import json_body, openai_view, respond
 from fleet.dispatch import Tokens
@@ -233,7 +233,7 @@ def _tools(tools: Any, inner: bool = False) -> tuple[list[dict[str, Any]] | None
                           "tools).",
                           param=f"tools[{i}]")
         elif kind != "function":
-            left_out.append(f"tools[{i}] ({kind}): a hosted tool the fleet cannot run")
+            left_out.append(f"tools[{i}] ({shown(kind)}): a hosted tool the fleet cannot run")
         else:
             out.append(_function_tool(tool, i))
     return out, left_out

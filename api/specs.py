@@ -176,10 +176,22 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
-def unknown_fields(body: dict[str, Any], known: frozenset[str]) -> list[str]:
+def shown(name: str, limit: int = 48) -> str:
+    """A name the client chose, as a header and a log line can carry it: printable ASCII (a JSON string's escapes
+    for the rest, lone surrogates and newlines included), cut to `limit` characters."""
+    text = json.dumps(name)[1:-1]
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def unknown_fields(body: dict[str, Any], known: frozenset[str], most: int = 8) -> list[str]:
     """Top-level fields an API does not know, as left-out entries: accepted and ignored, as OpenAI's and Anthropic's
-    servers do for forward compatibility, and named in X-Fleet-Left-Out and the log line."""
-    return [f"{name}: a field Fleet does not know, ignored" for name in body if name not in known]
+    servers do for forward compatibility, and named in X-Fleet-Left-Out and the log line (the first `most` of
+    them, then a count)."""
+    unknown = [name for name in body if name not in known]
+    named = [f"{shown(name)}: a field Fleet does not know, ignored" for name in unknown[:most]]
+    if len(unknown) > most:
+        named.append(f"{len(unknown) - most} more fields Fleet does not know, ignored")
+    return named
 
 
 def model_name(model: Any, kind: str = "a model") -> str:

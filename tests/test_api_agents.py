@@ -265,6 +265,23 @@ async def test_fields_an_api_does_not_know_are_accepted_ignored_and_named(bearer
     assert "x-fleet-left-out" not in known.headers
 
 
+async def test_unknown_field_names_no_header_can_carry_are_named_in_escapes(bearer):
+    """A field name with a newline, characters beyond Latin-1 or no end (the fuzzer's: a 500 once, as no header can
+    carry them) is named in a JSON string's escapes, cut short, and a crowd of them is counted rather than listed."""
+    add_fake_node()
+    odd = {"r\U0001f600\n": 1, "x" * 500: 2} | {f"k{i}": i for i in range(12)}
+    answered = await request("POST", "/v1/responses", key=bearer, body={"model": "smollm2", "input": "Hi"} | odd)
+    assert answered.status == 200, answered.body
+    header = answered.headers["x-fleet-left-out"]
+    assert header.isascii() and "\n" not in header
+    assert "r\\ud83d\\ude00\\n: a field Fleet does not know" in header
+    assert "x" * 48 + "...: a field" in header and "x" * 49 not in header
+    assert "6 more fields Fleet does not know, ignored" in header
+    hosted = await request("POST", "/v1/responses", key=bearer, body={"model": "smollm2", "input": "Hi",
+                                                                        "tools": [{"type": "web\nsearch"}]})
+    assert hosted.status == 200 and "tools[0] (web\\nsearch)" in hosted.headers["x-fleet-left-out"]
+
+
 # --- /v1/messages -------------------------------------------------------------------------------------------------
 
 
