@@ -26,6 +26,7 @@ from fleet.links import registry
 from fleet.timers import wait_done
 from fleet.waiting import Share
 from nodes.link.logs import generation_context
+from sessions import cuts
 from sessions.models import Generation
 from sessions.services import GenerationTrace, generation_record_async
 
@@ -52,6 +53,11 @@ class Run:
         self.ticket = ticket  # the key's quota: settled with the tokens spent when the generation ends
         if ticket is not None:
             ticket.owned = True
+        # what another head writes as its record, should this process die before the end (sessions.cuts)
+        key = request.api_key.pk if request.api_key is not None else None
+        request.spec.record = cuts.record_for(gen_id=request.gen_id, kind=request.api or request.kind,
+                                              model=request.spec.model, api_key=key, session=request.session_id,
+                                              parameters=request.parameters())
         self.stream = generation_stream(request.spec, deadline=request.deadline, batch=request.batch,
                                         share=share_for(request))
         # its spans: those of the request that made it (the /v1 wrapper's, or `trace`), ended when it is recorded

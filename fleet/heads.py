@@ -56,6 +56,18 @@ def heads_live() -> list[str]:
     return sorted(set(_live) | ({own} if own else set()))
 
 
+def alive_until(head: str) -> float | None:
+    """Until when head process `head` counts as alive unless it beats again (epoch seconds; this one: forever);
+    None: it is dead. On the embedded default there is no other process: any other id is this one's predecessor."""
+    if head == PROCESS_ID:
+        return float("inf")
+    if not settings.REDIS_URL:
+        return None
+    from fleet.links import registry
+
+    return registry().placement.head_expiry(head)
+
+
 def node_links(node_id: str) -> list[tuple[str, datetime]]:
     """The head processes holding a link to the node: (link URL, since), oldest first (the node's admin page)."""
     from fleet.links import registry

@@ -218,6 +218,12 @@ class RedisPlacementState:
         held, their links). Returns the live head processes' link URLs."""
         return sorted(set(self._scripts["head_beat"](args=[self.p, head, url, f"{time.time():.3f}", ttl_s])))
 
+    def head_expiry(self, head: str) -> float | None:
+        """When head process `head` is dead unless it beats again (epoch seconds); None: it is not alive (reaped,
+        or never beat)."""
+        score = self.r.zscore(f"{self.p}heads", head)
+        return float(score) if score is not None else None
+
     def set_schedulable(self, node_id: str, schedulable: bool) -> None:
         self._run(self._op_set_schedulable(node_id, schedulable))
 

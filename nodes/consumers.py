@@ -42,6 +42,7 @@ from nodes.link.messages import (
     Bye,
     Cancel,
     Check,
+    Cut,
     Done,
     Error,
     Feature,
@@ -66,6 +67,7 @@ from nodes.link.messages import (
 from nodes.link.placement import NodeSlot
 from nodes.models import FleetToken, LinkEvent, Node
 from nodes.services import JoinRefused
+from sessions import cuts
 
 log = logging.getLogger("fleet")
 
@@ -364,6 +366,8 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
             await self._on_pull(msg)
         elif isinstance(msg, Preparing) and not self.node_id:
             await preparing.on_preparing(self, msg)
+        elif isinstance(msg, Cut) and self.node_id:
+            cuts.reported(node_id=self.node_id, node=self.identity, cut=msg)
         elif isinstance(msg, Bye):
             self.said_bye = True  # stopped on purpose: logged as left, not lost
             await self.close(code=1000)
@@ -464,7 +468,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
             self.heads_sent = await asyncio.to_thread(heads.heads_live)
         await self._send(Registered(node_id=self.node_id, model_names=reg.model_names,
                                     heartbeat_s=float(settings.FLEET_HEARTBEAT_S), warnings=reg.warnings,
-                                    tokenizers_wanted=wanted, features=[Feature.BUNDLE.value],
+                                    tokenizers_wanted=wanted, features=[Feature.BUNDLE.value, Feature.CUT.value],
                                     head=heads.link_url(), heads=self.heads_sent or []))
         registry_.links[self.node_id] = self
         self.held, self.engine_ready = not node.schedulable, True

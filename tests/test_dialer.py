@@ -290,3 +290,63 @@ async def test_the_reports_end_even_when_a_report_loses_the_cancel(monkeypatch, 
     await asyncio.wait_for(reports.stop(), 2)
     await asyncio.sleep(0.2)
     assert reports.task.done() and len(asked) == 1  # no report after stop()
+
+
+class EndingSink(FrameSink):
+    """A link whose head closes it after `after` s (its process was killed)."""
+
+    def __init__(self, after: float = 0.0):
+        super().__init__()
+        self.after = after
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(self.after)
+        raise StopAsyncIteration
+
+
+async def test_a_generation_whose_link_closed_is_reported_cut_to_a_head_that_takes_cuts(tmp_path):
+    """The lane of a generation whose link closed is cancelled, and its end goes, with the record its head put in
+    the spec, to another link whose head writes such records; with none up, to the next that joins."""
+    from nodes.link.messages import Cut, Done, Error, Generate
+
+    engine = SubmittingEngine()
+    node = agent(tmp_path, engine)
+    lost, other, older = HeadLink("ws://a/ws/node/"), HeadLink("ws://b/ws/node/"), HeadLink("ws://c/ws/node/")
+    for link in (other, older):
+        link.outbox, link.joined = asyncio.Queue(), True
+    other.takes_cuts = True  # `older` is a head that predates cuts
+    node.links = {"a": lost, "b": other, "c": older}
+    lost.heartbeat_s = 60.0
+    lost.outbox = asyncio.Queue()
+    await node._on_generate(Generate(gen_id="g1", spec={"model": "m", "prompt": "hi", "record": {"signed": "r"}}),
+                            lost)
+    await node._on_generate(Generate(gen_id="g2", spec={"model": "m", "prompt": "hi"}), lost)  # no record asked
+    ws, (node_channel, _) = EndingSink(), _connect()
+    await node._serve(ws, node_channel, lost)
+    assert sorted(engine.cancelled) == ["g1", "g2"]
+    node.on_engine_event(Done(gen_id="g1", seq=9, finish_reason="cancelled", timings={},
+                              usage={"prompt_tokens": 30, "completion_tokens": 7}))
+    node.on_engine_event(Done(gen_id="g2", seq=9, finish_reason="cancelled", usage={}, timings={}))
+    [cut] = _drain(other.outbox)
+    assert isinstance(cut, Cut) and (cut.gen_id, cut.record, cut.finish_reason) == ("g1", {"signed": "r"},
+                                                                                   "cancelled")
+    assert cut.usage["completion_tokens"] == 7
+    assert older.outbox.empty()
+    # no link that takes cuts is up: held, and sent first on the next one that joins
+    other.joined = False
+    await node._on_generate(Generate(gen_id="g3", spec={"model": "m", "prompt": "hi", "record": {"signed": "s"}}),
+                            lost)
+    lost.outbox = None  # its link is down when the end comes
+    node.on_engine_event(Error(gen_id="g3", code="engine_failed", message="it crashed"))
+    assert other.outbox.empty() and [c.gen_id for c in node.cuts] == ["g3"]
+    again = HeadLink("ws://b/ws/node/")
+    again.takes_cuts, again.heartbeat_s = True, 60.0
+    ws, (node_channel, head_channel) = EndingSink(after=0.2), _connect()
+    await node._serve(ws, node_channel, again)
+    assert not node.cuts
+    sent = [head_channel.open(frame) for frame in ws.frames]
+    assert [(type(m).__name__, m.gen_id, m.code) for m in sent if isinstance(m, Cut)] == [("Cut", "g3",
+                                                                                          "engine_failed")]

@@ -96,6 +96,8 @@ def _every_message() -> list[messages.Message]:
         messages.Error(gen_id="g1", code="oom", message="KV cache full", retryable=True, seq=2),
         messages.Bye(reason="draining"),
         messages.Heads(heads=["ws://10.0.0.1:8001/ws/node/", "ws://10.0.0.2:8001/ws/node/"]),
+        messages.Cut(gen_id="g1", record={"signed": "abc"}, finish_reason="cancelled", usage={"prompt_tokens": 9},
+                     timings={}, code="", message=""),
         messages.Check(identity="node-a"),
         messages.Pull(identity="node-a", model="tiny-chat"),
         messages.Preparing(identity="node-a", model="tiny-chat", state="pulling", progress=0.25),

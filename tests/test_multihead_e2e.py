@@ -4,7 +4,9 @@ placement stays fleet-wide, and a SIGKILLed head costs only its own streams."""
 import os
 import signal
 import threading
+import uuid
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -24,13 +26,16 @@ def heads(tmp_path):
         yield pair
 
 
-def _stream(client, messages, max_tokens, started=None):
+def _stream(client, messages, max_tokens, started=None, ids=None, **extra):
     """(text, finish reason, completion tokens) of one streamed chat, read to its end; `started` is set at its first
-    token."""
+    token, and `ids` gets its generation's id."""
     chunks = []
     for chunk in client.chat.completions.create(model="smollm2", messages=messages, max_tokens=max_tokens,
-                                                temperature=0, stream=True, stream_options={"include_usage": True}):
+                                                temperature=0, stream=True, stream_options={"include_usage": True},
+                                                **extra):
         chunks.append(chunk)
+        if ids is not None and not ids:
+            ids.append(chunk.id.removeprefix("chatcmpl-"))
         if started is not None and chunk.choices and chunk.choices[0].delta.content:
             started.set()
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -68,12 +73,15 @@ def test_every_node_links_every_head_and_a_killed_head_costs_only_its_own_stream
         # SIGKILL the second head while both heads stream: the first head's stream loses nothing
         ask = [{"role": "user", "content": "Count from one to forty in words, separated by commas."}]
         expected = _stream(clients[0], ask, 40)
-        got, lost = {}, {}
+        got, lost, cut = {}, {}, []
         started = {"first": threading.Event(), "second": threading.Event()}
 
         def run(name, client):
             try:
-                got[name] = _stream(client, ask, 40, started[name])
+                if name == "first":
+                    got[name] = _stream(client, ask, 40, started[name])
+                else:  # long enough to be cut
+                    got[name] = _stream(client, ask, 1500, started[name], cut, extra_body={"ignore_eos": True})
             except Exception as exc:  # the killed head's own stream may break: that is its cost
                 lost[name] = exc
 
@@ -88,6 +96,11 @@ def test_every_node_links_every_head_and_a_killed_head_costs_only_its_own_stream
         assert "first" not in lost, lost
         assert got["first"] == expected  # no error, no lost or repeated token
         assert clients[0].chat.completions.create(model="smollm2", messages=ask, max_tokens=4).choices[0]
+        # the stream the killed head cut still has its record, written by the head its node told
+        assert "second" in lost and cut, got.get("second")
+        record = wait_for(lambda: _record(first, cut[0]), 60, "no record of the killed head's stream")
+        assert record["status"] == "failed" and record["error"].startswith("head_lost: head process")
+        assert record["completion_tokens"] > 0
         # the killed head comes back: the nodes link to it again within the redial backoff
         second.start()
         second.wait_nodes(2, timeout=90)
@@ -95,3 +108,9 @@ def test_every_node_links_every_head_and_a_killed_head_costs_only_its_own_stream
     finally:
         for node in nodes:
             node.stop()
+
+
+def _record(head, gen_id: str) -> dict | None:
+    response = httpx.get(f"{head.url}/api/generations/{uuid.UUID(gen_id)}/",
+                         headers={"Authorization": f"Bearer {head.api_key}"}, timeout=10)
+    return response.json() if response.status_code == 200 else None

@@ -114,3 +114,32 @@ def _refused(head):
     except httpx.HTTPError:
         return None
     return response if response.status_code == 503 else None
+
+
+def test_a_stream_whose_head_was_killed_is_recorded_by_the_head_that_came_back(tmp_path):
+    """SIGKILL gives a head no chance to write anything: the node ends the lane, and on its next link (the head
+    started again) it reports the generation cut, which that head records as failed with the tokens made."""
+    head, node = head_with_node(tmp_path, grace_s=30)
+    client = OpenAI(base_url=f"{head.url}/v1", api_key=head.api_key, max_retries=0)
+    try:
+        stream = Streamed(client, max_tokens=2000)
+        wait_for(lambda: stream.chunks >= 3, 120, "the stream did not start")
+        head.proc.send_signal(signal.SIGKILL)
+        head.proc.wait(30)
+        stream.thread.join(30)
+        assert not stream.thread.is_alive()  # its connection was cut: nothing was left to say more
+        head.start()
+        record = wait_for(lambda: _record(head, stream.gen_id), 60, "no record of the killed head's stream")
+        assert record["status"] == "failed"
+        assert record["error"].startswith("head_lost: head process")
+        assert record["completion_tokens"] >= stream.chunks
+        assert record["prompt_tokens"] > 0 and record["node"]
+    finally:
+        node.stop()
+        head.stop()
+
+
+def _record(head, gen_id: str) -> dict | None:
+    response = httpx.get(f"{head.url}/api/generations/{uuid.UUID(gen_id)}/",
+                         headers={"Authorization": f"Bearer {head.api_key}"}, timeout=10)
+    return response.json() if response.status_code == 200 else None

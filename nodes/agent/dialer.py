@@ -18,6 +18,7 @@ import random
 import socket
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from nodes.link.messages import (
     Bye,
     Cancel,
     Check,
+    Cut,
     Deploy,
     Done,
     Error,
@@ -65,6 +67,7 @@ log = logging.getLogger("nodes.agent")
 
 BACKOFF_START_S = 2.0
 BACKOFF_MAX_S = 30.0
+MAX_CUTS_HELD = 1000  # cut generations kept for a head that takes them, while no link to one is up
 READY_POLL_S = 0.1  # how often the engine's liveness is looked at between heartbeats
 TOKENIZER_PART = 960 * 1024  # a tokenizer part a frame: under the link cap, and daphne's default 1 MiB too
 
@@ -120,6 +123,7 @@ class HeadLink:
         self.head_url = ""  # that head's HTTP address, where media blobs are fetched from
         self.outbox: asyncio.Queue | None = None
         self.running: set[str] = set()
+        self.takes_cuts = False  # its head writes the records of generations cut from another (Feature.CUT)
         self.joined = False  # the current session registered
         self.since = 0.0
         self.heartbeat_s = 5.0
@@ -145,6 +149,8 @@ class NodeAgent:
         self.deployer = None  # applies the head's `deploy` (nodes.agent.deploy.Deployer); None: deploys are ignored
         self.links: dict[str | None, HeadLink] = {}  # by head link URL; None: the seed's
         self.owner: dict[str, HeadLink] = {}  # gen_id -> the link it came on
+        self.records: dict[str, dict[str, Any]] = {}  # gen_id -> what its head put in its spec for its record
+        self.cuts: deque[Cut] = deque(maxlen=MAX_CUTS_HELD)  # ended after their link closed, for the next link
         self.heads: set[str] = set()  # the live heads' link URLs, as a head last said
         self._loops: dict[str | None, asyncio.Task] = {}
         self._refused: asyncio.Future | None = None
@@ -166,12 +172,29 @@ class NodeAgent:
             tracing.event(event)
         if isinstance(event, ENDS):
             _log_end(event)
+            record = self.records.pop(event.gen_id, None)
+            if record is not None and (link is None or link.outbox is None):
+                self._cut(event, record)  # its link closed first: its head may be dead, and its record with it
         if link is None:
             return
         if isinstance(event, ENDS):
             link.running.discard(event.gen_id)
         if link.outbox is not None:
             link.outbox.put_nowait(event)
+
+    def _cut(self, event: Done | Error, record: dict[str, Any]) -> None:
+        """Tell a head that takes them (now, or on the next link that joins) how a generation ended whose link
+        closed first, with the record its own head could not write if it died (sessions.cuts)."""
+        if isinstance(event, Done):
+            cut = Cut(gen_id=event.gen_id, record=record, finish_reason=event.finish_reason, usage=event.usage,
+                      timings=event.timings)
+        else:
+            cut = Cut(gen_id=event.gen_id, record=record, code=event.code, message=event.message)
+        takers = [link for link in self.up() if link.takes_cuts]
+        if takers:
+            takers[0].outbox.put_nowait(cut)
+        else:
+            self.cuts.append(cut)
 
     async def run(self) -> None:
         """Dial the seed and every head it names, redial each; returns only by raising Refused (or on
@@ -325,6 +348,7 @@ class NodeAgent:
             link.head = registered.head or _uri(link.dial)
             link.joined, link.since = True, time.time()  # this session ran: whatever ends it, the backoff starts over
             link.heartbeat_s = registered.heartbeat_s or link.heartbeat_s
+            link.takes_cuts = Feature.CUT in registered.features
             log.info("fleet node %r joined %s as %s (%s); %s", self.config.identity, link.head,
                      ", ".join(registered.model_names), registered.node_id, self._links_line(extra=1))
             for warning in registered.warnings:
@@ -395,6 +419,8 @@ class NodeAgent:
 
     async def _serve(self, ws, channel: SecureChannel, link: HeadLink, *, bundle: bool = False) -> None:
         link.outbox = asyncio.Queue()
+        while link.takes_cuts and self.cuts:
+            link.outbox.put_nowait(self.cuts.popleft())
         tasks = [asyncio.ensure_future(c) for c in (self._receive(ws, channel, link),
                                                      self._send(ws, channel, link, bundle), self._heartbeat(link))]
         try:
@@ -411,7 +437,8 @@ class NodeAgent:
             for task in tasks:
                 task.cancel()
             link.outbox = None
-            # Nobody is listening for these any more; that head places them again elsewhere.
+            # Nobody is listening for these any more: that head places them again elsewhere, or it died, and the
+            # node's end of each goes to another head in a `cut` (on_engine_event) for its record.
             for gen_id in list(link.running):
                 self.owner.pop(gen_id, None)
                 await self.engine.cancel(gen_id)
@@ -447,12 +474,15 @@ class NodeAgent:
             return
         link.running.add(msg.gen_id)
         self.owner[msg.gen_id] = link
+        if spec.record:
+            self.records[msg.gen_id] = spec.record
         if trace.ENABLED:
             tracing.received(spec, self.config.identity)
         has_media = spec.audio is not None or bool(spec.images())
         if has_media and (problem := await media_ready(self.media, link.head_url, spec)):
             link.running.discard(msg.gen_id)
             self.owner.pop(msg.gen_id, None)
+            self.records.pop(msg.gen_id, None)
             error = Error(gen_id=msg.gen_id, code=ErrorCode.MEDIA_UNAVAILABLE, message=problem)
             if trace.ENABLED:
                 tracing.event(error)

@@ -54,6 +54,7 @@ class MessageType(StrEnum):
     BUNDLE = "bundle"
     HEADS = "heads"
     PREPARING = "preparing"
+    CUT = "cut"
 
 
 class Feature(StrEnum):
@@ -63,6 +64,7 @@ class Feature(StrEnum):
 
     BUNDLE = "bundle"  # several node -> head messages in one frame
     HEADS = "heads"  # (a node's feature, in `register`) it keeps a link to each head process a `heads` names
+    CUT = "cut"  # it writes the record of a generation another head process was cut off from (`cut`)
 
 
 class Message:
@@ -260,6 +262,22 @@ class Error(Message):
 
 
 @dataclass(slots=True)
+class Cut(Message):
+    """node -> head: a generation whose link closed before its end (its head process died, or the link did), as the
+    node ended it: `record` is what that head put in its spec for this (GenerateSpec.record), the rest what the
+    node made. The head writes the record the lost head could not, unless that head is still alive to write it."""
+
+    TYPE: ClassVar[MessageType] = MessageType.CUT
+    gen_id: str
+    record: dict[str, Any]
+    finish_reason: str = ""
+    usage: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, Any] = field(default_factory=dict)
+    code: str = ""
+    message: str = ""
+
+
+@dataclass(slots=True)
 class Bye(Message):
     """Either way: the sender is closing the link on purpose."""
 
@@ -428,6 +446,7 @@ REGISTRY: dict[str, type[Message]] = {
         Refusal,
         Bundle,
         Heads,
+        Cut,
     )
 }
 

@@ -58,6 +58,10 @@ class GenerateSpec:
     # Empty when the head does not trace; a node that predates them ignores both (unknown fields are dropped).
     traceparent: str = ""
     tracestate: str = ""
+    # What the head would write in the generation's record, should its link close before the end (the head process
+    # died): the node sends it back with what it made, in a `cut` to another link (nodes.link.messages.Cut). Opaque
+    # to the node; empty from a head that writes no such records.
+    record: dict[str, Any] = field(default_factory=dict)
 
     def needs(self) -> list[str]:
         """The node capabilities this generation cannot run without (placement filters on them)."""
