@@ -17,6 +17,7 @@ from typing import Any
 
 from django.conf import settings
 
+from api import revocation
 from api.errors import OpenAIError
 from api.quotas import Ticket, tokens_spent
 from api.specs import GenerationRequest
@@ -74,6 +75,8 @@ class Run:
         self._calls: Any = PENDING
         self._shutdown = registry().shutdown
         self._shutdown.track(self)  # a head that stops sees it to its end, and its record written
+        if request.api_key is not None:
+            revocation.watch(self._shutdown)  # a key that stops ends its running generations (api.revocation)
 
     @property
     def text(self) -> str:
@@ -146,12 +149,14 @@ class Run:
         while (event := await self.next_event()) is not None:
             yield event
 
-    async def stop(self, code: str, message: str) -> None:
-        """The head ends it (its drain): the node's lane is cancelled and the client's stream ends with its API's
-        error event (a 503 with Retry-After before the headers went out); recorded as failed."""
+    async def stop(self, code: str, message: str, *, status: int = 503, retry_after: int | None = 2,
+                   kind: str = "server_error") -> None:
+        """The head ends it (its drain; its key revoked): the node's lane is cancelled and the client's stream ends
+        with its API's error event (before the headers went out, a `status` with Retry-After); recorded as failed."""
         if not self.over:
             with generation_context(self.request.gen_id):
-                await self.stream.stop(GenerationError(code, message, status=503, retry_after=2, kind="server_error"))
+                await self.stream.stop(GenerationError(code, message, status=status, retry_after=retry_after,
+                                                       kind=kind))
 
     async def abandon(self, reason: str = "client went away") -> None:
         """The client is gone (or cancelled): stop the node's lane now, and record what was made."""

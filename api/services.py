@@ -119,6 +119,17 @@ def api_keys_changed() -> None:
     transaction.on_commit(api_keys_restamp)
 
 
+def api_keys_active(*, pks: set[Any]) -> set[Any]:
+    """Which of these keys are still active: not revoked, not deleted, their owner active."""
+    return set(ApiKey.objects.filter(pk__in=pks, revoked_at__isnull=True, owner__is_active=True)
+               .values_list("pk", flat=True))
+
+
+async def key_stamp() -> str | None:
+    """The revocation stamp as this process sees it now (a new one after every change that can stop a key)."""
+    return await _stamp()
+
+
 async def api_key_verified(*, key: str) -> ApiKey | None:
     """The key's row when this process verified it within VERIFIED_TTL_S and no key changed since; else None
     (then verify it with api_key_authenticate). One cache read, no database access."""

@@ -58,6 +58,10 @@ class Shutdown:
     def running(self) -> int:
         return len(self._running)
 
+    def generations(self) -> list[Stoppable]:
+        """The generations running in this process now."""
+        return list(self._running)
+
     def begin(self) -> None:
         if not self.draining:
             self.draining, self.since = True, time.time()

@@ -147,3 +147,36 @@ async def test_multipart_without_a_boundary_is_a_400_in_openais_shape(bearer, pa
     assert answer.status == 400, answer.body
     error = answer.json()["error"]
     assert "multipart" in error["message"] and error["type"] == "invalid_request_error"
+
+
+# --- issue 50 item 8: a revoked key's running streams end -------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_revoking_a_key_ends_its_running_streams_at_once_and_no_other_keys(api_user):
+    """Its streams ran to their end (18.6 s in the red team's run): now each ends within a second with the API's
+    error event, its lane cancelled on the node and its record written as failed; another key's goes on."""
+    from asgiref.sync import sync_to_async
+
+    from api.services import api_key_create, api_key_revoke
+    from sessions.models import Generation
+    from tests.api_support import Script, start, written_rows
+
+    (row, key), (_, other) = await sync_to_async(lambda: (api_key_create(owner=api_user, name="revoked"),
+                                                          api_key_create(owner=api_user, name="kept")))()
+    link = add_fake_node(FakeLink(script=Script(tokens=["a"], hang=True)), lanes=2)
+    body = {"model": "smollm2", "stream": True, "messages": [{"role": "user", "content": "Go on."}]}
+    revoked, kept = await start("POST", "/v1/chat/completions", key=key, body=body), await start(
+        "POST", "/v1/chat/completions", key=other, body=body)
+    for ex in (revoked, kept):
+        await ex.wait(lambda e: len(e.data()) >= 1)
+    await sync_to_async(api_key_revoke)(key=row)
+    await revoked.wait(lambda e: e.finished, timeout=1.5)
+    [error] = [d for d in revoked.data() if isinstance(d, dict) and "error" in d]
+    assert (error["error"]["code"], error["error"]["type"]) == ("key_revoked", "authentication_error")
+    assert len(link.cancelled) == 1
+    [record] = await written_rows(lambda: list(Generation.objects.filter(api_key=row)))
+    assert record.status == "failed" and "revoked" in record.error
+    await asyncio.sleep(0.6)  # past another stamp read: the other key's stream still runs
+    assert not kept.finished and len(link.cancelled) == 1
+    await kept.close()
