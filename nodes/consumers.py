@@ -121,6 +121,12 @@ def _json_problem(**values: Any) -> str | None:
     return f"{', '.join(values)} must hold no NUL character" if "\\u0000" in stored else None
 
 
+def _files(models: list[dict[str, Any]]) -> dict[str, str]:
+    """The models' file fingerprints a register names (64 hex digits each; anything else is left out)."""
+    return {m["name"]: m["file"] for m in models if isinstance(m.get("file"), str) and len(m["file"]) == 64
+            and all(c in "0123456789abcdef" for c in m["file"])}
+
+
 def _register_problem(msg: Register) -> str | None:
     """What makes a Register unstorable beyond the outer field types that messages.decode checked; None if nothing."""
     engine = f"{msg.engine} {msg.engine_version}".strip()
@@ -433,7 +439,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
             identity=msg.identity, public_key=self.node_key, address=self.peer or "", token=self.token,
             models=[m["name"] for m in msg.models], lanes=msg.lanes, context_window=msg.context_window,
             capabilities=msg.capabilities, engine=f"{msg.engine} {msg.engine_version}".strip(), version=msg.version,
-            labels=msg.labels, replicas=msg.replicas, tokenizers=msg.tokenizers,
+            labels=msg.labels, replicas=msg.replicas, tokenizers=msg.tokenizers, files=_files(msg.models),
             device=DeviceReport.from_wire(msg.device).to_wire() if msg.device else {},
         )
         try:

@@ -29,6 +29,9 @@ class Node(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     identity = models.CharField(max_length=200, unique=True, help_text="Name the node joined with (host name).")
     models_served = models.JSONField(default=list, blank=True, help_text="Model names the head matches on.")
+    model_files = models.JSONField(default=dict, blank=True, help_text=(
+        "Its own model's file fingerprint, by the name it serves it under (what lets another node's copy of the "
+        "same file take that name)."))
     lanes = models.PositiveIntegerField(default=0)
     context_window = models.PositiveIntegerField(default=0)
     state = models.CharField(max_length=16, choices=State.choices, default=State.OFFLINE, db_index=True)

@@ -234,13 +234,16 @@ class Registration:
     tokenizers: dict[str, str] = field(default_factory=dict)  # the names it serves under -> tokenizer fingerprints
 
 
-def _served_model_names() -> set[str]:
-    """The text models the fleet serves (speech models, `node_join --transcribe`, are no names to take)."""
-    names: set[str] = set(getattr(settings, "FLEET_MODELS", []) or [])
-    rows = Node.objects.exclude(state=Node.State.OFFLINE).values_list("models_served", "capabilities")
-    for served, capabilities in rows:
-        names.update(set(served or []) - _speech_models(capabilities))
-    return names
+def _served_model_files() -> dict[str, set[str]]:
+    """The text models the fleet serves, each with the fingerprints of the files its nodes serve it from (speech
+    models, `node_join --transcribe`, are no names to take)."""
+    served: dict[str, set[str]] = {}
+    rows = Node.objects.exclude(state=Node.State.OFFLINE).values_list("models_served", "capabilities", "model_files")
+    for names, capabilities, files in rows:
+        files = files if isinstance(files, dict) else {}
+        for name in set(names or []) - _speech_models(capabilities):
+            served.setdefault(name, set()).update([files[name]] if isinstance(files.get(name), str) else [])
+    return served
 
 
 def _speech_models(capabilities) -> set[str]:
@@ -248,36 +251,40 @@ def _speech_models(capabilities) -> set[str]:
     return {m for m in speech if isinstance(m, str)} if isinstance(speech, list) else set()
 
 
-def node_fleet_model_name(own: str, *, served: set[str]) -> tuple[str, str | None]:
-    """The name a node's model takes on the fleet: its own if the head serves it, the head's only model if the
-    head serves exactly one, else its own with a warning."""
+def node_fleet_model_name(own: str, *, file: str = "", served: dict[str, set[str]]) -> tuple[str, str | None]:
+    """The name a node's model takes on the fleet: its own, unless the fleet serves that same file (its
+    fingerprint, `file`) under one other name: that name then. Never because of which names happen to be served
+    (join order decided names once: the first node back made the next serve under its name)."""
     if not served or own in served:
         return own, None
-    if len(served) == 1:
-        (only,) = served
-        return only, f"the node calls its model {own!r}; the head serves only {only!r}, so it serves as {only!r}"
-    return own, f"the head serves no model named {own!r} (it serves {', '.join(sorted(served))}); serving it as is"
+    same = sorted(name for name, files in served.items() if file and file in files)
+    if len(same) == 1:
+        return same[0], (f"the node calls its model {own!r}; the fleet serves the same file as {same[0]!r}, so it "
+                         f"serves as {same[0]!r}")
+    return own, f"the fleet serves no model named {own!r} (it serves {', '.join(sorted(served))}); serving it as is"
 
 
 @transaction.atomic
 def node_register(
     *, identity: str, public_key: str, address: str, token: FleetToken | None, models: list[str], lanes: int,
     context_window: int, capabilities: dict, engine: str, version: str, labels: dict, replicas: list[dict],
-    tokenizers: dict[str, str] | None = None, device: dict | None = None,
+    tokenizers: dict[str, str] | None = None, device: dict | None = None, files: dict[str, str] | None = None,
 ) -> Registration:
     """Create or update the Node for a (re)joining host; a rejoin is recognised by its identity, whose key must be
     the one bound to it (the first join, or the first after a release, binds it). `tokenizers`: the node's models'
-    tokenizer fingerprints; `device`: what its engines run on (nodes.link.device, {} from a node that does not say).
+    tokenizer fingerprints; `device`: what its engines run on (nodes.link.device, {} from a node that does not say);
+    `files`: its models' file fingerprints (nodes.agent.gguf_info.file_fingerprint), by its own names.
     Raises JoinRefused (also for a model whose tokenizer is not its registry namesake's)."""
     tokenizers = tokenizers or {}
     _tokenizer_refusal(tokenizers)
-    served = _served_model_names()
+    files = files or {}
+    served = _served_model_files()
     names, warnings = [], []
     in_registry = set(Model.objects.filter(name__in=models).values_list("name", flat=True))
     speech = _speech_models(capabilities)
     for own in models:  # a registry model (a deployed one) and a speech model keep their names
         keep = own in in_registry or own in speech
-        name, warning = (own, None) if keep else node_fleet_model_name(own, served=served)
+        name, warning = (own, None) if keep else node_fleet_model_name(own, file=files.get(own, ""), served=served)
         names.append(name)
         if warning:
             warnings.append(warning)
@@ -289,6 +296,7 @@ def node_register(
     if not node.public_key:
         node.public_key, node.key_bound_at = public_key, now
     node.models_served, node.lanes, node.context_window = names, lanes, context_window
+    node.model_files = {name: files[own] for own, name in zip(models, names, strict=True) if own in files}
     node.capabilities, node.engine, node.version = capabilities, engine, version
     node.labels, node.replicas, node.address, node.token = labels, replicas, address, token
     node.device = device or {}

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import os
 
 import pytest
 from websockets.exceptions import ConnectionClosedError
@@ -350,3 +351,21 @@ async def test_a_generation_whose_link_closed_is_reported_cut_to_a_head_that_tak
     sent = [head_channel.open(frame) for frame in ws.frames]
     assert [(type(m).__name__, m.gen_id, m.code) for m in sent if isinstance(m, Cut)] == [("Cut", "g3",
                                                                                           "engine_failed")]
+
+
+async def test_the_nodes_own_model_is_registered_with_its_files_fingerprint(tmp_path):
+    """What lets the head serve a node's copy of a model under the fleet's name for it: the same file, not the
+    same name nor the order nodes joined in. The fingerprint reads the file's ends and its size."""
+    from nodes.agent.dialer import _served_models
+    from nodes.agent.gguf_info import FINGERPRINT_SPAN, file_fingerprint
+
+    model, copy, other = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    body = os.urandom(3 * FINGERPRINT_SPAN)
+    model.write_bytes(body)
+    copy.write_bytes(body)
+    other.write_bytes(body[:-1] + bytes([body[-1] ^ 1]))  # one byte of its tail differs
+    info = {"model_name": "smollm2", "context_window": 2048, "model_path": str(model), "speech_model": "whisper"}
+    [own, speech] = _served_models(info)
+    assert own == {"name": "smollm2", "context_window": 2048, "file": file_fingerprint(copy)}
+    assert "file" not in speech
+    assert file_fingerprint(other) != own["file"] and len(own["file"]) == 64

@@ -123,11 +123,17 @@ async def test_a_node_serving_three_models_shows_the_same_lanes_everywhere():
 
 
 async def test_a_model_the_head_renamed_shows_the_figures_its_engine_reports(settings):
-    """The head serves the node's model under its own name (FLEET_MODELS names one); the node's heartbeat names it
-    as the node knows it, and its figures still show under the fleet's name."""
-    settings.FLEET_MODELS = ["chat"]
+    """The head serves the node's model under its own name (another node serves the same file as `chat`); the
+    node's heartbeat names it as the node knows it, and its figures still show under the fleet's name."""
+    from nodes.models import Node
+    from tests.factories import NodeFactory
+
+    file = "d" * 64
+    await sync_to_async(NodeFactory)(identity="chat-host", models_served=["chat"], model_files={"chat": file},
+                                     state=Node.State.ONLINE, lanes=8)
     page = await staff_page()
-    node, channel = await joined(register=dataclasses.replace(REGISTER, models=[OWN], lanes=4, context_window=8192))
+    node, channel = await joined(register=dataclasses.replace(REGISTER, models=[OWN | {"file": file}], lanes=4,
+                                                              context_window=8192))
     await node.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=4, lanes=4, kv_used=900, kv_total=32768,
                                                          tokens_per_s=40.0, models={"smollm2": PER_MODEL["smollm2"]})))
     frame = await snapshot_where(page, lambda f: (node_named(f, "gpu-7") or {}).get("tokens_per_s"))
@@ -135,7 +141,7 @@ async def test_a_model_the_head_renamed_shows_the_figures_its_engine_reports(set
     assert row["models"] == ["chat"]
     assert {name: (f["lanes"], f["lanes_busy"], f["context_window"]) for name, f in row["per_model"].items()} == {
         "chat": (4, 4, 8192)}
-    assert frame["models"] == [{"name": "chat", "nodes": 1, "lanes": 4, "busy": 4, "waiting": 0}]
+    assert frame["models"] == [{"name": "chat", "nodes": 2, "lanes": 4 + 8, "busy": 4, "waiting": 0}]  # the other's
     await node.disconnect()
     await page.disconnect()
 

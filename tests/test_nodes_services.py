@@ -94,27 +94,45 @@ def test_a_held_node_rejoins_held():
 
 
 def test_model_name_rules():
-    assert node_fleet_model_name("smollm2", served={"smollm2", "llama"}) == ("smollm2", None)
-    name, warning = node_fleet_model_name("SmolLM2-135M", served={"smollm2"})
-    assert name == "smollm2" and "serves only" in warning
-    name, warning = node_fleet_model_name("qwen", served={"a", "b"})
+    file, other = "f" * 64, "e" * 64
+    assert node_fleet_model_name("smollm2", file=file, served={"smollm2": {other}, "llama": set()}) == ("smollm2",
+                                                                                                          None)
+    name, warning = node_fleet_model_name("SmolLM2-135M", file=file, served={"smollm2": {file}})
+    assert name == "smollm2" and "the same file" in warning
+    name, warning = node_fleet_model_name("qwen", file=file, served={"smollm2": {other}})  # one name, another file
     assert name == "qwen" and "serves no model named" in warning
-    assert node_fleet_model_name("qwen", served=set()) == ("qwen", None)
+    assert node_fleet_model_name("qwen", served={"smollm2": set()})[0] == "qwen"  # a node that sends no fingerprint
+    assert node_fleet_model_name("qwen", file=file, served={"a": {file}, "b": {file}})[0] == "qwen"  # which? neither
+    assert node_fleet_model_name("qwen", served={}) == ("qwen", None)
+
+
+def test_names_do_not_depend_on_which_node_joins_first():
+    """Every node rejoined after a token change, and the first back (serving `slowm`) made the next serve its
+    `smollm2` as `slowm`: every smollm2 request was a 404. Only the same file takes another name."""
+    def join(identity, model, file):
+        return node_register(identity=identity, public_key=identity.encode().hex().ljust(64, "0"), address="10.0.0.7",
+                             token=None, models=[model], lanes=2, context_window=512, capabilities={"chat": True},
+                             engine="llama.cpp", version="1", labels={}, replicas=[], files={model: file})
+
+    assert join("slow-host", "slowm", "a" * 64).node.models_served == ["slowm"]
+    assert join("smol-host", "smollm2", "b" * 64).node.models_served == ["smollm2"]
+    copy = join("copy-host", "SmolLM2-135M-Instruct", "b" * 64)  # the same file under its file's name
+    assert copy.node.models_served == ["smollm2"] and copy.node.model_files == {"smollm2": "b" * 64}
 
 
 def test_a_speech_model_keeps_its_name_and_lends_it_to_no_text_model():
-    """`node_join --transcribe`: the one-model rename above never makes a text model of a speech model or back."""
+    """`node_join --transcribe`: the same-file rename above never makes a text model of a speech model or back."""
     speech = {"chat": True, "transcribe": True, "speech_models": ["whisper-tiny.en"]}
 
     def join(identity, models, capabilities):
         return node_register(identity=identity, public_key=identity.encode().hex().ljust(64, "0"), address="10.0.0.7",
                              token=None, models=models, lanes=2, context_window=512, capabilities=capabilities,
-                             engine="llama.cpp", version="1", labels={}, replicas=[])
+                             engine="llama.cpp", version="1", labels={}, replicas=[], files={models[0]: "c" * 64})
 
     assert join("ears-only", ["whisper-tiny.en"], speech).node.models_served == ["whisper-tiny.en"]
     both = join("ears", ["smollm2", "whisper-tiny.en"], speech)
     assert both.node.models_served == ["smollm2", "whisper-tiny.en"] and not both.warnings
-    assert join("gpu-9", ["SmolLM2-135M"], {"chat": True}).node.models_served == ["smollm2"]  # the rule still holds
+    assert join("gpu-9", ["SmolLM2-135M"], {"chat": True}).node.models_served == ["smollm2"]  # the same file
     assert join("ears-2", ["whisper-tiny.en"], speech).node.models_served == ["whisper-tiny.en"]
 
 

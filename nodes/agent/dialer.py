@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import socket
 import time
@@ -29,6 +30,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from nodes.agent import keys, tracing
 from nodes.agent.engine.base import ENDS, Event
+from nodes.agent.gguf_info import file_fingerprint
 from nodes.agent.media import MediaCache, media_ready
 from nodes.agent.pull import http_base
 from nodes.agent.vocab import vocab_gguf
@@ -397,7 +399,7 @@ class NodeAgent:
         info = self.engine.info()
         await ws.send(channel.seal(Register(
             identity=self.config.identity,
-            models=_served_models(info),
+            models=await asyncio.to_thread(_served_models, info),
             lanes=info["lanes"], context_window=info["context_window"], capabilities=info["capabilities"],
             engine=info["engine"], engine_version=info["engine_version"], version=self.config.version,
             labels=self.config.labels, replicas=info.get("replicas", []), cache_cleared=self.cache_cleared,
@@ -560,11 +562,16 @@ def tokenizer_parts(model_path: str, fingerprint: str) -> list[TokenizerFile]:
 
 
 def _served_models(info: dict[str, Any]) -> list[dict[str, Any]]:
-    """The models to register: the engine's, and its speech model (`--transcribe`) under its own name."""
+    """The models to register: the engine's, and its speech model (`--transcribe`) under its own name. The engine's
+    own model carries its file's fingerprint (`file`), which is what lets the head serve it under another name."""
     models = info.get("models") or [{"name": info["model_name"], "context_window": info["context_window"]}]
     speech = info.get("speech_model")
     if speech and all(m["name"] != speech for m in models):
         models = [*models, {"name": speech, "context_window": info["context_window"]}]
+    path = info.get("model_path")
+    if path and os.path.isfile(path):
+        file = file_fingerprint(path)
+        models = [{**m, "file": file} if m["name"] == info["model_name"] else m for m in models]
     return models
 
 

@@ -158,3 +158,22 @@ def read_gguf(path: str | os.PathLike) -> GgufInfo:
                     kv_bytes_per_token=kv_bytes_per_token(reader, arch), size=size,
                     chat_template=template if isinstance(template, str) else "",
                     blocks=_required_int(reader, f"{arch}.block_count"))
+
+
+FINGERPRINT_SPAN = 1 << 20  # bytes read from each end of the file
+
+
+def file_fingerprint(path: str | os.PathLike) -> str:
+    """A model file's identity, cheap at any size: the SHA-256 of its size and its first and last MiB (a GGUF's
+    header and tensor index, and the tail of its data). Two nodes with the same file send the same, whatever they
+    named it; the head renames a node's model only to a name served from the same file (nodes.services)."""
+    import hashlib
+
+    size = os.path.getsize(path)
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(FINGERPRINT_SPAN))
+        if size > FINGERPRINT_SPAN:
+            f.seek(max(size - FINGERPRINT_SPAN, FINGERPRINT_SPAN))
+            digest.update(f.read(FINGERPRINT_SPAN))
+    return digest.hexdigest()
