@@ -277,6 +277,8 @@ class GenerationStream:
             except _NodeFailed as failed:
                 await reg.lifecycle.alost(choice.node_id, self.spec.gen_id)
                 excluded.add(choice.node_id)
+                if failed.suspect:  # no more goes there until its next heartbeat says it is alive
+                    await reg.aplacement.set_schedulable(choice.node_id, False)
                 self._failure = {"code": failed.code, "message": failed.message, "at": time.time()}
                 tracing.failover(self.trace, choice.identity, failed.code, failed.message)
                 if self.outcome.completion_tokens >= self.spec.max_tokens:
@@ -550,7 +552,7 @@ class GenerationStream:
         tracing.attempt_begin(self.trace, spec, link.identity)  # its trace context goes to the node in the spec
         self._expected_seq = 1
         self._evicted = []
-        finished = False
+        finished = accepted = False
         try:
             try:
                 await link.send_generate(relay_gen, spec.to_dict())
@@ -562,7 +564,8 @@ class GenerationStream:
             while True:
                 if relay.overflowed:
                     raise GenerationError("client_too_slow", "the client read tokens too slowly", status=500)
-                event = await self._next_frame(relay, link)
+                event = await self._next_frame(relay, link, accepted=accepted)
+                accepted = True  # whatever the node's first frame: it answers
                 if isinstance(event, Error | NodeLost):
                     finished = True
                 if isinstance(event, Accepted):
@@ -609,11 +612,15 @@ class GenerationStream:
                 # generator closed by the garbage collector may not await in its finally.
                 asyncio.ensure_future(_cancel_quietly(link, relay_gen))
 
-    async def _next_frame(self, relay, link):
+    async def _next_frame(self, relay, link, *, accepted: bool = True):
         """The node's next frame. While it is silent, the link it was sent over is checked every LINK_CHECK_S:
         a replaced link never delivers this generation's frames (lost node, placed again). Past the frame timeout,
-        a clear error."""
-        silent_until = time.monotonic() + self._frame_timeout()
+        a clear error; before the node's first frame (`accepted` False), past FLEET_ACCEPT_TIMEOUT_S, it is placed
+        elsewhere (a node that never answers held such a generation for the whole frame timeout)."""
+        timeout = self._frame_timeout()
+        if not accepted:
+            timeout = min(timeout, settings.FLEET_ACCEPT_TIMEOUT_S * (4 if self.spec.needs_media() else 1))
+        silent_until = time.monotonic() + timeout
         while True:
             try:
                 frame = await relay.get(timeout=max(min(silent_until - time.monotonic(), LINK_CHECK_S), 0.0))
@@ -626,6 +633,9 @@ class GenerationStream:
                         raise _NodeFailed(ErrorCode.NODE_LOST, f"node {link.identity!r}'s link was replaced "
                                                                "while it ran this generation") from None
                     continue
+            if not accepted and timeout < self._frame_timeout():
+                raise _NodeFailed(ErrorCode.NODE_SILENT, f"node {link.identity!r} did not accept the generation "
+                                                         f"within {timeout:.0f} s", suspect=True)
             if self.spec.deadline is None:
                 raise GenerationError("node_stuck", f"node {link.identity!r} sent nothing for {STUCK_AFTER_S:.0f} s; "
                                       "the generation was stopped", status=504, kind="server_error")
@@ -737,9 +747,10 @@ class _Preempted(Exception):
 
 
 class _NodeFailed(Exception):
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, *, suspect: bool = False):
         super().__init__(message)
         self.code, self.message = code, message
+        self.suspect = suspect  # the node itself is in doubt (silent): nothing more goes there for now
 
 
 def _status_for(code: str) -> int:

@@ -236,6 +236,10 @@ FLEET_NODE_TIMEOUT_S = env_int("FLEET_NODE_TIMEOUT_S", 20)
 # A head told to stop (SIGTERM, SIGINT) lets its running generations finish this long, then ends the rest with an
 # error event (fleet/shutdown.py); new requests get a 503 with Retry-After meanwhile.
 FLEET_SHUTDOWN_GRACE_S = env_int("FLEET_SHUTDOWN_GRACE_S", 30)
+# A node that has not accepted a generation this long after it was sent (a silent node: its link and heartbeats up,
+# its engine answering nothing) has it placed elsewhere, and takes no more until its next heartbeat; four times this
+# for one with media the node fetches first.
+FLEET_ACCEPT_TIMEOUT_S = env_int("FLEET_ACCEPT_TIMEOUT_S", 20)
 FLEET_MAX_HANDSHAKES = env_int("FLEET_MAX_HANDSHAKES", 8)
 # Of those, at most this many from one address (loopback exempt: local nodes), each stage done within this long.
 FLEET_MAX_HANDSHAKES_PER_ADDRESS = env_int("FLEET_MAX_HANDSHAKES_PER_ADDRESS", 2)

@@ -521,7 +521,7 @@ async def test_an_embedding_whose_node_link_closes_is_answered_by_another_node(b
 # Each node error code, by whose fault it is (nodes.link.codes.REQUEST_FAULTS says it once for the head).
 REQUEST_FAULT_CODES = ["context_length_exceeded", "invalid_grammar", "invalid_request"]
 NODE_FAULT_CODES = ["engine_unavailable", "engine_crashed", "engine_failed", "media_unavailable", "unknown_op",
-                    "adapter_in_use", "node_lost"]
+                    "adapter_in_use", "node_lost", "node_silent"]
 
 
 def test_every_node_error_code_is_classified_here():

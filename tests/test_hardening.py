@@ -180,3 +180,33 @@ async def test_revoking_a_key_ends_its_running_streams_at_once_and_no_other_keys
     await asyncio.sleep(0.6)  # past another stamp read: the other key's stream still runs
     assert not kept.finished and len(link.cancelled) == 1
     await kept.close()
+
+
+# --- issue 50 item 6: a node that never accepts -------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_generation_a_node_never_accepts_is_placed_elsewhere_and_the_node_gets_no_more(bearer, settings):
+    """A node whose link and heartbeats are up but whose engine answers nothing held a request without a deadline
+    for 300 s, with no failover: past FLEET_ACCEPT_TIMEOUT_S it goes to another node, and the silent one is
+    taken off placement until its next heartbeat."""
+    from fleet.links import registry
+    from tests.api_support import Script, start
+
+    settings.FLEET_ACCEPT_TIMEOUT_S = 1
+    silent = add_fake_node(FakeLink(node_id="aaaaaaaa-0000-0000-0000-000000000001", identity="silent",
+                                    script=Script(start_delay=3600)))
+    ex = await start("POST", "/v1/chat/completions", key=bearer,
+                     body={"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]})
+    for _ in range(100):
+        if silent.specs:
+            break
+        await asyncio.sleep(0.01)
+    good = add_fake_node(FakeLink(node_id="bbbbbbbb-0000-0000-0000-000000000002", identity="good"))
+    await ex.wait(lambda e: e.finished, timeout=5)
+    assert ex.status == 200, ex.body
+    assert ex.json()["choices"][0]["message"]["content"] == "Hello, world!" and len(good.specs) == 1
+    assert len(silent.cancelled) == 1  # its lane there is freed
+    slots = {slot.identity: slot for slot in registry().placement.nodes()}
+    assert slots["silent"].schedulable is False and slots["good"].schedulable is True
+    await ex.close()

@@ -20,6 +20,7 @@ class ErrorCode(StrEnum):
     ADAPTER_IN_USE = "adapter_in_use"  # a LoRA adapter a queued or running generation uses is not unloaded yet
     MEDIA_UNAVAILABLE = "media_unavailable"  # the node could not fetch a generation's media blob from the head
     NODE_LOST = "node_lost"  # the head's own: the node's link was lost, or a token batch on its way
+    NODE_SILENT = "node_silent"  # the head's own: the node did not accept a generation in time (placed elsewhere)
 
 
 # The request's fault: another node would refuse it alike, so it is never placed again (a 400 to the client). Every

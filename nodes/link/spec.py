@@ -70,6 +70,10 @@ class GenerateSpec:
                   "transcribe": self.audio is not None, "vision": bool(self.images())}
         return [name for name, needed in wanted.items() if needed] + [f"lora:{name}" for name, _ in self.lora]
 
+    def needs_media(self) -> bool:
+        """Whether the node fetches a blob from the head before it can start (audio, images)."""
+        return self.audio is not None or bool(self.images())
+
     def images(self) -> list[dict[str, Any]]:
         """The image parts of a chat's messages (`{"type": "image", "image": {"sha256", "size", "path", "grant"}}`),
         in order: the node fetches each blob it lacks once, then reads it from its cache (`local_path`)."""
