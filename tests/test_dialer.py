@@ -369,3 +369,40 @@ async def test_the_nodes_own_model_is_registered_with_its_files_fingerprint(tmp_
     assert own == {"name": "smollm2", "context_window": 2048, "file": file_fingerprint(copy)}
     assert "file" not in speech
     assert file_fingerprint(other) != own["file"] and len(own["file"]) == 64
+
+
+async def test_a_discovering_node_looks_again_when_every_announced_head_refuses_unproven(tmp_path, monkeypatch):
+    """A rogue mDNS announcer that refuses a good token made a discovering node exit for good: it now says what it
+    saw and looks again with the backoff. A node given its head's address still stops on that head's refusal."""
+    from nodes.agent.dialer import Refused
+
+    config = AgentConfig(head="", token=format_token(LOCAL_TOKEN_ID, make_secret()), home=tmp_path,
+                         backoff_start=1.0, backoff_max=16.0)
+    node = NodeAgent(config, FakeEngine(), resolve_head=lambda: ["rogue.local:8000"])
+    tries = []
+
+    async def session(link):
+        tries.append(link.dial)
+        raise Refused("the head refused this node's token", proven=False)
+
+    monkeypatch.setattr(node, "_session", session)
+    pauses = []
+
+    async def sleep(seconds):
+        pauses.append(seconds)
+        if len(pauses) == 3:
+            raise asyncio.CancelledError
+
+    monkeypatch.setattr("nodes.agent.dialer.asyncio.sleep", sleep)
+    with pytest.raises(asyncio.CancelledError):
+        await node.run()
+    assert tries == ["rogue.local:8000"] * 3 and len(pauses) == 3
+    async def ask_one(head, question):
+        raise Refused("the head refused this node's token", proven=False)
+
+    monkeypatch.setattr(node, "_ask_one", ask_one)
+    assert await node._ask(None) is None  # check_join and pulls alike: no head that answers, for now
+    given = agent(tmp_path)  # its head's address given: the refusal stops it
+    monkeypatch.setattr(given, "_session", session)
+    with pytest.raises(Refused):
+        await given.run()

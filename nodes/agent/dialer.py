@@ -270,8 +270,7 @@ class NodeAgent:
                     break  # this head proved itself and its link ended: find the heads again before redialing
             if self._gives_way(url, link):
                 return
-            if heads and len(refusals) == len(heads):  # none proved the token, and each refused: say the first
-                raise refusals[0]
+            self._all_refused(heads, refusals, delay)
             await asyncio.sleep(delay * (0.9 + 0.2 * random.random()))
             delay = min(delay * 2, self.config.backoff_max)
 
@@ -325,9 +324,20 @@ class NodeAgent:
                 refusals.append(exc)
             except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, LinkError, TimeoutError):
                 continue
-        if heads and len(refusals) == len(heads):
-            raise refusals[0]
+        self._all_refused(heads, refusals, self.config.backoff_start)
         return None
+
+    def _all_refused(self, heads: list[str], refusals: list[Refused], delay: float) -> None:
+        """Every head tried refused, none proving it holds the token. At the address this node was given that is
+        this node's to fix: the agent stops with the first refusal. Heads found on the local network may be
+        announcers that are no head (a rogue one refused a good token once, and the node exited for good): it says
+        what it saw and looks again, with the backoff."""
+        if not heads or len(refusals) != len(heads):
+            return
+        if self.config.head:
+            raise refusals[0]
+        log.warning("fleet node: every head found on the local network refused this node without proving it holds "
+                    "the token (%s: %s); looking again in %.0f s", heads[0], refusals[0], delay)
 
     async def _ask_one(self, head: str, question: Check | Pull | Preparing) -> tuple[str, PullGrant] | None:
         async with websockets.connect(_uri(head), open_timeout=10, close_timeout=2) as ws, _refusals() as link:
