@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import unicodedata
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -188,9 +189,47 @@ def link_refusal(*, token: FleetToken | None, public_key: str) -> JoinRefused | 
 
 
 def node_key_check(*, identity: str, public_key: str) -> None:
-    """Raise JoinRefused when this key may not join under `identity`: the key was revoked, or the identity is bound
-    to another key. Reads only; `node_register` checks again under its row lock."""
-    _key_refusal(Node.objects.filter(identity=identity).first(), identity, public_key)
+    """Raise JoinRefused when this key may not join under `identity`: the key was revoked, the identity is bound
+    to another key, or it is no identity to take (identity_refusal). Reads only; `node_register` checks again under
+    its row lock."""
+    node = Node.objects.filter(identity=identity).first()
+    if node is None:
+        identity_refusal(identity)
+    _key_refusal(node, identity, public_key)
+
+
+def identity_folded(identity: str) -> str:
+    """An identity as look-alikes share it: NFKC (full-width and compatibility forms to their plain ones), then
+    case-folded."""
+    return unicodedata.normalize("NFKC", identity).casefold()
+
+
+def identity_problem(identity: str) -> str | None:
+    """Why `identity` cannot name a node on its own (white space at its ends, an invisible or control character,
+    letters of more than one script), or None."""
+    if identity != identity.strip():
+        return "it begins or ends with white space"
+    for ch in identity:
+        if unicodedata.category(ch)[0] in "CZ" and ch != " ":
+            return f"it holds an invisible or control character (U+{ord(ch):04X})"
+    scripts = {unicodedata.name(ch, "UNKNOWN").split(" ")[0] for ch in unicodedata.normalize("NFKC", identity)
+               if ch.isalpha()}
+    if len(scripts) > 1:
+        return f"it mixes the letters of several scripts ({', '.join(sorted(scripts)).lower()})"
+    return None
+
+
+def identity_refusal(identity: str) -> None:
+    """Raise JoinRefused for an identity no node may take: one identity_problem names, or one that looks like
+    another node's (the same but for case or width), which would show beside it as if it were another host."""
+    if problem := identity_problem(identity):
+        raise JoinRefused(CloseCode.IDENTITY_REFUSED, f"identity {identity[:60]!r} is refused: {problem}")
+    folded = identity_folded(identity)
+    for other in Node.objects.exclude(identity=identity).values_list("identity", flat=True).iterator():
+        if identity_folded(other) == folded:
+            raise JoinRefused(CloseCode.IDENTITY_REFUSED, f"identity {identity[:60]!r} is refused: it looks like "
+                                                          f"node {other!r}'s (delete that node in the admin if it "
+                                                          "is this host under its old name)")
 
 
 def _key_refusal(node: Node | None, identity: str, public_key: str) -> None:
@@ -289,6 +328,8 @@ def node_register(
         if warning:
             warnings.append(warning)
     node = Node.objects.select_for_update().filter(identity=identity).first()
+    if node is None:  # a node that joined before these rules keeps its identity
+        identity_refusal(identity)
     _key_refusal(node, identity, public_key)
     rejoin = node is not None
     node = node or Node(identity=identity)

@@ -159,3 +159,25 @@ def test_the_link_history_keeps_the_newest_events_per_node(monkeypatch):
     assert sorted(LinkEvent.objects.filter(node=None).values_list("identity", flat=True)) == ["peer-2", "peer-3",
                                                                                               "peer-4"]
     assert sorted(node.link_events.values_list("identity", flat=True)) == ["join-2", "join-3", "join-4"]
+
+
+def test_look_alike_and_invisible_identities_are_refused_beside_a_nodes_own():
+    """`MA`, `mA ` (a space), a zero-width character and a Cyrillic letter all registered beside `mA`, each shown as
+    another host. They are refused with a close code of their own; `mA` itself rejoins, and a plain new name joins."""
+    from nodes.link.codes import CloseCode
+    from nodes.services import JoinRefused
+
+    def join(identity, key):
+        return node_register(identity=identity, public_key=key, address="10.0.0.7", token=None, models=["smollm2"],
+                             lanes=2, context_window=512, capabilities={"chat": True}, engine="llama.cpp",
+                             version="1", labels={}, replicas=[])
+
+    join("mA", "ab" * 32)
+    for alike in ("MA", "mA ", "m\u200bA", "m\u0410", "\uff4dA"):  # case, space, zero-width, Cyrillic A, full-width m
+        with pytest.raises(JoinRefused) as refused:
+            join(alike, "cd" * 32)
+        assert refused.value.code == CloseCode.IDENTITY_REFUSED, alike
+    assert "looks like node 'mA'" in str(pytest.raises(JoinRefused, join, "MA", "cd" * 32).value)
+    assert join("mA", "ab" * 32).rejoin
+    assert not join("gpu-2.lab", "cd" * 32).rejoin
+    assert list(Node.objects.order_by("identity").values_list("identity", flat=True)) == ["gpu-2.lab", "mA"]

@@ -74,6 +74,7 @@ class CloseCode(IntEnum):
     TOKEN_UNREADABLE = 4010  # the head cannot decrypt its copy of the token's secret (SECRET_KEY changed)
     HEAD_KEY_UNREADABLE = 4011  # the head cannot decrypt its own static key (SECRET_KEY changed)
     TOKENIZER_MISMATCH = 4012  # a model's tokenizer differs from the head's registry model of the same name
+    IDENTITY_REFUSED = 4013  # the identity has invisible characters or mixed scripts, or looks like another node's
 
 
 _NEW_TOKEN = "create a new one on the head with `manage.py fleet_token` and pass it with --token"
@@ -96,6 +97,10 @@ REFUSALS: dict[int, str] = {
     CloseCode.HEAD_KEY_UNREADABLE: (
         "the head cannot read its own link key (its SECRET_KEY changed without the old key in "
         "FLEET_SECRET_KEY_FALLBACKS); the operator must restore the old key"
+    ),
+    CloseCode.IDENTITY_REFUSED: (
+        "the head refuses this node's identity: pick another with --identity (one script, no invisible characters "
+        "or white space at its ends, and not another node's in other case or width)"
     ),
     CloseCode.TOKENIZER_MISMATCH: (
         "this node's model has another tokenizer than the head's registry model of the same name: serve the "
