@@ -28,6 +28,7 @@ from fleet.names import liveness_key
 from nodes.agent.window import KV_SHARE
 from nodes.deployments import tell_nodes
 from nodes.link.codes import ModelPhase
+from nodes.link.device import DeviceReport
 from nodes.models import Deployment, LinkEvent, Model, Node, NodeModel
 from nodes.services import link_event_record
 
@@ -123,7 +124,9 @@ def _load_somewhere(model: Model, *, why: str, evict: bool, placed: dict | None 
     candidates, refusals = _candidates(model)
     fits = [(free, node) for node, free in candidates if free >= need]
     if fits:
-        node = max(fits, key=lambda f: (f[0], f[1].identity))[1]
+        # a node whose load of any model failed lately comes after every other: its figures are in doubt
+        failing = set(cache.get_many([_node_failed_key(node.pk) for _, node in fits]))
+        node = max(fits, key=lambda f: (_node_failed_key(f[1].pk) not in failing, f[0], f[1].identity))[1]
         return _load_on(node, model, why=why, kind="request" if evict else "queue", victims=[])
     plans = [(plan, node) for node, free in candidates
              if evict and (plan := _room(node, free, need, placed or {})) is not None]
@@ -162,8 +165,18 @@ def _candidates(model: Model) -> tuple[list[tuple[Node, int]], list[str]]:
         elif labelled and not any(d.matches(node) for d in labelled):
             refusals.append(f"{node.identity} lacks the labels its deployment asks for")
         else:
-            out.append((node, int(beat.get("memory_free", 0)) - pending.get(node.pk, 0)))
+            out.append((node, _claimed_free(node, beat) - pending.get(node.pk, 0)))
     return out, refusals
+
+
+def _claimed_free(node: Node, beat: dict) -> int:
+    """The room a node's heartbeat claims, at most the memory of the GPUs it reported at join: a node that says
+    it has a petabyte free is not the first choice for every load. A node that reported no device memory (a CPU
+    node) is taken at its word."""
+    claim = beat.get("memory_free", 0)
+    claim = int(claim) if isinstance(claim, int | float) and not isinstance(claim, bool) and claim > 0 else 0
+    total = sum(d.total for d in DeviceReport.from_wire(node.device).devices)
+    return min(claim, total) if total else claim
 
 
 def _pending_bytes() -> dict:
@@ -262,10 +275,15 @@ def on_demand_failed(*, node_id, model: str, detail: str) -> None:
     elsewhere or ends with why."""
     if NodeModel.objects.filter(node_id=node_id, model=model, on_demand=True).exists():
         cache.set(_failed_key(model, node_id), detail[:300] or "failed", FAILED_FOR_S)
+        cache.set(_node_failed_key(node_id), model, FAILED_FOR_S)
 
 
 def _failed_key(model: str, node_id) -> str:
     return f"fleet:on-demand:failed:{model}:{node_id}"
+
+
+def _node_failed_key(node_id) -> str:
+    return f"fleet:on-demand:node-failed:{node_id}"
 
 
 def node_on_demand(*, node: Node) -> dict[str, dict]:

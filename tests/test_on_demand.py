@@ -466,3 +466,23 @@ def test_a_generations_timeline_shows_its_wait_for_an_on_demand_load():
     steps = [(e["what"], e["detail"]) for e in generation_timeline(generation=generation)]
     assert ("loading", "qwen loading on demand on roomy: 3190 ms") in steps
     assert [what for what, _ in steps][:3] == ["queued", "loading", "placed"]
+
+
+@pytest.mark.django_db
+def test_a_nodes_claim_of_room_is_capped_by_its_gpus_and_a_node_whose_loads_failed_comes_last():
+    """A token holder's heartbeat claimed a petabyte free and became the first choice for every load: the claim
+    counts at most its GPUs' memory as it reported them at join, and a node whose load of any model failed lately
+    is chosen after every other that fits."""
+    registry_model("qwen")
+    registry_model("llama3")
+    gpu = {"backend": "cuda", "devices": [{"name": "RTX 4090", "total": int(NEED * 2), "free": int(NEED * 2)}]}
+    node_with("liar", free=10**15, device=gpu)
+    honest = node_with("honest", free=NEED * 3)
+    assert on_demand.on_demand_place(name="qwen").node == "honest"
+    from nodes.models import NodeModel
+
+    failing = node_with("failing", free=NEED * 5)
+    NodeModel.objects.create(node=failing, model="qwen", on_demand=True, state=NodeModel.State.LOADING)
+    on_demand.on_demand_failed(node_id=honest.pk, model="qwen", detail="out of memory")  # each failed to load qwen
+    on_demand.on_demand_failed(node_id=failing.pk, model="qwen", detail="out of memory")
+    assert on_demand.on_demand_place(name="llama3").node == "liar"  # every node that fits but the two that failed
