@@ -111,3 +111,41 @@ def test_fleet_token_prints_the_address_up_bound_its_head_to(monkeypatch, settin
     out = io.StringIO()
     call_command("fleet_token", "--name", "far", stdout=out, stderr=io.StringIO())
     assert f"make node HEAD={socket.gethostname()}:8765" in out.getvalue()
+
+
+def test_a_celery_worker_that_exits_is_started_again_and_any_other_child_stops_the_fleet(monkeypatch):
+    """The worker died after a Redis blip (in kombu, while acking), taking batches and maintenance with it: `up`
+    starts it again (at most five times a minute), while a head or node that exits still stops the fleet."""
+    import io
+
+    from django.core.management.base import CommandError
+
+    from fleet.management.commands import up
+
+    class Popen:
+        started: list[str] = []
+
+        def __init__(self, argv, **kwargs):
+            self.argv, self.code = argv, None
+            Popen.started.append(argv[2])  # daphne, celery, node_join
+
+        def poll(self):
+            return self.code
+
+    monkeypatch.setattr("fleet.management.commands.up.subprocess.Popen", Popen)
+    monkeypatch.setattr(Command, "_wait_listening", lambda self, proc, host, port: None)
+    command = Command(stdout=io.StringIO(), stderr=io.StringIO())
+    children = command._start(dict(OPTIONS))
+    for _ in range(up.RESTARTS_PER_MINUTE):
+        children["celery"].code = 1
+        command._check(children)
+        assert children["celery"].code is None  # a new worker
+    assert Popen.started.count("celery") == 1 + up.RESTARTS_PER_MINUTE
+    assert "celery exited with status 1; starting it again" in command.stderr.getvalue()
+    children["celery"].code = 1
+    with pytest.raises(CommandError, match="celery exited"):  # a sixth time within the minute: something is wrong
+        command._check(children)
+    children = command._start(dict(OPTIONS))
+    children["node"].code = 2
+    with pytest.raises(CommandError, match="node exited with status 2"):
+        command._check(children)

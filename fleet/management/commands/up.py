@@ -4,6 +4,7 @@ Migrates, creates an admin user and an API key on first run (printed once), then
 worker with beat, and a local node on the bundled model, until Ctrl-C stops them all.
 """
 
+import functools
 import os
 import secrets
 import signal
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -24,8 +26,17 @@ from nodes.link.handshake import LOCAL_TOKEN_ID, format_token, make_secret
 from nodes.services import head_served_address_path
 
 
+RESTARTED = {"celery"}  # the children `up` starts again when they exit; any other that exits stops the fleet
+RESTARTS_PER_MINUTE = 5
+
+
 class Command(BaseCommand):
     help = "Run the head (daphne), a Celery worker with beat, and a local node serving the bundled model."
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._spawners: dict[str, functools.partial] = {}
+        self._restarts: dict[str, deque] = {}
 
     def add_arguments(self, parser):
         parser.add_argument("--host", default="127.0.0.1", help="address daphne listens on (127.0.0.1)")
@@ -113,10 +124,12 @@ class Command(BaseCommand):
             if options["transcribe"]:
                 commands["node"] += ["--transcribe", options["transcribe"]]
         children, quiet = {}, _quiet_env()
+        self._spawners = {}
         for name, argv in commands.items():
             # Own process groups: Ctrl-C reaches `up`, which stops each child in order.
-            children[name] = subprocess.Popen(argv, env={**env, **quiet.get(name, {})}, cwd=settings.BASE_DIR,
-                                              start_new_session=True)
+            self._spawners[name] = functools.partial(subprocess.Popen, argv, env={**env, **quiet.get(name, {})},
+                                                     cwd=settings.BASE_DIR, start_new_session=True)
+            children[name] = self._spawners[name]()
             if name == "daphne":
                 self._wait_listening(children[name], options["host"], options["port"])
                 # what `fleet_token` prints for nodes to dial (nodes.services.fleet_token_head_address)
@@ -149,11 +162,24 @@ class Command(BaseCommand):
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
         while not stop["now"]:
-            for name, proc in children.items():
-                code = proc.poll()
-                if code is not None:
-                    raise CommandError(f"{name} exited with status {code}; stopping the fleet", returncode=1)
+            self._check(children)
             time.sleep(0.5)
+
+    def _check(self, children: dict[str, subprocess.Popen]) -> None:
+        """A child that exited: the Celery worker (with beat) is started again, at most RESTARTS_PER_MINUTE times a
+        minute (it died of a broker outage once, taking batches and maintenance with it); any other stops the fleet."""
+        for name, proc in list(children.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            now, restarts = time.monotonic(), self._restarts.setdefault(name, deque())
+            while restarts and now - restarts[0] > 60:
+                restarts.popleft()
+            if name not in RESTARTED or len(restarts) >= RESTARTS_PER_MINUTE:
+                raise CommandError(f"{name} exited with status {code}; stopping the fleet", returncode=1)
+            restarts.append(now)
+            self.stderr.write(f"  {name} exited with status {code}; starting it again\n")
+            children[name] = self._spawners[name]()
 
     def _stop(self, children):
         self._stop_head(children.get("daphne"))
