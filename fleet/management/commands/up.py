@@ -25,7 +25,6 @@ from fleet.discovery import Announcer
 from nodes.link.handshake import LOCAL_TOKEN_ID, format_token, make_secret
 from nodes.services import head_served_address_path
 
-
 RESTARTED = {"celery"}  # the children `up` starts again when they exit; any other that exits stops the fleet
 RESTARTS_PER_MINUTE = 5
 
