@@ -75,8 +75,7 @@ class Run:
         self._calls: Any = PENDING
         self._shutdown = registry().shutdown
         self._shutdown.track(self)  # a head that stops sees it to its end, and its record written
-        if request.api_key is not None:
-            revocation.watch(self._shutdown)  # a key that stops ends its running generations (api.revocation)
+        self._watched = request.api_key is None
 
     @property
     def text(self) -> str:
@@ -88,6 +87,9 @@ class Run:
 
     async def next_event(self, timeout: float | None = None) -> Any:
         """The next Started / Tokens / Finished; PENDING after `timeout` s; None once over. Raises OpenAIError."""
+        if not self._watched:  # on the loop that runs it (a sync view makes its Run before there is one)
+            self._watched = True
+            revocation.watch(self._shutdown)  # a key that stops ends its running generations (api.revocation)
         # The dispatcher's step runs in a task made here, so its log lines carry the generation's id too.
         with generation_context(self.request.gen_id):
             return await self._next_event(timeout)
