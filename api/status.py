@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleet.dispatch import queue_length
 from fleet.links import registry
 from nodes.models import Node
 from nodes.selectors import node_beats, node_figures
@@ -37,5 +36,5 @@ def fleet_status() -> dict[str, Any]:
         "lanes_total": sum(n["lanes"] for n in nodes),
         "lanes_busy": sum(n["lanes_busy"] for n in nodes),
         "lanes_free": sum(n["lanes_free"] for n in nodes),
-        "queue_length": queue_length(),
+        "queue_length": len(registry().waiting),
     }

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,9 +40,6 @@ LINK_CHECK_S = 5.0
 # it also looks again this often, in case a wake was lost with a Redis connection.
 WAKE_CHECK_S = 5.0
 LOADING_CHECK_S = 1.0
-# A key over its bound on waiting generations is told to come back when the lanes, at the rate they took waiting
-# generations over this window, would have served those ahead of it (this long when none was placed in it).
-DRAIN_WINDOW_S = 60
 # Which node errors are placed again elsewhere: nodes.link.codes.retried_elsewhere (the request's faults never; the
 # node's before the first token; after it only a lost node). At most MAX_ATTEMPTS placements, so a request that
 # crashes every engine it reaches (llama.cpp aborts on some inputs) still ends with a clear error.
@@ -131,26 +127,6 @@ class Outcome:
     trace_id: str = ""  # its OpenTelemetry trace (fleet.tracing), when tracing is on
 
 
-class _Waiters:
-    """Generations waiting for a lane in this process, so that the next free lane of a model goes to the first in
-    the waiting room's order (fleet.waiting: priority class, batch lines last; keys in turn; deadline within a key).
-    The order itself, and the waking, is the registry's LaneSignal; these entries are what the counts report."""
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[str, Waiter]] = []  # (model, waiter)
-
-    def ahead_of(self, model: str, waiter: Waiter) -> int:
-        return registry().lanes.ahead(model, waiter)
-
-    def interactive(self, model: str) -> int:
-        return registry().lanes.above(model, RANKS[BATCH])
-
-    def of_key(self, key: str) -> int:
-        """This key's interactive generations waiting here, every model's."""
-        return sum(1 for _, w in self.entries if w.key == key and w.rank != RANKS[BATCH])
-
-
-_waiters = _Waiters()
 # Generations of this process placed and not yet over, per (model, batch): batch lines keep to their share of a
 # model's lanes while interactive ones run or wait.
 _running: dict[tuple[str, bool], int] = {}
@@ -160,47 +136,6 @@ _running: dict[tuple[str, bool], int] = {}
 # and what the share rule counts. A preempted one continues later from the tokens it has, token for token as if never
 # stopped.
 _preemptible: dict[str, set[GenerationStream]] = {}
-# When this process's waiting generations took a lane, per model (monotonic s): the queue's drain rate.
-_drained: dict[str, deque[float]] = {}
-
-
-def queue_length() -> int:
-    return len(_waiters.entries)
-
-
-def waiting_by_model() -> dict[str, int]:
-    """This process's generations waiting for a lane, per model (the live fleet page sums every process's)."""
-    counts: dict[str, int] = {}
-    for model, _ in _waiters.entries:
-        counts[model] = counts.get(model, 0) + 1
-    return counts
-
-
-def waiting_by_class() -> dict[str, dict[str, int]]:
-    """This process's waiting generations per priority class and per API key (by its prefix)."""
-    counts: dict[str, dict[str, int]] = {"priority": {}, "key": {}}
-    for _, w in _waiters.entries:
-        counts["priority"][w.priority] = counts["priority"].get(w.priority, 0) + 1
-        if w.label:
-            counts["key"][w.label] = counts["key"].get(w.label, 0) + 1
-    return counts
-
-
-def _drain_note(model: str) -> None:
-    times = _drained.setdefault(model, deque(maxlen=4096))
-    times.append(time.monotonic())
-
-
-def retry_after_s(model: str, ahead: int) -> int:
-    """Seconds until the lanes, at the rate they took this process's waiting generations of `model` over the last
-    DRAIN_WINDOW_S, would have served `ahead` more (DRAIN_WINDOW_S when they took fewer than two)."""
-    times, now = _drained.get(model, deque()), time.monotonic()
-    while times and now - times[0] > DRAIN_WINDOW_S:
-        times.popleft()
-    if len(times) < 2:
-        return DRAIN_WINDOW_S
-    rate = len(times) / max(now - times[0], 1e-3)
-    return min(max(math.ceil((ahead + 1) / rate), 1), 10 * DRAIN_WINDOW_S)
 
 
 class GenerationStream:
@@ -327,8 +262,7 @@ class GenerationStream:
         reg = registry()
         model = self.spec.model
         key = self._waiter()
-        entry = (model, key)
-        _waiters.entries.append(entry)
+        entry = reg.waiting.join(model, key)
         reg.lanes.join(model, key)
         if self._queued is None:
             self._queued = {"priority": key.priority, "position": reg.lanes.ahead(model, key), "at": time.time()}
@@ -362,10 +296,8 @@ class GenerationStream:
                 await reg.lanes.wait(key, min(left, LOADING_CHECK_S if self._loading else WAKE_CHECK_S))
         finally:
             self._waiting = None
-            _waiters.entries.remove(entry)
+            reg.waiting.leave(entry, placed=placed)
             reg.lanes.leave(model, key, placed=placed)
-            if placed:
-                _drain_note(model)
             reg.lanes.notify()
             fleet_changed()  # placed (a lane taken), or gone from the queue
 
@@ -373,9 +305,9 @@ class GenerationStream:
         """A 429 when this generation, which found no lane, would put its key over its bound on waiting ones (batch
         lines are bounded by their batch's concurrency instead)."""
         bound = self.share.max_waiting
-        if self.batch or not bound or _waiters.of_key(key.key) <= bound:
+        if self.batch or not bound or reg.waiting.of_key(key.key) <= bound:
             return
-        wait = retry_after_s(self.spec.model, reg.lanes.ahead(self.spec.model, key))
+        wait = reg.waiting.retry_after_s(self.spec.model, reg.lanes.ahead(self.spec.model, key))
         raise GenerationError("too_many_waiting", f"This API key already has {bound} generations waiting for a lane "
                               f"of {self.spec.model!r} (its bound); retry in {wait} s, when the lanes will have "
                               "served those ahead of it at their current rate.", status=429, retry_after=wait,
@@ -406,7 +338,7 @@ class GenerationStream:
         except GenerationError:  # refused by the snapshot: look again (an adapter may have just loaded)
             nodes = await reg.aplacement.nodes(fresh=True)
             unable = self._unable(nodes)
-        ahead = _waiters.ahead_of(model, self._waiter())
+        ahead = reg.lanes.ahead(model, self._waiter())
         # placed only on nodes this process holds a link to (a node behind NAT may reach only some head processes)
         linked = set(reg.links)
         free = sum(s.free for s in nodes if model in s.models and s.schedulable and s.node_id in linked)
@@ -513,7 +445,7 @@ class GenerationStream:
         """A batch line may take any free lane while no interactive generation of its model waits here, else only
         while batch lines hold fewer than FLEET_BATCH_SHARE of the model's lanes (one at least)."""
         model = self.spec.model
-        if not self.batch or not _waiters.interactive(model):
+        if not self.batch or not registry().lanes.above(model, RANKS[BATCH]):
             return True
         lanes = sum(s.lanes for s in nodes if model in s.models)
         return _running.get((model, True), 0) < max(1, int(lanes * settings.FLEET_BATCH_SHARE))

@@ -20,7 +20,7 @@ from django.conf import settings
 from fleet.loading_state import LoadingState
 from fleet.shutdown import Shutdown
 from fleet.timers import wait_for_future
-from fleet.waiting import ModelQueue, Waiter
+from fleet.waiting import ModelQueue, Waiter, WaitingRoom
 from nodes.link.lifecycle import PlacementLifecycle, aio
 from nodes.link.placement import PlacementState
 
@@ -170,8 +170,8 @@ class LaneSignal:
 
 
 class Registry:
-    """Process-wide: links by node id, relays by generation id, the placement state, the lane signal, what
-    on-demand loading remembers and the process's drain."""
+    """Process-wide: links by node id, relays by generation id, the placement state, the lane signal, the waiting
+    room's counts, what on-demand loading remembers and the process's drain."""
 
     def __init__(self) -> None:
         self.links: dict[str, LinkHandle] = {}
@@ -187,6 +187,7 @@ class Registry:
         self.lanes = LaneSignal(lambda model: self.aplacement.free_lanes(model),
                                 listen=getattr(self.aplacement, "listen", None),
                                 fair=settings.FLEET_WAITING_ORDER == "fair")
+        self.waiting = WaitingRoom()  # who waits here for a lane, and how fast waiting ones took lanes
         self.loading = LoadingState()  # on-demand models: this process's placements and queue waits (fleet.loading)
         self.shutdown = Shutdown()  # draining on SIGTERM: no new work, the running generations seen to their end
 

@@ -21,6 +21,7 @@ import uuid
 
 from channels.layers import get_channel_layer
 
+from fleet.links import registry
 from fleet.names import fleet_page_group
 
 log = logging.getLogger("fleet")
@@ -33,10 +34,9 @@ PROCESS_ID = uuid.uuid4().hex[:12]
 
 
 def changed_event() -> dict:
-    from fleet.dispatch import waiting_by_class, waiting_by_model
-
-    return {"type": "fleet.changed", "process": PROCESS_ID, "waiting": waiting_by_model(),
-            "classes": waiting_by_class()}
+    waiting = registry().waiting
+    return {"type": "fleet.changed", "process": PROCESS_ID, "waiting": waiting.by_model(),
+            "classes": waiting.by_class()}
 
 
 class _Pusher:

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import redis
 from django.conf import settings
 
+from fleet.links import registry
+
 log = logging.getLogger("fleet")
 
 Totals = dict[str, dict[str, float]]
@@ -41,15 +43,11 @@ def merge(into: Totals, deltas: Totals) -> None:
 
 
 def local_waiting() -> dict[str, int]:
-    from fleet.dispatch import waiting_by_model
-
-    return waiting_by_model()
+    return registry().waiting.by_model()
 
 
 def local_waiting_classes() -> dict[str, dict[str, int]]:
-    from fleet.dispatch import waiting_by_class
-
-    return waiting_by_class()
+    return registry().waiting.by_class()
 
 
 def _class_fields(classes: dict[str, dict[str, int]]) -> dict[str, int]:

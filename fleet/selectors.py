@@ -57,13 +57,11 @@ def fleet_overview() -> dict:
     )
     by_status = dict(recent.values_list("status").annotate(n=Count("id")).values_list("status", "n"))
     serving = [row for row in rows if row.node.state != Node.State.OFFLINE]
-    from fleet.dispatch import queue_length
-
     return {
         "nodes": rows,
         "models": _models_served(serving),
         "last_hour": {**totals, "by_status": by_status},
-        "queue_length": queue_length(),
+        "queue_length": len(registry().waiting),
         "lanes_total": sum(row.figures.lanes or 0 for row in serving),
         "lanes_busy": sum(row.figures.lanes_busy or 0 for row in serving),
     }

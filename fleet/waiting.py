@@ -17,6 +17,9 @@ process, not across processes.
 from __future__ import annotations
 
 import bisect
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PRIORITIES = ("high", "normal", "low")  # best first; an API key's field and a request's `priority`
@@ -124,3 +127,63 @@ class ModelQueue:
 def _step(w: Waiter) -> float:
     """The virtual time one generation of its key takes: a key of weight 2 moves half as fast (twice the turns)."""
     return 1 / max(w.weight, 1)
+
+
+DRAIN_WINDOW_S = 60  # the rate at which waiting generations took lanes is measured over this many seconds
+
+
+class WaitingRoom:
+    """Who waits in this process, for the counts (the live page, /metrics, /api/status, a key's bound), and when
+    waiting generations took a lane (the drain rate a Retry-After is told from). The order and the waking are the
+    registry's LaneSignal (fleet.links); one WaitingRoom a process, on its registry."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.entries: list[tuple[str, Waiter]] = []  # (model, waiter), in arrival order
+        self._drained: dict[str, list[float]] = {}
+        self._clock = clock
+
+    def join(self, model: str, waiter: Waiter) -> tuple[str, Waiter]:
+        entry = (model, waiter)
+        self.entries.append(entry)
+        return entry
+
+    def leave(self, entry: tuple[str, Waiter], *, placed: bool) -> None:
+        self.entries.remove(entry)
+        if placed:
+            times = self._drained.setdefault(entry[0], [])
+            times.append(self._clock())
+            del times[:-4096]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def of_key(self, key: str) -> int:
+        """This key's interactive generations waiting here, every model's."""
+        return sum(1 for _, w in self.entries if w.key == key and w.rank != RANKS[BATCH])
+
+    def by_model(self) -> dict[str, int]:
+        """This process's generations waiting for a lane, per model (the live fleet page sums every process's)."""
+        counts: dict[str, int] = {}
+        for model, _ in self.entries:
+            counts[model] = counts.get(model, 0) + 1
+        return counts
+
+    def by_class(self) -> dict[str, dict[str, int]]:
+        """This process's waiting generations per priority class and per API key (by its prefix)."""
+        counts: dict[str, dict[str, int]] = {"priority": {}, "key": {}}
+        for _, w in self.entries:
+            counts["priority"][w.priority] = counts["priority"].get(w.priority, 0) + 1
+            if w.label:
+                counts["key"][w.label] = counts["key"].get(w.label, 0) + 1
+        return counts
+
+    def retry_after_s(self, model: str, ahead: int) -> int:
+        """Seconds until the lanes, at the rate they took this process's waiting generations of `model` over the
+        last DRAIN_WINDOW_S, would have served `ahead` more (DRAIN_WINDOW_S when they took fewer than two)."""
+        now = self._clock()
+        times = [t for t in self._drained.get(model, ()) if now - t <= DRAIN_WINDOW_S]
+        self._drained[model] = times
+        if len(times) < 2:
+            return DRAIN_WINDOW_S
+        rate = len(times) / max(now - times[0], 1e-3)
+        return min(max(math.ceil((ahead + 1) / rate), 1), 10 * DRAIN_WINDOW_S)

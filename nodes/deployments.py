@@ -11,9 +11,9 @@ import re
 
 from django.db import transaction
 
-from fleet.names import node_group
 from nodes.link.codes import ModelPhase
 from nodes.models import Deployment, Model, Node, NodeModel
+from nodes.tell import tell_nodes
 
 MAX_LANES = 256
 MAX_CONTEXT = 1 << 20
@@ -149,16 +149,6 @@ def node_models_set(*, node_id, names: list[str], lanes: int | None = None, capa
     changed: dict = {"models_served": names, **({} if lanes is None else {"lanes": lanes}),
                      **({} if capabilities is None else {"capabilities": capabilities})}
     Node.objects.filter(pk=node_id).update(**changed)
-
-
-def tell_nodes(node_ids: list[str]) -> None:
-    """Have each node's link consumer, in whichever head process holds it, send the node its deployments again."""
-    from asgiref.sync import async_to_sync
-    from channels.layers import get_channel_layer
-
-    layer = get_channel_layer()
-    for node_id in node_ids if layer is not None else []:
-        async_to_sync(layer.group_send)(node_group(node_id), {"type": "node.deploy"})
 
 
 def deployments_changed() -> None:

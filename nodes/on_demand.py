@@ -26,11 +26,11 @@ from django.db.models import Q
 
 from fleet.names import liveness_key
 from nodes.agent.window import KV_SHARE
-from nodes.deployments import tell_nodes
 from nodes.link.codes import ModelPhase
 from nodes.link.device import DeviceReport
 from nodes.models import Deployment, LinkEvent, Model, Node, NodeModel
 from nodes.services import link_event_record
+from nodes.tell import tell_nodes
 
 PENDING = (ModelPhase.PULLING, ModelPhase.LOADING)
 UNHEARD = "has sent no heartbeat yet"

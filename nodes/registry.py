@@ -27,6 +27,7 @@ from django.db import IntegrityError, transaction
 from nodes.agent.gguf_info import GgufError, read_gguf
 from nodes.agent.pull import sha256_of
 from nodes.agent.vocab import tokenizer_fingerprint
+from nodes.blobs import blob_dir, blob_path
 from nodes.link.messages import PullGrant
 from nodes.models import Model
 
@@ -55,14 +56,6 @@ class UploadOffset(RegistryError):
 
 class GrantRefused(Exception):
     """A pull whose grant is missing, forged, expired, or for another file."""
-
-
-def blob_dir() -> Path:
-    return Path(settings.FLEET_HOME) / "blobs"
-
-
-def blob_path(sha256: str) -> Path:
-    return blob_dir() / sha256
 
 
 def _uploads() -> Path:

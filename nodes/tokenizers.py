@@ -24,8 +24,8 @@ from cachetools import TTLCache
 from django.conf import settings
 
 from nodes.agent.vocab import BUILTINS, BYTES, Builtin, Vocab, VocabError, tokenizer_fingerprint, vocab_gguf
+from nodes.blobs import blob_path
 from nodes.models import Model
-from nodes.registry import blob_path
 
 log = logging.getLogger("fleet")
 

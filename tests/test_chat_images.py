@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
+from nodes.blobs import blob_path
 from nodes.link.prefix import prefix_keys
-from nodes.registry import blob_path
 from tests.api_support import FakeLink, Script, add_fake_node, request
 from tests.vision_projector import png
 

@@ -16,9 +16,10 @@ from api.batches import file_purge
 from api.constraints import apply_constraints
 from api.models import Batch, BatchFile
 from fleet.display import when_text
+from nodes.blobs import blob_path
 from nodes.link.spec import GenerateSpec
 from nodes.models import Model
-from nodes.registry import blob_path, media_put
+from nodes.registry import media_put
 from nodes.tasks import media_purge_task
 from sessions.admin import GrammarHandleAdmin, InferenceSessionAdmin
 from sessions.models import Generation, GrammarHandle, InferenceSession, LogitBiasHandle, Message

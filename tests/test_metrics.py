@@ -164,9 +164,9 @@ def test_live_gauges_come_from_placement_heartbeats_and_the_node_rows(scraper):
 
 
 def test_waiting_generations_are_counted_per_model(scraper, monkeypatch):
-    from fleet import dispatch
+    from fleet.links import registry
 
-    monkeypatch.setattr(dispatch._waiters, "entries", [("m", Waiter("g1", RANKS["normal"], 1.0)),
+    monkeypatch.setattr(registry().waiting, "entries", [("m", Waiter("g1", RANKS["normal"], 1.0)),
                                                            ("m", Waiter("g2", RANKS["batch"], 2.0)),
                                                            ("other", Waiter("g3", RANKS["normal"], 1.0))])
     got = scraper()
@@ -175,9 +175,9 @@ def test_waiting_generations_are_counted_per_model(scraper, monkeypatch):
 
 
 def test_waiting_generations_are_counted_per_priority_and_per_key(scraper, monkeypatch):
-    from fleet import dispatch
+    from fleet.links import registry
 
-    monkeypatch.setattr(dispatch._waiters, "entries", [
+    monkeypatch.setattr(registry().waiting, "entries", [
         ("m", Waiter("g1", RANKS["high"], 1.0, "k1", label="fk-one")),
         ("m", Waiter("g2", RANKS["normal"], 2.0, "k2", label="fk-two")),
         ("other", Waiter("g3", RANKS["normal"], 1.0, "k2", label="fk-two"))])

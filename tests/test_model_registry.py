@@ -14,6 +14,7 @@ from rest_framework.test import APIClient
 
 from nodes import registry
 from nodes.agent.engine.local import bundled_model_path
+from nodes.blobs import blob_dir
 from nodes.models import Model
 from tests.factories import UserFactory
 
@@ -189,7 +190,7 @@ async def test_the_blob_is_served_in_ranges_to_a_grant_in_a_header_only():
     assert tail.status_code == 206 and len(await read(tail)) == 10
     beyond = await client.get(url, headers={**auth, "Range": f"bytes={model.size}-"})
     assert beyond.status_code == 416 and beyond["Content-Range"] == f"bytes */{model.size}"
-    await sync_to_async(shutil.rmtree)(registry.blob_dir())
+    await sync_to_async(shutil.rmtree)(blob_dir())
     assert (await client.get(url, headers=auth)).status_code == 404
 
 

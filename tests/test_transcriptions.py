@@ -12,7 +12,7 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import Client
 
-from nodes.registry import blob_path
+from nodes.blobs import blob_path
 from tests.api_support import FakeLink, Script, add_fake_node, request
 from tests.factories import UserFactory
 from tests.speech import write_wav

@@ -134,12 +134,12 @@ def ask(content: str, bearer: str, **extra):
 async def queued(content: str, bearer: str, **extra):
     """Ask, and return once the request waits in the waiting room (its key verified, its body parsed): the next
     one asked joins after it."""
-    from fleet.dispatch import queue_length
+    from fleet.links import registry
 
-    before = queue_length()
+    before = len(registry().waiting)
     exchange = await ask(content, bearer, **extra)
     for _ in range(500):
-        if queue_length() > before:
+        if len(registry().waiting) > before:
             return exchange
         await asyncio.sleep(0.01)
     raise AssertionError(f"{content!r} never joined the waiting room")
@@ -372,16 +372,27 @@ def staff_client_page(client):
     return client
 
 
-def test_retry_after_is_the_time_the_lanes_take_to_serve_those_ahead_at_their_drain_rate(monkeypatch):
-    from fleet import dispatch
+def placed_at(room, model: str, times: list[float], clock: list[float]) -> None:
+    """Waiting generations of `model` that took a lane at these times (the room's clock set to each)."""
+    for i, at in enumerate(times):
+        clock[0] = at
+        room.leave(room.join(model, Waiter(f"g{i}", RANKS["normal"], 1.0)), placed=True)
 
-    now = 1000.0
-    monkeypatch.setattr(dispatch.time, "monotonic", lambda: now)
-    monkeypatch.setattr(dispatch, "_drained", {"m": dispatch.deque([now - 10 + i * 0.5 for i in range(20)])})
-    assert dispatch.retry_after_s("m", 19) == 10  # 20 placed over the last 10 s: 2 a second; 20 to serve
-    assert dispatch.retry_after_s("m", 0) == 1
-    monkeypatch.setattr(dispatch, "_drained", {"m": dispatch.deque([now - 90.0, now - 61.0])})
-    assert dispatch.retry_after_s("m", 5) == dispatch.DRAIN_WINDOW_S  # nothing placed in the last minute
+
+def test_retry_after_is_the_time_the_lanes_take_to_serve_those_ahead_at_their_drain_rate():
+    from fleet.waiting import DRAIN_WINDOW_S, WaitingRoom
+
+    now, clock = 1000.0, [0.0]
+    room = WaitingRoom(clock=lambda: clock[0])
+    placed_at(room, "m", [now - 10 + i * 0.5 for i in range(20)], clock)
+    clock[0] = now
+    assert room.retry_after_s("m", 19) == 10  # 20 placed over the last 10 s: 2 a second; 20 to serve
+    assert room.retry_after_s("m", 0) == 1
+    placed_at(room, "old", [now - 90.0, now - 61.0], clock)
+    clock[0] = now
+    assert room.retry_after_s("old", 5) == DRAIN_WINDOW_S  # nothing placed in the last minute
+    room.leave(room.join("m", Waiter("unplaced", RANKS["normal"], 1.0)), placed=False)  # left without a lane
+    assert room.retry_after_s("m", 19) == 10 and len(room) == 0
 
 
 @pytest.mark.django_db(transaction=True)
@@ -389,7 +400,7 @@ async def test_on_the_websocket_the_bound_and_the_cap_are_error_frames(api_user)
     from channels.routing import URLRouter
     from channels.testing import WebsocketCommunicator
 
-    from fleet.dispatch import queue_length
+    from fleet.links import registry
     from fleet.routing import websocket_urlpatterns
 
     key = await asyncio.to_thread(key_of, api_user, "socket", max_waiting=1)
@@ -407,8 +418,12 @@ async def test_on_the_websocket_the_bound_and_the_cap_are_error_frames(api_user)
     for cid in ("blocker", "waiting"):
         await comm.send_json_to(generate(cid))
     await settle(link, 1)
-    while queue_length() < 1:
+    for _ in range(500):
+        if len(registry().waiting) >= 1:
+            break
         await asyncio.sleep(0.01)
+    else:
+        raise AssertionError(f"'waiting' never joined the waiting room; the node got {contents(link)}")
     await comm.send_json_to(generate("over"))
     over = await comm.receive_json_from(timeout=5)
     while over["id"] != "over":  # the blocker's token frame

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import struct
 import threading
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -108,13 +110,19 @@ class Builtin:
         self.fingerprint, self.tokenize = fingerprint, tokenize
 
 
-def _mock_tokenize(text: str) -> list[int]:
-    from nodes.agent.engine.mock import mock_tokenize
-
-    return mock_tokenize(text)
+MOCK_PIECE = re.compile(r"\s*\S+|\s+")  # the mock engine's pieces: each word with its leading white space
 
 
-BUILTINS = {MOCK: Builtin(MOCK, _mock_tokenize), BYTES: Builtin(BYTES, lambda text: list(text.encode()))}
+def mock_token_id(piece: str) -> int:
+    return zlib.crc32(piece.encode()) % 1_000_000 + 1  # 0 is the end-of-generation token
+
+
+def mock_tokenize(text: str) -> list[int]:
+    """The mock engine's tokenizer (word pieces, each with its leading spaces): the head keys prompts with it too."""
+    return [mock_token_id(piece) for piece in MOCK_PIECE.findall(text)]
+
+
+BUILTINS = {MOCK: Builtin(MOCK, mock_tokenize), BYTES: Builtin(BYTES, lambda text: list(text.encode()))}
 
 
 def tokenizer_of(info: dict[str, Any]) -> Builtin | Vocab:

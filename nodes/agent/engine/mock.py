@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import time
 import zlib
 from dataclasses import dataclass, field, fields
@@ -24,13 +23,12 @@ from nodes.agent.engine.base import (
 )
 from nodes.agent.engine.runs import Run
 from nodes.agent.engine.scheduler import Lane, LaneEngine, Sample, Work
-from nodes.agent.vocab import MOCK
+from nodes.agent.vocab import MOCK, MOCK_PIECE, mock_token_id
 from nodes.link.codes import ErrorCode
 from nodes.link.device import DeviceReport
 from nodes.link.spec import GenerateSpec
 
 EOG_ID = 0
-_TOKEN_RE = re.compile(r"\s*\S+|\s+")
 DEFAULT_WORDS = [
     "the",
     "fleet",
@@ -74,15 +72,6 @@ class MockParams:
         if unknown:
             raise ValueError(f"unknown mock engine parameters: {', '.join(sorted(unknown))}")
         return cls(**data)
-
-
-def mock_token_id(piece: str) -> int:
-    return zlib.crc32(piece.encode()) % 1_000_000 + 1  # 0 is the end-of-generation token
-
-
-def mock_tokenize(text: str) -> list[int]:
-    """The mock engine's tokenizer (word pieces, each with its leading spaces): the head keys prompts with it too."""
-    return [mock_token_id(piece) for piece in _TOKEN_RE.findall(text)]
 
 
 class MockEngine(LaneEngine):
@@ -136,7 +125,7 @@ class MockEngine(LaneEngine):
 
     def tokenize(self, text: str) -> list[int]:
         ids = []
-        for piece in _TOKEN_RE.findall(text):
+        for piece in MOCK_PIECE.findall(text):
             token_id = mock_token_id(piece)
             self._pieces[token_id] = piece
             ids.append(token_id)
