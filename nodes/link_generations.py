@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from cachetools import TTLCache
 
@@ -26,13 +26,7 @@ from nodes.link.messages import (
     StateResult,
     TokenBatch,
 )
-
-
-class LinkedNode(Protocol):
-    """The node these generations run on, as its link session knows it (nodes.link_session.LinkSession)."""
-
-    node_id: str
-    identity: str
+from nodes.link_transport import LinkedNode
 
 
 class LinkGenerations:

@@ -16,20 +16,18 @@ import logging
 import time
 from collections import deque
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any
 
 from channels.db import database_sync_to_async
 from django.conf import settings
 from django.core.cache import cache
 from django.db import IntegrityError
-from redis.exceptions import RedisError
 
 from fleet import heads, metrics
 from fleet.links import registry
 from fleet.live import fleet_changed
 from fleet.names import liveness_key, node_group, token_group
-from nodes import preparing, services
-from nodes import registry as model_registry
+from nodes import link_answers, preparing, services
 from nodes.handshakes import LinkHandshake
 from nodes.link.channel import SecureChannel
 from nodes.link.codes import CloseCode
@@ -42,7 +40,6 @@ from nodes.link.messages import (
     Heads,
     Heartbeat,
     LinkError,
-    Message,
     Models,
     ModelState,
     Preparing,
@@ -52,19 +49,19 @@ from nodes.link.messages import (
     TokenizerFile,
 )
 from nodes.link.placement import NodeSlot
-from nodes.link_checks import heartbeat_problem, register_problem, text_problem
+from nodes.link_checks import heartbeat_problem, register_problem
 from nodes.link_deploy import LinkDeploy
+from nodes.link_down import REDIS_AWAY, node_down
 from nodes.link_generations import LinkGenerations
 from nodes.link_tokenizers import LinkTokenizers
+from nodes.link_transport import LinkTransport
+from nodes.link_watchdog import LinkWatchdog
 from nodes.models import LinkEvent
 from sessions import cuts
 
 log = logging.getLogger("fleet")
 
-REVOCATION_CHECK_S = 1
 TOUCH_EVERY_S = 30
-NODE_DOWN_RETRY_FIRST_S, NODE_DOWN_RETRY_MAX_S = 1.0, 30.0
-REDIS_AWAY = (RedisError, OSError)  # Redis unreachable: placement and the channel layer raise these
 TOKENS_HISTORY_S = 600  # the fleet page's tokens/s chart: this much of each node's heartbeats, kept with them
 
 
@@ -73,30 +70,6 @@ class Stage(StrEnum):
     PROOF = "proof"  # frame 3 due
     OPEN = "open"  # the channel is open: a register, check, pull or preparing is due
     JOINED = "joined"  # registered: the node serves
-
-
-class LinkTransport(Protocol):
-    """What a session needs of its link's transport (nodes.consumers.NodeLinkConsumer)."""
-
-    peer: str | None
-    scope: dict
-    channel_layer: Any
-
-    async def send_sealed(self, msg: Message) -> None: ...
-
-    async def send_frame(self, frame: bytes) -> None: ...
-
-    async def close(self, code: int | None = None, reason: str | None = None) -> None: ...
-
-    async def refuse(self, code: int, reason: str) -> None: ...
-
-    async def join(self, group: str) -> None: ...
-
-    async def leave(self, group: str) -> None: ...
-
-    def quiet_s(self) -> float: ...
-
-    def budget_lanes(self, lanes: int) -> None: ...
 
 
 class LinkSession:
@@ -116,7 +89,7 @@ class LinkSession:
         self.tokens_history: deque = deque(maxlen=TOKENS_HISTORY_S // max(settings.FLEET_HEARTBEAT_S, 1) + 1)
         self.last_touch = 0.0
         self.said_bye = False
-        self.watchdog: asyncio.Task | None = None
+        self.watchdog = LinkWatchdog(self, self.handshake, link)
 
     @property
     def stage(self) -> Stage:
@@ -131,7 +104,7 @@ class LinkSession:
         return self.handshake.begin()
 
     def watch(self) -> None:
-        self.watchdog = asyncio.ensure_future(self._watch())
+        self.watchdog.start()
 
     async def step(self, frame: bytes) -> SecureChannel | None:
         """A handshake frame; the open channel after the last."""
@@ -234,13 +207,7 @@ class LinkSession:
             registry().lanes.notify()
         now_s = time.time()
         self.tokens_history.append((round(now_s, 1), round(msg.tokens_per_s, 1)))
-        stats = {"lanes_busy": msg.lanes_busy, "lanes": msg.lanes, "kv_used": msg.kv_used, "kv_total": msg.kv_total,
-                 "tokens_per_s": msg.tokens_per_s, "replicas": msg.replicas, "at": now_s,
-                 "prefill_tps": msg.prefill_tps, "decode_slowdown_ms": msg.decode_slowdown_ms,
-                 "history": list(self.tokens_history), "models": self.deploy.fleet_figures(msg.models)}
-        stats.update(memory_free=msg.memory_free, on_demand=msg.on_demand)  # room for on-demand models
-        if msg.device:  # its GPUs' memory now (an older node sends none: the registered report stands)
-            stats["device"] = DeviceReport.from_wire(msg.device).to_wire()
+        stats = _beat_stats(msg, now_s, list(self.tokens_history), self.deploy.fleet_figures(msg.models))
         await database_sync_to_async(cache.set)(liveness_key(self.node_id), stats, settings.FLEET_NODE_TIMEOUT_S)
         await self.deploy.check_idle(stats["models"])
         fleet_changed()
@@ -264,26 +231,11 @@ class LinkSession:
             await self._apply_schedulable()  # every asked-for file is in: the node takes generations
 
     async def on_check(self, msg: Check) -> None:
-        """A node that may join asks whether its key may take its identity: a refusal says no; else the link
-        closes normally."""
-        if problem := text_problem("identity", msg.identity):
-            raise LinkError(f"check: {problem}")
-        await database_sync_to_async(services.node_key_check)(identity=msg.identity,
-                                                              public_key=self.handshake.node_key)
+        await link_answers.key_check(msg, self.handshake.node_key)
         await self.close(code=int(CloseCode.NORMAL))
 
     async def on_pull(self, msg: Pull) -> None:
-        """A node that may join asks where to pull a model from: answer with a grant (or why not), then close."""
-        if problem := text_problem("identity", msg.identity):
-            raise LinkError(f"pull: {problem}")
-        if not msg.model or len(msg.model) > 200 or "\x00" in msg.model:
-            raise LinkError("pull: the model name is empty, too long or holds a NUL character")
-        await database_sync_to_async(services.node_key_check)(identity=msg.identity,
-                                                              public_key=self.handshake.node_key)
-        grant = await database_sync_to_async(model_registry.model_grant)(name=msg.model, identity=msg.identity)
-        log.info("fleet node %r from %s asked to pull %r: %s", msg.identity, self.link.peer, msg.model,
-                 grant.error or f"granted {grant.sha256[:12]}")
-        await self.send(grant)
+        await self.send(await link_answers.pull_grant(msg, self.handshake.node_key, self.link.peer))
         await self.close(code=int(CloseCode.NORMAL))
 
     async def on_preparing(self, msg: Preparing) -> None:
@@ -317,35 +269,11 @@ class LinkSession:
         """Not held by the operator, its engine up, and the head holds each of its tokenizers (to key prompts)."""
         return not self.held and self.engine_ready and not self.tokenizers.due
 
-    # --- the watchdog and the end ---
-    async def _watch(self) -> None:
-        """Close a link that stopped talking (no handshake in time, heartbeats missed) or was revoked elsewhere."""
-        ticks = 0
-        while True:
-            await asyncio.sleep(1.0)
-            ticks += 1
-            if self.node_id and ticks % REVOCATION_CHECK_S == 0 and _layer_is_process_local(self.link.channel_layer):
-                # The in-memory layer cannot carry a revocation made in another process (`manage.py fleet_token
-                # --revoke` on the embedded default), so such a head looks the link's token and key up itself.
-                refusal = await database_sync_to_async(services.link_refusal)(
-                    token=self.handshake.token, public_key=self.handshake.node_key)
-                if refusal is not None:
-                    await self.link.refuse(refusal.code, refusal.reason)
-                    return
-            quiet = self.link.quiet_s()
-            if self.handshake.late():
-                await self.link.refuse(CloseCode.PROTOCOL, "no handshake in time")
-                return
-            if self.handshake.done and quiet > settings.FLEET_NODE_TIMEOUT_S:
-                log.warning("fleet node %r missed its heartbeats for %.0f s", self.identity, quiet)
-                await self.close(code=1001)
-                return
-
+    # --- the end ---
     async def lost(self, code: int) -> None:
         """The link closed: out of placement, the node offline if this was its last link, its generations told."""
         self.handshake.over()
-        if self.watchdog is not None:
-            self.watchdog.cancel()
+        self.watchdog.stop()
         if self.handshake.token is not None and self.handshake.done:
             with contextlib.suppress(*REDIS_AWAY):  # a group's membership expires by itself
                 await self.link.leave(token_group(self.handshake.token.public_id))
@@ -354,7 +282,7 @@ class LinkSession:
         reg = registry()
         if reg.links.get(self.node_id) is self:
             del reg.links[self.node_id]
-            if not await _node_down(reg, self.node_id):  # its last link, fleet-wide
+            if not await node_down(reg, self.node_id):  # its last link, fleet-wide
                 await database_sync_to_async(services.node_mark_offline)(node_id=self.node_id)
             running = len(self.generations.running)
             await database_sync_to_async(services.link_event_record)(
@@ -374,33 +302,13 @@ class LinkSession:
         reg.lanes.notify()
 
 
-def _layer_is_process_local(layer) -> bool:
-    return type(layer).__name__ == "InMemoryChannelLayer"
-
-
-async def _node_down(reg, node_id: str) -> bool:
-    """Take a lost link's node out of this process's placement links; True while another head process still links
-    it. With Redis away (an outage) that failed, and the rest of the link's cleanup with it: the node stayed
-    placeable, generations went nowhere (node_stuck) until a restart. Now the rest goes on, and this is tried again,
-    backing off, until Redis is back (unless the node rejoined meanwhile)."""
-    try:
-        return await reg.aplacement.node_down(node_id, heads.PROCESS_ID)
-    except REDIS_AWAY as exc:
-        log.warning("fleet node %s: placement cannot be told it is gone (%s); again once Redis is back", node_id, exc)
-        asyncio.ensure_future(_node_down_later(reg, node_id))
-        return False  # not known: the node is marked offline, as a lost link's node is
-
-
-async def _node_down_later(reg, node_id: str) -> None:
-    delay = NODE_DOWN_RETRY_FIRST_S
-    while True:
-        await asyncio.sleep(delay)
-        if node_id in reg.links:
-            return  # it rejoined: its new link put it back in placement
-        try:
-            await reg.aplacement.node_down(node_id, heads.PROCESS_ID)
-        except REDIS_AWAY:
-            delay = min(delay * 2, NODE_DOWN_RETRY_MAX_S)
-            continue
-        log.info("fleet node %s: taken out of placement now that Redis is back", node_id)
-        return
+def _beat_stats(msg: Heartbeat, now_s: float, history: list, figures: dict) -> dict:
+    """What the cache keeps of a node's last heartbeat (its liveness; the fleet page's and the API's figures)."""
+    stats = {"lanes_busy": msg.lanes_busy, "lanes": msg.lanes, "kv_used": msg.kv_used, "kv_total": msg.kv_total,
+             "tokens_per_s": msg.tokens_per_s, "replicas": msg.replicas, "at": now_s,
+             "prefill_tps": msg.prefill_tps, "decode_slowdown_ms": msg.decode_slowdown_ms,
+             "history": history, "models": figures}
+    stats.update(memory_free=msg.memory_free, on_demand=msg.on_demand)  # room for on-demand models
+    if msg.device:  # its GPUs' memory now (an older node sends none: the registered report stands)
+        stats["device"] = DeviceReport.from_wire(msg.device).to_wire()
+    return stats
