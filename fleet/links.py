@@ -1,7 +1,7 @@
 """This head process's live node links and waiting generations (the in-process relay).
 
-A node's link consumer registers itself here; a generation placed on a node whose link lives in this
-process sends its frames through the link directly and gets the node's frames back through a bounded
+A node's link session (nodes.link_session) registers itself here; a generation placed on a node whose link lives
+in this process sends its frames through the link directly and gets the node's frames back through a bounded
 in-process queue: no channel layer, no ORM, no re-encoding on the hot path.
 """
 

@@ -11,7 +11,7 @@ from django.core.cache import cache
 
 from fleet.live import fleet_changed
 from nodes import services
-from nodes.link.codes import CloseCode, ModelPhase
+from nodes.link.codes import ModelPhase
 from nodes.link.messages import LinkError, Preparing
 
 PREPARING_KEY = "fleet:nodes-preparing"
@@ -27,19 +27,18 @@ def _problem(msg: Preparing) -> str | None:
     return None if math.isfinite(msg.progress) else "progress must be a number from 0 to 1"
 
 
-async def on_preparing(consumer, msg: Preparing) -> None:
-    """Keep where the node stands (its key checked as a Check's is: no one shows under another node's name), tell
-    the live page, close the link."""
+async def on_preparing(msg: Preparing, *, node_key: str, address: str) -> None:
+    """Keep where the node stands (its key checked as a Check's is: no one shows under another node's name) and tell
+    the live page; its link session closes the link then."""
     from channels.db import database_sync_to_async
 
     if problem := _problem(msg):
         raise LinkError(f"preparing: {problem}")
-    await database_sync_to_async(services.node_key_check)(identity=msg.identity, public_key=consumer.node_key)
+    await database_sync_to_async(services.node_key_check)(identity=msg.identity, public_key=node_key)
     entry = {"model": msg.model, "state": msg.state, "progress": max(0.0, min(msg.progress, 1.0)),
-             "address": consumer.peer or "", "at": time.time()}
+             "address": address, "at": time.time()}
     await _update(lambda entries: {**entries, msg.identity: entry})
     fleet_changed()
-    await consumer.close(code=int(CloseCode.NORMAL))
 
 
 async def node_preparing_forget(identity: str) -> None:

@@ -378,7 +378,7 @@ async def test_a_discovering_node_looks_again_when_every_announced_head_refuses_
 
     config = AgentConfig(head="", token=format_token(LOCAL_TOKEN_ID, make_secret()), home=tmp_path,
                          backoff_start=1.0, backoff_max=16.0)
-    node = NodeAgent(config, FakeEngine(), resolve_head=lambda: ["rogue.local:8000"])
+    node = NodeAgent(config, FakeEngine(), resolve_head=lambda: ["rogue.local:8000"])  # what mDNS found
     tries = []
 
     async def session(link):

@@ -149,11 +149,15 @@ async def test_of_the_heads_announced_the_node_joins_and_pins_the_one_that_prove
         assert keys.pinned_head(tmp_path) == head.key
 
 
-async def test_when_every_announced_head_refuses_before_proving_the_first_refusal_ends_the_node(tmp_path):
+async def test_when_every_announced_head_refuses_before_proving_the_node_looks_again_later(tmp_path, caplog):
+    """Announcers that refuse without proving the token may be no head at all (issue 50 item 11: a rogue one made a
+    discovering node exit for good): the node says so and looks again; the address it was given ends it."""
     async with FakeHead(make_secret(), "refuse") as one, FakeHead(make_secret(), "refuse") as two:
-        with pytest.raises(Refused, match="refused this node's fleet token"):
-            await node(tmp_path, [one.address, two.address]).request_pull("m")
+        assert await node(tmp_path, [one.address, two.address]).request_pull("m") is None
         assert one.frames_3 == two.frames_3 == 1
+        assert "every head found on the local network refused this node" in caplog.text
+        with pytest.raises(Refused, match="refused this node's fleet token"):
+            await node(tmp_path, one.address).request_pull("m")
     assert keys.pinned_head(tmp_path) is None
 
 

@@ -114,7 +114,7 @@ class Steady:
             timings={})))
         done = await self.relay.get(timeout=5)
         assert isinstance(done, Done) and done.seq == self.seq + 1
-        assert self.gen_id not in registry().links[self.node_id].running
+        assert self.gen_id not in registry().links[self.node_id].generations.running
         # A straggler that raced the end is dropped, not refused: the unknown-generation rule spares it.
         await self.comm.send_to(bytes_data=self.channel.seal(
             TokenBatch(gen_id=self.gen_id, seq=self.seq + 2, text=["late"], ids=[0])))

@@ -293,7 +293,7 @@ async def test_releasing_the_binding_lets_a_new_key_join():
 @pytest.fixture
 def no_periodic_check(monkeypatch):
     """Only the channel-layer message may close the link (the embedded head's once-a-second look-up is off)."""
-    monkeypatch.setattr("nodes.consumers.REVOCATION_CHECK_S", 10**6)
+    monkeypatch.setattr("nodes.link_watchdog.REVOCATION_CHECK_S", 10**6)
 
 
 async def test_revoking_a_node_closes_its_link_and_its_key_cannot_rejoin_under_any_identity(no_periodic_check):
@@ -686,9 +686,9 @@ async def test_a_link_lost_while_redis_is_away_is_cleaned_up_and_leaves_placemen
     went nowhere (node_stuck, 504s) until the head restarted."""
     from redis.exceptions import ConnectionError as RedisConnectionError
 
-    from nodes import consumers
+    from nodes import link_down
 
-    monkeypatch.setattr(consumers, "NODE_DOWN_RETRY_FIRST_S", 0.05)
+    monkeypatch.setattr(link_down, "NODE_DOWN_RETRY_FIRST_S", 0.05)
     comm, _ = await joined()
     node_id = next(iter(registry().links))
     placement = registry().aplacement

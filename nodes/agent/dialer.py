@@ -154,6 +154,7 @@ class NodeAgent:
         self.records: dict[str, dict[str, Any]] = {}  # gen_id -> what its head put in its spec for its record
         self.cuts: deque[Cut] = deque(maxlen=MAX_CUTS_HELD)  # ended after their link closed, for the next link
         self.heads: set[str] = set()  # the live heads' link URLs, as a head last said
+        self.discovering = False  # the heads last tried were found by mDNS (not the address given)
         self._loops: dict[str | None, asyncio.Task] = {}
         self._refused: asyncio.Future | None = None
 
@@ -270,7 +271,7 @@ class NodeAgent:
                     break  # this head proved itself and its link ended: find the heads again before redialing
             if self._gives_way(url, link):
                 return
-            self._all_refused(heads, refusals, delay)
+            self._all_refused(heads, refusals, delay, discovered=not url and self.discovering)
             await asyncio.sleep(delay * (0.9 + 0.2 * random.random()))
             delay = min(delay * 2, self.config.backoff_max)
 
@@ -293,6 +294,7 @@ class NodeAgent:
         before it proves the token)."""
         # in a thread: finding the head by mDNS blocks, and zeroconf started on a running loop would wait on it
         found = await asyncio.to_thread(self.resolve_head)
+        self.discovering = not isinstance(found, str)  # found by mDNS, not the address given
         return [found] if isinstance(found, str) else list(found or [])
 
     async def check_join(self) -> None:
@@ -324,17 +326,17 @@ class NodeAgent:
                 refusals.append(exc)
             except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, LinkError, TimeoutError):
                 continue
-        self._all_refused(heads, refusals, self.config.backoff_start)
+        self._all_refused(heads, refusals, self.config.backoff_start, discovered=self.discovering)
         return None
 
-    def _all_refused(self, heads: list[str], refusals: list[Refused], delay: float) -> None:
+    def _all_refused(self, heads: list[str], refusals: list[Refused], delay: float, *, discovered: bool) -> None:
         """Every head tried refused, none proving it holds the token. At the address this node was given that is
-        this node's to fix: the agent stops with the first refusal. Heads found on the local network may be
-        announcers that are no head (a rogue one refused a good token once, and the node exited for good): it says
-        what it saw and looks again, with the backoff."""
+        this node's to fix: the agent stops with the first refusal. Heads found on the local network (`discovered`)
+        may be announcers that are no head (a rogue one refused a good token once, and the node exited for good):
+        it says what it saw and looks again, with the backoff."""
         if not heads or len(refusals) != len(heads):
             return
-        if self.config.head:
+        if not discovered:
             raise refusals[0]
         log.warning("fleet node: every head found on the local network refused this node without proving it holds "
                     "the token (%s: %s); looking again in %.0f s", heads[0], refusals[0], delay)
