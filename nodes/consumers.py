@@ -75,6 +75,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         self.send_lock = asyncio.Lock()
         self.last_frame = time.monotonic()
         self.closing = False
+        self.ended: asyncio.Task | None = None  # the session's end, run once (end(), or daphne's disconnect)
         self.session = LinkSession(self)
         self.router = FrameRouter(self.session)
         if not self.session.begin():
@@ -137,13 +138,28 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
         await database_sync_to_async(services.link_event_record)(
             kind=LinkEvent.Kind.REFUSED, node_id=session.node_id or None, identity=session.identity,
             peer=self.peer or "", code=int(code), detail=reason)
+        self._end_session(int(code))
 
     async def close(self, code: int | None = None, reason: str | None = None) -> None:
         self.closing = True
         await super().close(code=code, reason=reason)
 
+    async def end(self, code: int) -> None:
+        """Close the link and end its session now (a node that stopped heartbeating)."""
+        await self.close(code=code)
+        self._end_session(code)
+
+    def _end_session(self, code: int) -> None:
+        """The head closed this link: its session ends now, in a task of its own (not the watchdog's, which it
+        stops), not when daphne says the socket closed. A node gone without a FIN never answers the close, and its
+        link stayed in placement and /healthz as a zombie until TCP gave up."""
+        if self.ended is None:
+            self.ended = asyncio.ensure_future(self.session.lost(code))
+
     async def disconnect(self, code: int) -> None:
-        await self.session.lost(code)
+        if self.ended is None:
+            self.ended = asyncio.ensure_future(self.session.lost(code))
+        await asyncio.shield(self.ended)
 
     # --- what the session sends and asks through ---
     async def send_sealed(self, msg: Message) -> None:

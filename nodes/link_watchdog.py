@@ -54,7 +54,7 @@ class LinkWatchdog:
                 return
             if self.handshake.done and quiet > settings.FLEET_NODE_TIMEOUT_S:
                 log.warning("fleet node %r missed its heartbeats for %.0f s", self.node.identity, quiet)
-                await self.link.close(code=1001)
+                await self.link.end(1001)
                 return
 
 

@@ -321,6 +321,37 @@ async def test_revoking_a_token_closes_the_links_that_joined_with_it(no_periodic
     await local.disconnect()
 
 
+async def test_a_link_the_head_closes_leaves_the_fleet_at_once_though_the_node_never_answers(no_periodic_check,
+                                                                                          settings):
+    """A token revoked mid-generation, or a node whose heartbeats stopped: the head closed the link, the node never
+    answered the close (gone without a FIN), and no disconnect came. The link stayed in placement and /healthz
+    counted the node. Now its session ends as the head closes it."""
+    token, full = await sync_to_async(fleet_token_create)(name="t")
+    comm, _ = await joined(full, peer="10.0.0.7")
+    node_id = str((await Node.objects.aget(identity="gpu-7")).pk)
+    assert node_id in registry().links
+    await sync_to_async(fleet_token_revoke)(token=token)
+    assert await closed_with(comm) == CloseCode.TOKEN_REVOKED  # and no comm.disconnect(): the node is silent
+    for _ in range(100):
+        if node_id not in registry().links:
+            break
+        await asyncio.sleep(0.02)
+    assert node_id not in registry().links
+    assert not any(slot.node_id == node_id for slot in registry().placement.nodes())
+    assert (await Node.objects.aget(pk=node_id)).state == Node.State.OFFLINE
+    settings.FLEET_NODE_TIMEOUT_S = 1  # the other way the head closes a link: heartbeats missed
+    silent, _ = await joined(register=_register_as("gpu-silent"))
+    silent_id = str((await Node.objects.aget(identity="gpu-silent")).pk)
+    assert await closed_with(silent) == 1001
+    for _ in range(100):
+        if silent_id not in registry().links:
+            break
+        await asyncio.sleep(0.02)
+    assert silent_id not in registry().links
+    await comm.disconnect()  # daphne's disconnect when it comes at last: nothing more to do
+    await silent.disconnect()
+
+
 def _register_as(identity: str) -> Register:
     from dataclasses import replace
 
