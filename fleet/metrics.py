@@ -22,6 +22,7 @@ from typing import Any
 import redis
 from django.conf import settings
 from django.core.cache import cache
+from django.db import DatabaseError
 from django.http import HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -134,7 +135,11 @@ async def _aknown_models() -> frozenset[str]:
             names.update(m for m in served or [] if isinstance(m, str))
         return names
 
-    return frozenset(await registry().aplacement.models()) | frozenset(await sync_to_async(recorded)())
+    served = frozenset(await registry().aplacement.models())
+    try:
+        return served | frozenset(await sync_to_async(recorded)())
+    except DatabaseError:  # the database away: the names the links serve (a stream's end never fails on it)
+        return served | _known["names"]
 
 
 def generation_ended(*, model: str, status: str, code: str, outcome: Any, finished_at: float, api: str = "") -> None:

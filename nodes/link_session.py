@@ -21,7 +21,7 @@ from typing import Any
 from channels.db import database_sync_to_async
 from django.conf import settings
 from django.core.cache import cache
-from django.db import IntegrityError
+from django.db import DatabaseError, IntegrityError
 
 from fleet import heads, metrics
 from fleet.links import registry
@@ -217,7 +217,10 @@ class LinkSession:
         now = time.monotonic()
         if now - self.last_touch > TOUCH_EVERY_S:
             self.last_touch = now
-            await database_sync_to_async(services.node_touch)(node_id=self.node_id)
+            try:
+                await database_sync_to_async(services.node_touch)(node_id=self.node_id)
+            except DatabaseError as exc:  # the database away: a bookkeeping stamp, never the link's end
+                log.warning("fleet node %r: could not mark it seen in the database: %s", self.identity, exc)
 
     async def on_models(self, msg: Models) -> None:
         await self.deploy.on_models(msg)

@@ -9,6 +9,7 @@ import logging
 
 from channels.db import database_sync_to_async
 from django.conf import settings
+from django.db import DatabaseError
 
 from nodes import services
 from nodes.handshakes import LinkHandshake
@@ -43,8 +44,11 @@ class LinkWatchdog:
                     self.link.channel_layer):
                 # The in-memory layer cannot carry a revocation made in another process (`manage.py fleet_token
                 # --revoke` on the embedded default), so such a head looks the link's token and key up itself.
-                refusal = await database_sync_to_async(services.link_refusal)(
-                    token=self.handshake.token, public_key=self.handshake.node_key)
+                try:
+                    refusal = await database_sync_to_async(services.link_refusal)(
+                        token=self.handshake.token, public_key=self.handshake.node_key)
+                except DatabaseError:  # the database away: the link goes on; the look-up is made again next tick
+                    refusal = None
                 if refusal is not None:
                     await self.link.refuse(refusal.code, refusal.reason)
                     return

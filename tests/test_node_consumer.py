@@ -352,6 +352,34 @@ async def test_a_link_the_head_closes_leaves_the_fleet_at_once_though_the_node_n
     await silent.disconnect()
 
 
+async def test_the_database_away_ends_no_link_and_no_streams_metrics(monkeypatch):
+    """Issue 50 item 3's tracebacks: a heartbeat's `node_touch`, the watchdog's revocation look-up and a stream's
+    metrics label each raised the database's error and ended the link or the stream's bookkeeping."""
+    from django.db import OperationalError
+
+    from fleet import metrics
+
+    def away(**kwargs):
+        raise OperationalError("could not connect to server: Connection refused")
+
+    monkeypatch.setattr("nodes.link_watchdog.REVOCATION_CHECK_S", 1)  # looked up every tick, and failing
+    monkeypatch.setattr("nodes.services.node_touch", away)
+    monkeypatch.setattr("nodes.services.link_refusal", away)
+    comm, channel = await joined()
+    await comm.send_to(bytes_data=channel.seal(Heartbeat(lanes_busy=0, lanes=4)))  # its first touch is due
+    assert await comm.receive_nothing(timeout=2.5)  # two watchdog ticks, a heartbeat: the link stays up
+    node_id = str((await Node.objects.aget(identity="gpu-7")).pk)
+    assert node_id in registry().links
+    monkeypatch.setattr(metrics, "_known", {"names": frozenset(), "at": -1e9})
+    class Away:
+        def values_list(self, *args, **kwargs):
+            raise OperationalError("could not connect to server: Connection refused")
+
+    monkeypatch.setattr("nodes.models.Model.objects", Away())  # the registry's read fails
+    assert await metrics.amodel_label("smollm2") == "smollm2"  # the links' own names
+    await comm.disconnect()
+
+
 def _register_as(identity: str) -> Register:
     from dataclasses import replace
 
