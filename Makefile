@@ -63,13 +63,14 @@ run: install
 	$(BIN)/python manage.py up $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
 
 # On a node host (a clone of this repository): install what a node needs (no test tools), then join the head at HEAD.
-#   FLEET_TOKEN=<id>.<secret> make node HEAD=head.example:8000 [MODEL=smollm2] [TOKEN_FILE=path]
+#   FLEET_TOKEN=<id>.<secret> make node HEAD=head.example:8000 [MODEL=smollm2] [TOKEN_FILE=path] [ACCEPT_NEW_HEAD=1]
 # The token goes in the environment or a file (TOKEN=... works too, but `ps` shows a command line to everyone).
+# ACCEPT_NEW_HEAD=1 (node_join --accept-new-head): a host that joined another head before pins this head's key instead.
 MODEL ?= smollm2
 node: $(NODE_STAMP)
 	@test -n "$(HEAD)" || { echo "make node: give the head's address: make node HEAD=host:port" >&2; exit 2; }
 	$(if $(TOKEN),FLEET_TOKEN=$(TOKEN)) $(BIN)/python manage.py node_join $(HEAD) --model $(MODEL) \
-	  $(if $(TOKEN_FILE),--token-file $(TOKEN_FILE))
+	  $(if $(TOKEN_FILE),--token-file $(TOKEN_FILE)) $(if $(filter 1,$(ACCEPT_NEW_HEAD)),--accept-new-head)
 
 lint: install
 	$(BIN)/ruff check .

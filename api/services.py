@@ -1,4 +1,5 @@
-"""Writes for API keys, and the check /v1 and the client websocket make on every request."""
+"""Writes for API keys (and the first admin, who owns the first one), and the check /v1 and the client websocket
+make on every request."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import secrets
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from cachetools import TTLCache
+from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.cache import cache, caches
 from django.core.cache.backends.locmem import LocMemCache
@@ -50,6 +53,41 @@ def api_key_revoke(*, key: ApiKey) -> bool:
     revoked = bool(ApiKey.objects.filter(pk=key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now()))
     api_keys_changed()
     return revoked
+
+
+@dataclass(frozen=True)
+class FirstAdmin:
+    """The first admin user and its API key. `password` and `key` are set only when they were made just now: the
+    database keeps their hashes alone, so a later call can name the admin but show neither."""
+
+    username: str
+    password: str = ""
+    key: str = ""
+
+    @property
+    def created(self) -> bool:
+        return bool(self.password)
+
+
+def first_admin_create(*, username: str = "admin") -> FirstAdmin:
+    """Make the fleet's first admin (a superuser with a random password) and an API key named `first key` for it,
+    with no prompt, when the database has no superuser; else return the earliest superuser's name, making nothing.
+    `manage.py up` and `manage.py first_admin` both call it. A ValueError says why `username` cannot be taken."""
+    users = get_user_model().objects
+    username = username.strip()
+    with transaction.atomic():
+        existing = users.filter(is_superuser=True).order_by("date_joined", "pk").first()
+        if existing is not None:
+            return FirstAdmin(username=existing.get_username())
+        if not username:
+            raise ValueError("the admin needs a user name")
+        if users.filter(**{users.model.USERNAME_FIELD: username}).exists():
+            raise ValueError(f"a user named {username!r} exists and is no superuser: pick another name "
+                             "(--username)")
+        password = secrets.token_urlsafe(12)
+        user = users.create_superuser(username, "", password)
+        _, key = api_key_create(owner=user, name="first key")
+    return FirstAdmin(username=username, password=password, key=key)
 
 
 # Keys verified against the database, by hash, with the revocation stamp read before that check: a generation's

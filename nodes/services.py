@@ -74,7 +74,8 @@ def fleet_token_head_address(*, request_host: str | None = None) -> tuple[str, s
     """The head address a node on another machine dials, and a warning when none could reach it now.
 
     FLEET_PUBLIC_ADDRESS when set; else the host the admin was opened at (`request_host`); else the address
-    `manage.py up` is bound to, with this machine's name for 0.0.0.0; else this machine's name and port 8000."""
+    `manage.py up` is bound to, with this machine's name for 0.0.0.0; else this machine's name and port 8000, with a
+    warning that it is a guess."""
     import os
     import socket
 
@@ -89,7 +90,11 @@ def fleet_token_head_address(*, request_host: str | None = None) -> tuple[str, s
         served = ""
     host, _, port = served.rpartition(":") if served else ("", "", "8000")
     warning = None
-    if host in LOOPBACK:
+    if not served:  # a head run by daphne itself (production) writes no address: nothing here knows its port
+        warning = ("FLEET_PUBLIC_ADDRESS is not set and `manage.py up` does not run here, so HEAD= is a guess (this "
+                   "machine's name, port 8000): set FLEET_PUBLIC_ADDRESS to the address nodes reach (the load "
+                   "balancer's), or give `fleet_token --head`")
+    elif host in LOOPBACK:
         warning = (f"the head listens on {host} only: nodes on other machines cannot reach it; restart it with "
                    "`manage.py up --host 0.0.0.0` (`make run HOST=0.0.0.0`), or set FLEET_PUBLIC_ADDRESS")
     if host in LOOPBACK or host in ANY_ADDRESS:

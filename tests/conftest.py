@@ -53,7 +53,7 @@ TIERS: dict[str, set[str]] = {
         "test_soak.py", "test_tokenizers_e2e.py", "test_transcriptions_e2e.py", "test_up_e2e.py",
         "test_vision_e2e.py", "test_agents_e2e.py", "test_hardening_e2e.py", "test_tracing_e2e.py",
         "test_waiting_room_e2e.py", "test_on_demand_e2e.py", "test_redis_calls_e2e.py",
-        "test_shutdown_e2e.py", "test_agents_cli_e2e.py",
+        "test_shutdown_e2e.py", "test_agents_cli_e2e.py", "test_production_e2e.py",
     },
     "browser": {"test_model_admin_browser.py", "test_pages_browser.py"},
 }

@@ -247,3 +247,52 @@ def test_node_join_park_gives_each_engine_worker_a_park_folder(monkeypatch, sett
     configs, name, _ = engine_configs(asked[0])
     expected = [str(tmp_path / "park" / name / f"r{i}") for i in range(2)] if park else [None, None]
     assert [config.park_dir for config in configs] == expected
+
+
+def test_first_admin_makes_an_admin_and_a_key_with_no_prompt_and_a_second_run_makes_nothing():
+    """Production heads are started by daphne, not `up`: `manage.py first_admin` makes what `up`'s first run makes."""
+    import re
+
+    from django.contrib.auth import authenticate, get_user_model
+
+    from api.services import api_key_authenticate
+
+    first = StringIO()
+    call_command("first_admin", stdout=first)
+    password = re.search(r"user admin\s+password (\S+)", first.getvalue()).group(1)
+    key = re.search(r"export KEY=(\S+)", first.getvalue()).group(1)
+    assert authenticate(username="admin", password=password).is_superuser
+    assert api_key_authenticate(key=key).owner.username == "admin"
+
+    again = StringIO()
+    call_command("first_admin", "--username", "other", stdout=again)
+    said = again.getvalue()
+    assert "An admin user exists already (admin): nothing was made." in said
+    assert "manage.py changepassword admin" in said and "create_api_key --user admin --name NAME" in said
+    assert password not in said and key not in said
+    assert get_user_model().objects.count() == 1 and ApiKey.objects.count() == 1
+
+
+def test_first_admin_refuses_a_name_a_plain_user_holds_with_one_line():
+    UserFactory(username="admin", is_superuser=False)
+    with pytest.raises(CommandError) as info:
+        call_command("first_admin", stdout=StringIO())
+    assert info.value.returncode == 2 and "a user named 'admin' exists and is no superuser" in str(info.value)
+    assert ApiKey.objects.count() == 0
+
+
+def test_fleet_token_says_its_head_address_is_a_guess_when_nothing_names_it(settings, tmp_path, monkeypatch):
+    """Heads run by daphne write no address: without FLEET_PUBLIC_ADDRESS the printed HEAD= is only a guess."""
+    import socket
+
+    monkeypatch.delenv("FLEET_PUBLIC_ADDRESS", raising=False)
+    settings.FLEET_HOME = tmp_path
+    out, err = StringIO(), StringIO()
+    call_command("fleet_token", "--name", "far", stdout=out, stderr=err)
+    assert f"make node HEAD={socket.gethostname()}:8000" in out.getvalue()
+    assert "FLEET_PUBLIC_ADDRESS is not set" in err.getvalue() and "HEAD= is a guess" in err.getvalue()
+
+    monkeypatch.setenv("FLEET_PUBLIC_ADDRESS", "fleet.example.com:80")
+    out, err = StringIO(), StringIO()
+    call_command("fleet_token", "--name", "near", stdout=out, stderr=err)
+    assert "make node HEAD=fleet.example.com:80" in out.getvalue() and "warning: FLEET" not in err.getvalue()

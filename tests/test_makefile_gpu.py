@@ -89,3 +89,14 @@ def test_a_fresh_install_is_a_nodes_and_then_the_test_tools(built_cpu):
     assert out.returncode == 0, out.stderr
     installs = [line for line in out.stdout.splitlines() if "pip install" in line and " -e " in line]
     assert [line.rsplit(" ", 1)[1] for line in installs] == [".", "'.[test]'"]
+
+
+@pytest.mark.parametrize(("flag", "accepts"), [("ACCEPT_NEW_HEAD=1", True), ("ACCEPT_NEW_HEAD=", False), (None, False)])
+def test_make_node_passes_accept_new_head_only_when_asked(built_cpu, flag, accepts):
+    """A node host that joined another head before needs `node_join --accept-new-head` once (docs/operations.md,
+    *Head key*): `make node ... ACCEPT_NEW_HEAD=1` gives it."""
+    out = make(*built_cpu, "cpu", "-n", "HEAD=head.example:8000", *([flag] if flag else []), target="node")
+    assert out.returncode == 0, out.stderr
+    join = out.stdout.replace("\\\n", " ")
+    assert "node_join head.example:8000 --model smollm2" in join
+    assert ("--accept-new-head" in join) is accepts

@@ -1,12 +1,12 @@
 """`manage.py up`: the whole embedded fleet in one command.
 
-Migrates, creates an admin user and an API key on first run (printed once), then runs daphne, a Celery
-worker with beat, and a local node on the bundled model, until Ctrl-C stops them all.
+Migrates, creates an admin user and an API key on first run (printed once; `manage.py first_admin` alone does
+that), then runs daphne, a Celery worker with beat, and a local node on the bundled model, until Ctrl-C stops them
+all.
 """
 
 import functools
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -15,11 +15,11 @@ import time
 from collections import deque
 
 from django.conf import settings
-from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
-from api.services import api_key_create
+from api.management.commands.first_admin import first_admin_lines, lost_credentials_line
+from api.services import first_admin_create
 from fleet.daphne_options import daphne_limit_args
 from fleet.discovery import Announcer
 from nodes.link.handshake import LOCAL_TOKEN_ID, format_token, make_secret
@@ -66,32 +66,19 @@ class Command(BaseCommand):
             self._stop(children)
 
     def _first_run(self, options):
-        users = get_user_model().objects
-        admin = users.filter(is_superuser=True).order_by("date_joined", "pk").first()
-        if admin is not None:
-            self._lost_credentials(admin.get_username())
+        """The admin and key of `manage.py first_admin`, with where to open them and a first request to try."""
+        made = first_admin_create(username="admin")
+        if not made.created:
+            self.stdout.write(lost_credentials_line(made.username))
             return
-        password = secrets.token_urlsafe(12)
-        user = users.create_superuser("admin", "", password)
-        _, key = api_key_create(owner=user, name="first key")
         base = f"http://{options['host']}:{options['port']}"
         self.stdout.write(
-            "\nFirst run: an admin user and an API key were created. They are shown only this once.\n"
-            f"  admin:     {base}/admin/   user admin   password {password}\n"
-            f"  fleet:     {base}/admin/fleet/\n"
-            f"  API key:   {key}\n"
-            f"  in shells: export KEY={key}   (the README's examples send $KEY)\n"
-            f"  try:       curl {base}/v1/chat/completions -H \"Authorization: Bearer $KEY\" "
+            first_admin_lines(made, base)
+            + f"  try:       curl {base}/v1/chat/completions -H \"Authorization: Bearer $KEY\" "
             "-H 'Content-Type: application/json' "
             f"-d '{{\"model\":\"{options['model']}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hi\"}}]}}'\n"
             f"  API docs:  {base}/api/docs/\n\n"
         )
-
-    def _lost_credentials(self, username: str) -> None:
-        """Later starts show no password or key (only hashes are kept): they say how to make new ones."""
-        manage = f"{_shown_python()} manage.py"
-        self.stdout.write(f"Lost the admin password? {manage} changepassword {username}   "
-                          f"A new API key: {manage} create_api_key --user {username} --name NAME\n")
 
     def _start(self, options) -> dict[str, subprocess.Popen]:
         python, manage = sys.executable, str(settings.BASE_DIR / "manage.py")
@@ -230,12 +217,6 @@ def _started_line(name: str, options) -> str:
         return "the Celery worker, with beat (batch jobs, maintenance)"
     also = f" and {options['transcribe']}" if options["transcribe"] else ""
     return f"the local node, serving {options['model']}{also} on {options['max_batch']} lanes once loaded"
-
-
-def _shown_python() -> str:
-    """This interpreter as a user would type it: `.venv/bin/python` run from the clone, else its full path."""
-    relative = os.path.relpath(sys.executable)
-    return sys.executable if relative.startswith("..") else relative
 
 
 def _refuse_taken_port(host: str, port: int) -> None:
