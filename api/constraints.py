@@ -74,7 +74,9 @@ def _grammar(grammar: Any, user) -> tuple[str, str]:
         except selectors.HandleUnavailable as exc:
             raise invalid(str(exc), param="grammar", code="handle_unavailable") from None
         handle_used(handle=handle)
-        return ("gbnf" if handle.kind == "gbnf" else "json_schema", handle.source)
+        if handle.kind != "gbnf":
+            return ("json_schema", handle.source)
+        grammar = handle.source  # checked again: a handle kept before today's bounds may exceed them
     problem = gbnf_problem(grammar)
     if problem:
         raise invalid(f"grammar: {problem}", param="grammar", code="invalid_grammar")

@@ -24,7 +24,7 @@ pytest_plugins = ["pytester"]  # tests/test_tiers.py runs a pytest of its own
 
 TIERS: dict[str, set[str]] = {
     "django_free": {
-        "test_dialer.py", "test_engine_llama.py",
+        "test_dialer.py", "test_engine_llama.py", "test_engine_grammar_beside.py",
         "test_engine_lora.py", "test_engine_mock.py", "test_engine_pace.py", "test_engine_speech.py",
         "test_engine_vision.py", "test_engine_worker.py", "test_link_channel.py",
         "test_link_noise.py", "test_media_cache.py", "test_replicas.py", "test_timers.py", "test_window.py",
@@ -42,6 +42,7 @@ TIERS: dict[str, set[str]] = {
         "test_quotas.py", "test_record_inline.py", "test_request_path.py", "test_sessions_services.py",
         "test_settings.py", "test_tiers.py", "test_tokenizers.py",
         "test_transcriptions.py", "test_writer.py", "test_api_agents.py", "test_hardening.py", "test_head_pin.py",
+        "test_grammar_bound.py",
         "test_tracing.py", "test_up_command.py", "test_waiting_room.py", "test_on_demand.py", "test_node_device.py",
         "test_cuts.py", "test_admin_pages.py",
     },

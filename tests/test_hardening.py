@@ -75,10 +75,12 @@ async def test_a_grammar_of_nested_repetitions_is_a_400_before_any_node(bearer, 
             "grammar": 'root ::= ((("a"{0,30}){0,30}){0,30})'}
     answer = await request("POST", "/v1/chat/completions", key=bearer, body=body)
     assert answer.status == 400 and answer.json()["error"]["code"] == "invalid_grammar", answer.body
-    assert "nested 3 deep" in answer.json()["error"]["message"] and fake_node.specs == []
+    assert "can match nothing" in answer.json()["error"]["message"] and fake_node.specs == []
 
 
-@pytest.mark.parametrize("grammar", ['root ::= ("a"{0,30}){0,30}', 'root ::= ("[" ("(" [a-z]{0,30} ")"){0,30} "]")*',
+# `("a"{0,30}){0,30}` passed here once: cheap at the grammar's start (0.07 s a filter), it takes 19 s a token after
+# twenty characters (nodes/link/gbnf.py); `"a"{0,900}` says the same.
+@pytest.mark.parametrize("grammar", ['root ::= "a"{0,900}', 'root ::= ("[" ("(" [a-z]{0,30} ")"){0,30} "]")*',
                                      'root ::= "\\"(((" x{0,99}\nx ::= [)(]{1,3} # (((', 'root ::= ((("a"?)?)?)'])
 def test_grammars_without_costly_nesting_pass_the_check(grammar):
     from nodes.link.gbnf import repetition_problem

@@ -167,6 +167,7 @@ class LlamaEngine(LaneEngine):
     def close(self) -> None:
         if self.ctx is None:
             return
+        self.preparing.close()
         self.idle_work()
         for lane in self.lanes:
             if lane.run is not None:
@@ -193,6 +194,10 @@ class LlamaEngine(LaneEngine):
         if not prompt:
             raise EngineError(ErrorCode.INVALID_REQUEST, "the prompt is empty")
         return self._run_for(spec, prompt, submitted_at)
+
+    def _prepares_beside(self, spec: GenerateSpec) -> bool:
+        # images go through the projector, which shares the model's context: those stay on the engine's thread
+        return (spec.grammar is not None or spec.json_schema is not None) and not spec.images()
 
     def _run_for(self, spec: GenerateSpec, prompt: list[int], submitted_at: float) -> Run:
         """The run of a tokenized prompt: the resume tokens after it, its window checked, its sampler built."""
@@ -301,8 +306,8 @@ class LlamaEngine(LaneEngine):
 
     def unload_adapter(self, name: str) -> None:
         """Free a LoRA adapter no queued or running generation uses, and forget the lanes computed under it."""
-        users = [run.gen_id for run in [*self.queue, *(lane.run for lane in self.lanes if lane.run)]
-                 if any(n == name for n, _ in run.adapters)]
+        sets = [run.adapters for run in [*self.queue, *(lane.run for lane in self.lanes if lane.run)]]
+        users = [key for key in sets + self.preparing.adapter_sets() if any(n == name for n, _ in key)]
         if users:
             raise EngineError(ErrorCode.ADAPTER_IN_USE, f"LoRA adapter {name!r} is in use by {len(users)} "
                               "generation(s); unload it when they end")

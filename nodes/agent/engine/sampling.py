@@ -24,6 +24,7 @@ GRAMMAR_PROBE_TOKENS = 512
 # A grammar whose filter of the vocabulary would take longer is refused (JSON schemas' grammars take 0.01-0.07 s on
 # this machine, and the filter runs only on the steps where the chain's pick breaks the grammar)
 GRAMMAR_FILTER_BUDGET_S = 2.0
+_TOKEN_DATA_SIZE = ctypes.sizeof(L.llama_token_data)
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
 
 
@@ -230,15 +231,25 @@ def _grammar(model: LoadedModel, gbnf: str) -> Any:
 
 
 def _full_filter_cost_s(grammar: Any, n_vocab: int) -> float:
-    """What one filter of the whole vocabulary by `grammar` would take, timed on GRAMMAR_PROBE_TOKENS of it: what
-    the static check cannot see (repetitions nested through rule references) shows here, before any decode step
-    waits on it. Applying leaves the grammar's state as it was (only accepting a token moves it)."""
+    """What one filter of the whole vocabulary by `grammar` would take, timed on up to GRAMMAR_PROBE_TOKENS of it:
+    what the static check cannot see shows here, beside the decode loop (nodes.agent.engine.beside). The sample is
+    filtered in doubling chunks, and the probe stops as soon as its time so far is over the whole sample's share of
+    the budget (the whole would take longer still): a costly grammar is found out after a token or two, not after the
+    whole sample (llama.cpp cannot be interrupted inside one). Not extrapolated from a part: one token's time is
+    mostly the call's own. Applying leaves the grammar's state as it was (only accepting a token moves it)."""
     count = min(GRAMMAR_PROBE_TOKENS, n_vocab)
+    share = GRAMMAR_FILTER_BUDGET_S * count / n_vocab
     data = (L.llama_token_data * count)(*(L.llama_token_data(i, 0.0, 0.0) for i in range(count)))
-    array = L.llama_token_data_array(data, count, -1, False)
-    started = time.perf_counter()
-    L.llama_sampler_apply(grammar, ctypes.byref(array))
-    return (time.perf_counter() - started) * n_vocab / count
+    done, chunk, spent = 0, 1, 0.0
+    started = time.thread_time()  # this thread's own time: not the GIL's or the CPUs' waits beside a decode
+    while done < count and spent <= share:
+        size = min(chunk, count - done)
+        window = ctypes.cast(ctypes.byref(data, done * _TOKEN_DATA_SIZE), ctypes.POINTER(L.llama_token_data))
+        array = L.llama_token_data_array(window, size, -1, False)
+        L.llama_sampler_apply(grammar, ctypes.byref(array))
+        done, chunk = done + size, chunk * 2
+        spent = time.thread_time() - started
+    return spent * n_vocab / count
 
 
 def _add_pick(chain: Any, spec: GenerateSpec, greedy: bool) -> None:

@@ -40,10 +40,13 @@ from nodes.agent.engine.base import (
     accepted_event,
     error_event,
 )
+from nodes.agent.engine.beside import Preparations
 from nodes.agent.engine.pace import Pace
 from nodes.agent.engine.runs import Run, clock
 from nodes.link.codes import ErrorCode
 from nodes.link.spec import GenerateSpec
+
+PREPARE_WAIT_S = 0.02  # how long an idle step waits for a preparation to end
 
 # A sampled token id and its logprob entry, or the error that stopped that lane's generation.
 Sample = tuple[int, dict[str, Any] | None] | EngineError
@@ -122,6 +125,7 @@ class LaneEngine(ABC):
         self._lost: list[str] = []  # holders of caches a failed swap dropped, told to the head with the next accept
         self.pace = Pace()  # its prefill rate and decode slowdown, from the steps' own timings
         self._step_adapters: AdapterKey = ()  # the adapter set of the last step, when sets take turns
+        self.preparing = Preparations(self._release_run)
 
     # -- what a model supplies ------------------------------------------------------------------------
 
@@ -152,6 +156,11 @@ class LaneEngine(ABC):
     @abstractmethod
     def _is_eog(self, token_id: int) -> bool: ...
 
+    def _prepares_beside(self, spec: GenerateSpec) -> bool:
+        """Whether `_prepare` runs on a thread beside the step loop (nodes.agent.engine.beside): the llama engine's
+        generations with a grammar, whose compile and cost probe may take long."""
+        return False
+
     def _new_run(self, spec: GenerateSpec, tokens: list[int], submitted_at: float, sampler: Any) -> Run:
         """A run with this engine's flush policy; `_prepare` implementations end with it."""
         return Run(spec=spec, tokens=tokens, submitted_at=submitted_at, flush_tokens=self.config.flush_tokens,
@@ -178,25 +187,36 @@ class LaneEngine(ABC):
     # -- the Engine interface -------------------------------------------------------------------------
 
     def submit(self, spec: GenerateSpec) -> list[Event]:
-        if self._find(spec.gen_id) is not None:
+        if self._find(spec.gen_id) is not None or spec.gen_id in self.preparing:
             return [error_event(spec.gen_id, ErrorCode.INVALID_REQUEST, f"generation {spec.gen_id} is already running")]
         if spec.batch_invariant and not self.config.batch_invariant:
             # the head places such requests only on batch-invariant nodes; never serve one without the guarantee
             return [error_event(spec.gen_id, ErrorCode.INVALID_REQUEST, "this node is not batch-invariant (it was not "
                                 "started with node_join --batch-invariant)")]
+        submitted_at = clock()
         try:
             adapters = adapter_key(self._lora_asked(spec), self.adapter_names())
-            run = self._prepare(spec, clock())
+            if self._prepares_beside(spec):
+                self.preparing.start(spec, adapters, lambda: self._prepare(spec, submitted_at))
+                return []
+            run = self._prepare(spec, submitted_at)
         except EngineError as exc:
             return [error_event(spec.gen_id, exc.code, exc.message, exc.retryable)]
+        return self._enqueue(run, adapters)
+
+    def _enqueue(self, run: Run, adapters: AdapterKey) -> list[Event]:
+        """A prepared run joins the queue (unless its deadline passed meanwhile) and lanes are handed out."""
         run.adapters = adapters
-        if spec.deadline is not None and time.time() >= spec.deadline:
+        if run.spec.deadline is not None and time.time() >= run.spec.deadline:
             self._release_run(run)
             return [run.done_event(FINISH_DEADLINE, clock())]
         self.queue.append(run)
         return self._admit()
 
     def cancel(self, gen_id: str) -> list[Event]:
+        spec = self.preparing.drop(gen_id)
+        if spec is not None:  # its preparation's run, when it comes, is released
+            return [Run(spec=spec, tokens=[], submitted_at=clock()).done_event(FINISH_CANCELLED, clock())]
         for run in self.queue:
             if run.gen_id == gen_id:
                 self.queue.remove(run)
@@ -208,7 +228,7 @@ class LaneEngine(ABC):
         return []
 
     def busy(self) -> bool:
-        return bool(self.queue) or any(lane.run is not None for lane in self.lanes)
+        return bool(self.queue) or bool(self.preparing) or any(lane.run is not None for lane in self.lanes)
 
     def stats(self) -> dict[str, Any]:
         now = clock()
@@ -219,7 +239,7 @@ class LaneEngine(ABC):
         return {
             "lanes_busy": sum(1 for lane in self.lanes if lane.run is not None),
             "lanes": len(self.lanes),
-            "queued": len(self.queue),
+            "queued": len(self.queue) + len(self.preparing),
             "kv_used": sum(len(lane.tokens) for lane in self.lanes),
             "kv_total": self.window * len(self.lanes),
             "prefix_copies": self.prefix_copies,
@@ -231,7 +251,7 @@ class LaneEngine(ABC):
 
     def step(self) -> list[Event]:
         """One decode step: every busy lane's prompt chunk or next token, read in one batch."""
-        events = self._expire()
+        events = self._prepared() + self._expire()
         works = self._plan()
         if works:
             prefill = sum(len(w.tokens) for w in works if len(w.lane.tokens) < len(w.lane.run.tokens))
@@ -255,6 +275,19 @@ class LaneEngine(ABC):
         return events + self._admit()
 
     # -- internals ------------------------------------------------------------------------------------
+
+    def _prepared(self) -> list[Event]:
+        """The generations prepared beside the loop since the last step, queued or refused. With no lane decoding
+        the step waits a little for one, rather than spin."""
+        idle = not self.queue and all(lane.run is None for lane in self.lanes)
+        events: list[Event] = []
+        for prepared in self.preparing.ended(wait_s=PREPARE_WAIT_S if idle else 0.0):
+            if isinstance(prepared.outcome, EngineError):
+                exc = prepared.outcome
+                events.append(error_event(prepared.spec.gen_id, exc.code, exc.message, exc.retryable))
+            else:
+                events += self._enqueue(prepared.outcome, prepared.adapters)
+        return events
 
     def _lora_asked(self, spec: GenerateSpec) -> list[list]:
         """The request's `lora` pairs, and the adapter its model name picks (MODEL:ADAPTER, at scale 1)."""
