@@ -372,15 +372,28 @@ def run_soak(config: SoakConfig, workdir: Path) -> SoakReport:
 
 def judge(seconds: float, requests: list[Request], rows: list[dict[str, Any]], chaos: dict[str, Any]) -> SoakReport:
     """The report on what the clients saw and the database holds (`chaos`: what was done to the fleet). The
-    requests in flight on the SIGKILLed head are its cost, counted apart (`killed_with_head`), not judged."""
+    requests in flight on the SIGKILLed head are its cost, counted apart (`killed_with_head`) and judged apart: each
+    that was running on a node (its client had tokens of it) must still have one record, failed, written by the
+    other head from the node's `cut` (sessions.cuts)."""
     killed = {r.seed for r in requests if r.killed_with_head}
+    placed = {r.seed: r for r in requests if r.killed_with_head and r.text}
+    cut_rows: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["seed"] is not None and int(row["seed"]) in placed:
+            cut_rows.setdefault(int(row["seed"]), []).append(row)
     requests = [r for r in requests if r.seed not in killed]
     rows = [row for row in rows if row["seed"] is None or int(row["seed"]) not in killed]
     tokens, records = judge_tokens(requests, Oracle()), judge_records(requests, rows)
     summary = summarize(seconds, requests, tokens, records, chaos["head_restart"].get("node_back_s"))
     summary["killed_with_head"] = len(killed)
+    summary["killed_with_head_placed"] = len(placed)
+    summary["killed_with_head_unrecorded"] = sum(1 for seed in placed if not cut_rows.get(seed))
+    summary["killed_with_head_misrecorded"] = sum(
+        1 for found in cut_rows.values() if len(found) > 1 or found[0]["status"] != "failed")
     details = {**chaos, "record_statuses": records["statuses"], "token_problems": tokens["problems"],
                "record_problems": records["problems"],
+               "killed_with_head_records": {seed: [row["status"] for row in cut_rows.get(seed, [])]
+                                            for seed in placed},
                "unclear": [{**describe(r), "records": records["by_seed"].get(r.seed, [])}
                            for r in requests if r.status == "unclear"]}
     return SoakReport(summary, details, requests, rows)
