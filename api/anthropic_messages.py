@@ -19,6 +19,7 @@ from api.errors import OpenAIError, anthropic_body, anthropic_status, invalid
 from api.generation import Run
 from api.json_out import json_bytes
 from api.specs import GenerationRequest, chat_request, unknown_fields
+from api.thinking import Splitter, split_thinking
 from api.v1 import json_body, openai_view, respond
 from fleet.dispatch import Tokens
 from fleet.links import registry
@@ -107,7 +108,8 @@ def _thinking(thinking: Any) -> list[str]:
                       '{"type": "disabled"}.', param="thinking")
     if thinking["type"] == "disabled":
         return []
-    return [f"thinking ({thinking['type']}): the fleet's models answer without thinking blocks"]
+    return [f"thinking ({thinking['type']}): thinking blocks come only from a model that thinks (<think>), and "
+            "budget_tokens is not held to"]
 
 
 def _system_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -291,7 +293,9 @@ def _tool_blocks(run: Run) -> list[dict[str, Any]]:
 
 def message_object(run: Run) -> dict[str, Any]:
     stop_reason, stop_sequence = _stop(run)
-    content = _tool_blocks(run) or [{"type": "text", "text": run.text}]
+    thought, answer = split_thinking(run.text)
+    content = ([{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []) + (
+        _tool_blocks(run) or [{"type": "text", "text": answer}])
     return {"id": f"msg_{run.request.gen_id}", "type": "message", "role": "assistant",
             "model": run.request.spec.model, "content": content, "stop_reason": stop_reason,
             "stop_sequence": stop_sequence, "usage": _usage(run)}
@@ -320,6 +324,9 @@ class MessageEvents:
         self.decided = plan is not None and plan.mode != "auto"
         self.held = ""
         self.opened = False
+        self.splitter = Splitter()  # a thinking model's <think>...</think>: a block of its own, before the answer
+        self.thinking_open = False  # that block (index 0) is open
+        self.first = 0  # the index of the answer's first block: 1 after a thinking block
 
     def opening(self) -> list[bytes]:
         started = self.run.started
@@ -331,36 +338,59 @@ class MessageEvents:
         return [_event("message_start", message=message)]
 
     def tokens(self, event: Tokens) -> list[bytes]:
-        text = event.text
+        return self._pieces(self.splitter.feed(event.text))
+
+    def _pieces(self, pieces: list[tuple[str, str]]) -> list[bytes]:
+        out: list[bytes] = []
+        for kind, piece in pieces:
+            out += self._thought(piece) if kind == "thinking" else self._answer(piece)
+        return out
+
+    def _thought(self, text: str) -> list[bytes]:
+        out = []
+        if not self.thinking_open:
+            self.thinking_open, self.first = True, 1
+            out.append(_event("content_block_start", index=0,
+                              content_block={"type": "thinking", "thinking": "", "signature": ""}))
+        return out + [_event("content_block_delta", index=0, delta={"type": "thinking_delta", "thinking": text})]
+
+    def _end_thought(self) -> list[bytes]:
+        if not self.thinking_open:
+            return []
+        self.thinking_open = False
+        return [_event("content_block_stop", index=0)]
+
+    def _answer(self, text: str) -> list[bytes]:
+        out = self._end_thought()
         if self.holding:
             self.held += text
             if self.decided or not self.held.strip() or self.held.lstrip().startswith(("{", "[", "`")):
                 self.decided = True
-                return []
+                return out
             self.holding, text = False, self.held
-        return self._text(text)
+        return out + self._text(text)
 
     def _text(self, text: str) -> list[bytes]:
         out = []
         if not self.opened:
             self.opened = True
-            out.append(_event("content_block_start", index=0, content_block={"type": "text", "text": ""}))
+            out.append(_event("content_block_start", index=self.first, content_block={"type": "text", "text": ""}))
         if text:
-            out.append(_event("content_block_delta", index=0, delta={"type": "text_delta", "text": text}))
+            out.append(_event("content_block_delta", index=self.first, delta={"type": "text_delta", "text": text}))
         return out
 
     async def closing(self) -> list[bytes]:
+        out = self._pieces(self.splitter.flush()) + self._end_thought()
         tools = _tool_blocks(self.run)
-        out: list[bytes] = []
         if tools:
-            for index, block in enumerate(tools):
+            for index, block in enumerate(tools, start=self.first):
                 partial = json.dumps(block["input"], ensure_ascii=False)
                 out += [_event("content_block_start", index=index, content_block={**block, "input": {}}),
                         _event("content_block_delta", index=index,
                                delta={"type": "input_json_delta", "partial_json": partial}),
                         _event("content_block_stop", index=index)]
         else:
-            out += self._text(self.held if self.holding else "") + [_event("content_block_stop", index=0)]
+            out += self._text(self.held if self.holding else "") + [_event("content_block_stop", index=self.first)]
         stop_reason, stop_sequence = _stop(self.run)
         out += [_event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                        usage=_usage(self.run)), _event("message_stop")]

@@ -21,6 +21,7 @@ from api import revocation
 from api.errors import OpenAIError
 from api.quotas import Ticket, tokens_spent
 from api.specs import GenerationRequest
+from api.thinking import split_thinking
 from fleet import metrics, tracing
 from fleet.dispatch import Finished, GenerationError, Started, Tokens, generation_stream
 from fleet.links import registry
@@ -236,7 +237,7 @@ class Run:
         if plan is None or self.finished is None:
             return None
         if self._calls is PENDING:
-            self._calls = plan.parse(self.text)
+            self._calls = plan.parse(split_thinking(self.text)[1])  # a thinking model's calls follow its thinking
         return self._calls
 
     def answer_message(self) -> dict[str, Any]:

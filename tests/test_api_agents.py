@@ -545,3 +545,39 @@ async def test_images_in_both_apis_reach_the_node_by_hash(bearer, settings, tmp_
     bad = msg(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "file", "id": "x"}}]}])
     refused = await request("POST", "/v1/messages", key=bearer, body=bad)
     assert refused.status == 400 and "source" in refused.json()["error"]["message"]
+
+
+THOUGHT = ["<thi", "nk>\nThe user greets me", "; I greet back.\n</th", "ink>\n\nHel", "lo!"]
+
+
+async def test_a_thinking_models_thinking_is_a_thinking_block_whole_and_streamed(bearer):
+    """A model whose chat template thinks (Qwen3's <think>) answered with its thinking inside the text: it is a
+    `thinking` block before the answer's, in the whole message and as `thinking_delta` events, tags cut across
+    token batches included; a tool call after the thinking is still a call."""
+    add_fake_node(FakeLink(script=lambda spec: Script(tokens=THOUGHT, per_batch=1)))
+    body = (await request("POST", "/v1/messages", key=bearer, body=msg(thinking={"type": "adaptive"}))).json()
+    assert [block["type"] for block in body["content"]] == ["thinking", "text"]
+    assert body["content"][0]["thinking"] == "The user greets me; I greet back."
+    assert body["content"][1]["text"] == "Hello!" and body["stop_reason"] == "end_turn"
+    events = sse(await request("POST", "/v1/messages", key=bearer, body=msg(thinking={"type": "adaptive"},
+                                                                           stream=True)))
+    starts = [(d["index"], d["content_block"]["type"]) for k, d in events if k == "content_block_start"]
+    assert starts == [(0, "thinking"), (1, "text")]
+    thought = "".join(d["delta"]["thinking"] for k, d in events if k == "content_block_delta" and d["index"] == 0)
+    assert thought == "The user greets me; I greet back."
+    assert "".join(d["delta"]["text"] for k, d in events if k == "content_block_delta" and d["index"] == 1) == \
+        "Hello!"
+    assert [d["index"] for k, d in events if k == "content_block_stop"] == [0, 1]
+    assert not any("<think>" in json.dumps(d) for _, d in events)
+
+
+async def test_a_thinking_models_tool_call_after_its_thinking_is_a_tool_use(bearer):
+    add_fake_node(FakeLink(script=lambda spec: Script(tokens=["<think>I need the weather.</think>\n", *CALL])))
+    tools = [{"name": "get_weather", "description": "Weather", "input_schema": WEATHER["parameters"]}]
+    body = (await request("POST", "/v1/messages", key=bearer, body=msg(tools=tools))).json()
+    assert [block["type"] for block in body["content"]] == ["thinking", "tool_use"] and body["stop_reason"] == \
+        "tool_use"
+    events = sse(await request("POST", "/v1/messages", key=bearer, body=msg(tools=tools, stream=True)))
+    starts = [(d["index"], d["content_block"]["type"]) for k, d in events if k == "content_block_start"]
+    assert starts == [(0, "thinking"), (1, "tool_use")]
+    assert next(d for k, d in events if k == "message_delta")["delta"]["stop_reason"] == "tool_use"
