@@ -187,5 +187,5 @@ async def test_joins_refusals_and_drops_are_the_nodes_link_history():
     rows = await sync_to_async(lambda: list(LinkEvent.objects.order_by("created_at").values_list(
         "identity", "kind", "code", "node__identity")))()
     assert rows == [("gpu-7", "joined", None, "gpu-7"), ("gpu-7", "refused", 4006, "gpu-7"),
-                    ("gpu-7", "dropped", 1000, "gpu-7"), ("", "refused", 4006, None)]
+                    ("gpu-7", "dropped", 4006, "gpu-7"), ("", "refused", 4006, None)]  # dropped as the head closed it
     assert LOCAL_TOKEN  # the local token fixture stays in force for joined()'s default
