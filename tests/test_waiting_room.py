@@ -415,21 +415,19 @@ async def test_on_the_websocket_the_bound_and_the_cap_are_error_frames(api_user)
     await comm.send_json_to(generate("capped", priority="high"))
     capped = await comm.receive_json_from(timeout=5)
     assert (capped["type"], capped["id"], capped["code"]) == ("error", "capped", "priority_not_allowed")
-    for cid in ("blocker", "waiting"):
-        await comm.send_json_to(generate(cid))
+    # The key's lane and its one waiting place are taken over HTTP (the bound is the key's, whatever the interface;
+    # on the socket the second generate sometimes never reached the waiting room in CI's PostgreSQL pass, which
+    # this test is not about): the socket's next generate is over the bound.
+    blocker = await ask("blocker", key)
     await settle(link, 1)
-    for _ in range(500):
-        if len(registry().waiting) >= 1:
-            break
-        await asyncio.sleep(0.01)
-    else:
-        raise AssertionError(f"'waiting' never joined the waiting room; the node got {contents(link)}")
+    waiting = await queued("waiting", key)
+    assert len(registry().waiting) == 1 and contents(link) == ["blocker"]
     await comm.send_json_to(generate("over"))
     over = await comm.receive_json_from(timeout=5)
-    while over["id"] != "over":  # the blocker's token frame
-        over = await comm.receive_json_from(timeout=5)
     assert (over["id"], over["code"]) == ("over", "too_many_waiting") and over["retry_after"] >= 1
     await comm.disconnect()
+    for exchange in (blocker, waiting):
+        exchange.hang_up.set()
 
 
 @pytest.mark.django_db(transaction=True)
