@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from django.conf import settings
 
 from fleet.loading_state import LoadingState
+from fleet.running import Running
 from fleet.shutdown import Shutdown
 from fleet.timers import wait_for_future
 from fleet.waiting import ModelQueue, Waiter, WaitingRoom
@@ -190,6 +191,7 @@ class Registry:
         self.waiting = WaitingRoom()  # who waits here for a lane, and how fast waiting ones took lanes
         self.loading = LoadingState()  # on-demand models: this process's placements and queue waits (fleet.loading)
         self.shutdown = Shutdown()  # draining on SIGTERM: no new work, the running generations seen to their end
+        self.running = Running()  # the generations placed here and not over: counts, and lanes preemption may take
 
     @property
     def aplacement(self) -> Any:

@@ -44,7 +44,7 @@ TIERS: dict[str, set[str]] = {
         "test_transcriptions.py", "test_writer.py", "test_api_agents.py", "test_hardening.py", "test_head_pin.py",
         "test_grammar_bound.py",
         "test_tracing.py", "test_up_command.py", "test_waiting_room.py", "test_on_demand.py", "test_node_device.py",
-        "test_cuts.py", "test_admin_pages.py",
+        "test_cuts.py", "test_running.py", "test_admin_pages.py",
     },
     "real_procs": {
         "test_adapters_e2e.py", "test_api_e2e.py", "test_batches_e2e.py", "test_celery_worker.py",

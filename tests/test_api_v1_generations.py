@@ -619,7 +619,7 @@ async def test_a_newcomer_does_not_take_a_free_lane_from_an_earlier_deadline_sti
     a generation with a later deadline that happens to look first."""
     from fleet.links import registry
 
-    monkeypatch.setattr("fleet.dispatch.WAKE_CHECK_S", 3600.0)  # only wakes move the waiter
+    monkeypatch.setattr("fleet.placing.WAKE_CHECK_S", 3600.0)  # only wakes move the waiter
     link = add_fake_node(FakeLink(script=_echo_or_hang), lanes=1)
     ask = _asker(bearer)
     blocker = ask("blocker", 60_000)
@@ -644,7 +644,7 @@ async def test_a_newcomer_does_not_take_a_free_lane_from_an_earlier_deadline_sti
 
 
 async def test_a_waiting_generation_is_woken_when_the_lane_frees_not_by_a_timer(bearer, monkeypatch):
-    monkeypatch.setattr("fleet.dispatch.WAKE_CHECK_S", 3600.0)  # no periodic look: only the lane's end wakes it
+    monkeypatch.setattr("fleet.placing.WAKE_CHECK_S", 3600.0)  # no periodic look: only the lane's end wakes it
     link = add_fake_node(FakeLink(script=lambda spec: Script(tokens=["x"], hang=spec["messages"][-1]["content"]
                                                                == "blocker")), lanes=1)
     blocker = asyncio.ensure_future(request("POST", CHAT, key=bearer,

@@ -652,17 +652,17 @@ async def test_a_node_sends_the_tokenizer_the_head_lacks_and_takes_work_once_it_
                                deadline=time.time() + 20)
     first = asyncio.ensure_future(stream.__aiter__().__anext__())
     for _ in range(100):
-        if stream.keys is not None:
+        if stream.placer.keys is not None:
             break
         await asyncio.sleep(0.02)
-    assert stream.tokenizer is BUILTINS[BYTES]
+    assert stream.placer.tokenizer is BUILTINS[BYTES]
     parts = await asyncio.to_thread(tokenizer_parts, str(path), fingerprint)
     for part in parts:
         await comm.send_to(bytes_data=channel.seal(part))
     assert await placeable(1) and tokenizer_known(fingerprint)
     while not isinstance(sent := channel.open(await comm.receive_from(timeout=5)), Generate):
         pass
-    assert sent.gen_id == stream.spec.gen_id and getattr(stream.tokenizer, "fingerprint", "") == fingerprint
+    assert sent.gen_id == stream.spec.gen_id and getattr(stream.placer.tokenizer, "fingerprint", "") == fingerprint
     first.cancel()
     await stream.cancel()
 
