@@ -24,14 +24,13 @@ from api.limits import body_limit  # noqa: E402
 from api.sse import unfinished_streams_abandoned  # noqa: E402
 from api.streaming_app import generations_first  # noqa: E402
 from fleet.discovery import announce_served_head  # noqa: E402
-from fleet.heads import heads_start  # noqa: E402
 from fleet.heap import freeze_startup_heap  # noqa: E402
 from fleet.links import registry  # noqa: E402
 from fleet.routing import websocket_urlpatterns  # noqa: E402
 from fleet.shutdown import install_drain_on_signals  # noqa: E402
 
 announce_served_head()  # with FLEET_ANNOUNCE set, nodes started with no head address find this one
-heads_start()  # with Redis: this process joins the live head processes, so every node links to it too
+registry().heads.start()  # with Redis: this process joins the live head processes, so every node links to it too
 
 # SIGTERM/SIGINT under daphne: no new work, the running generations finish or end with an error event, every
 # record written; then the server stops as it always did

@@ -14,9 +14,10 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
 from django.conf import settings
 
@@ -26,86 +27,69 @@ BEAT_S = 2.0
 TTL_S = 6.0  # three beats missed: the process is dead (a SIGKILL costs its streams, and its lanes this long at most)
 PROCESS_ID = uuid.uuid4().hex[:12]
 
-_served = ""  # learned from the first node link when nothing else says where this process is served
-_live: list[str] = []  # the live heads' link URLs, as the last beat read them
-_beating: threading.Thread | None = None
+class HeadBeat:
+    """This process's part in the fleet's list of heads (one, on the registry): where it is served, its beat thread
+    and the live heads' link URLs as the last beat read them. `placement` gives the placement state in use."""
 
+    def __init__(self, placement: Callable[[], Any]) -> None:
+        self._placement = placement
+        self.served = ""  # learned from the first node link when nothing else says where this process is served
+        self.live: list[str] = []
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
 
-def link_url() -> str:
-    """Where nodes reach this head process."""
-    if settings.FLEET_LINK_URL:
-        return settings.FLEET_LINK_URL
-    served = _daphne_address(sys.argv) or settings.FLEET_ANNOUNCE or _served
-    return _ws_url(served) if served else ""
+    def link_url(self) -> str:
+        if settings.FLEET_LINK_URL:
+            return settings.FLEET_LINK_URL
+        served = _daphne_address(sys.argv) or settings.FLEET_ANNOUNCE or self.served
+        return _ws_url(served) if served else ""
 
+    def served_at(self, scope: dict) -> None:
+        server = scope.get("server") or ()
+        if not self.served and len(server) == 2 and isinstance(server[1], int):  # (host, port); a test's has none
+            self.served = f"{server[0]}:{server[1]}"
 
-def served_at(scope: dict) -> None:
-    """A node link reached this process: its server address is where it serves, if nothing said so before."""
-    global _served
-    server = scope.get("server") or ()
-    if not _served and len(server) == 2 and isinstance(server[1], int):  # (host, port); a test's has no port
-        _served = f"{server[0]}:{server[1]}"
+    def heads_live(self) -> list[str]:
+        own = self.link_url()
+        if not settings.REDIS_URL:
+            return [own] if own else []
+        self.start()
+        return sorted(set(self.live) | ({own} if own else set()))
 
+    def start(self) -> None:
+        if not settings.REDIS_URL or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._thread = threading.Thread(target=self._beat_forever, name="fleet-head-beat", daemon=True)
+        self._thread.start()
 
-def heads_live() -> list[str]:
-    """Every live head process's link URL (this one's included), sorted."""
-    own = link_url()
-    if not settings.REDIS_URL:
-        return [own] if own else []
-    heads_start()
-    return sorted(set(_live) | ({own} if own else set()))
+    def beat(self) -> list[str]:
+        url = self.link_url()
+        if url:
+            self.live = self._placement().head_beat(PROCESS_ID, url, TTL_S)
+        return self.live
 
+    def alive_until(self, head: str) -> float | None:
+        if head == PROCESS_ID:
+            return float("inf")
+        return self._placement().head_expiry(head) if settings.REDIS_URL else None
 
-def alive_until(head: str) -> float | None:
-    """Until when head process `head` counts as alive unless it beats again (epoch seconds; this one: forever);
-    None: it is dead. On the embedded default there is no other process: any other id is this one's predecessor."""
-    if head == PROCESS_ID:
-        return float("inf")
-    if not settings.REDIS_URL:
-        return None
-    from fleet.links import registry
+    def node_links(self, node_id: str) -> list[tuple[str, datetime]]:
+        own = {PROCESS_ID: self.link_url() or "this head process", "": self.link_url() or "this head process"}
+        links = self._placement().links_of(node_id)
+        return sorted(((own.get(head, head), datetime.fromtimestamp(since, UTC)) for head, since in links.items()),
+                      key=lambda row: row[1])
 
-    return registry().placement.head_expiry(head)
+    def stop(self) -> None:
+        """No more beats (a registry replaced: a test's reset); the others reap this process after TTL_S."""
+        self._stopped.set()
 
-
-def node_links(node_id: str) -> list[tuple[str, datetime]]:
-    """The head processes holding a link to the node: (link URL, since), oldest first (the node's admin page)."""
-    from fleet.links import registry
-
-    own = {PROCESS_ID: link_url() or "this head process", "": link_url() or "this head process"}
-    links = registry().placement.links_of(node_id)
-    return sorted(((own.get(head, head), datetime.fromtimestamp(since, UTC)) for head, since in links.items()),
-                  key=lambda row: row[1])
-
-
-def heads_start() -> None:
-    """Start this process's beat (once; a daemon thread on the synchronous Redis client, off the event loop)."""
-    global _beating
-    if not settings.REDIS_URL or (_beating is not None and _beating.is_alive()):
-        return
-    _beating = threading.Thread(target=_beat_forever, name="fleet-head-beat", daemon=True)
-    _beating.start()
-
-
-def heads_beat() -> list[str]:
-    """One beat: renew this process, reap dead ones, read the live ones."""
-    global _live
-    from fleet.links import registry
-
-    url = link_url()
-    if not url:
-        return _live
-    _live = registry().placement.head_beat(PROCESS_ID, url, TTL_S)
-    return _live
-
-
-def _beat_forever() -> None:
-    while True:
-        try:
-            heads_beat()
-        except Exception:  # Redis away: beat again; the others reap this process only after TTL_S
-            log.warning("fleet head: its heartbeat to Redis failed; retrying", exc_info=True)
-        time.sleep(BEAT_S)
+    def _beat_forever(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self.beat()
+            except Exception:  # Redis away: beat again; the others reap this process only after TTL_S
+                log.warning("fleet head: its heartbeat to Redis failed; retrying", exc_info=True)
+            self._stopped.wait(BEAT_S)
 
 
 def _daphne_address(argv: list[str]) -> str:

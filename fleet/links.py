@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from django.conf import settings
 
+from fleet.heads import HeadBeat
 from fleet.loading_state import LoadingState
 from fleet.running import Running
 from fleet.shutdown import Shutdown
@@ -192,6 +193,7 @@ class Registry:
         self.loading = LoadingState()  # on-demand models: this process's placements and queue waits (fleet.loading)
         self.shutdown = Shutdown()  # draining on SIGTERM: no new work, the running generations seen to their end
         self.running = Running()  # the generations placed here and not over: counts, and lanes preemption may take
+        self.heads = HeadBeat(lambda: self.placement)  # where this process is served, its beat, the live heads
 
     @property
     def aplacement(self) -> Any:
@@ -222,6 +224,8 @@ def registry() -> Registry:
 
 
 def registry_reset() -> None:
-    """Tests only: a fresh registry."""
+    """Tests only: a fresh registry (the old one's head beat stops; the new one's starts when asked for the heads)."""
     global _registry
+    if _registry is not None:
+        _registry.heads.stop()
     _registry = None

@@ -97,9 +97,9 @@ class NodeAdmin(admin.ModelAdmin):
     @admin.display(description="links (head processes)")
     def links(self, node):
         """Which head processes hold a link to the node (each one's link URL), and since when."""
-        from fleet.heads import node_links
+        from fleet.links import registry
 
-        rows = node_links(str(node.pk))
+        rows = registry().heads.node_links(str(node.pk))
         if not rows:
             return "none (offline)"
         return format_html_join(format_html("<br>"), "{} since {}", ((url, when_text(since)) for url, since in rows))

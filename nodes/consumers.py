@@ -17,8 +17,9 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from fleet import heads, metrics
+from fleet import metrics
 from fleet.dbsweep import FramesSkipSweep
+from fleet.links import registry
 from nodes import services
 from nodes.link.channel import SecureChannel
 from nodes.link.codes import REFUSALS, CloseCode
@@ -69,7 +70,7 @@ class NodeLinkConsumer(FramesSkipSweep, AsyncWebsocketConsumer):
 
     async def connect(self) -> None:
         self.peer = (self.scope.get("client") or [None])[0]
-        heads.served_at(self.scope)
+        registry().heads.served_at(self.scope)
         self.channel_: SecureChannel | None = None
         self.budget = FrameBudget(settings.FLEET_LINK_MAX_FRAMES_PER_S)
         self.send_lock = asyncio.Lock()

@@ -170,11 +170,11 @@ class LinkSession:
             cache_cleared=msg.cache_cleared, head=heads.PROCESS_ID, warm=msg.warm,
         )
         if Feature.HEADS in msg.features:
-            self.heads_sent = await asyncio.to_thread(heads.heads_live)
+            self.heads_sent = await asyncio.to_thread(registry().heads.heads_live)
         await self.send(Registered(node_id=self.node_id, model_names=reg.model_names,
                                    heartbeat_s=float(settings.FLEET_HEARTBEAT_S), warnings=reg.warnings,
                                    tokenizers_wanted=wanted, features=[Feature.BUNDLE.value, Feature.CUT.value],
-                                   head=heads.link_url(), heads=self.heads_sent or []))
+                                   head=registry().heads.link_url(), heads=self.heads_sent or []))
         registry_.links[self.node_id] = self
         self.held, self.engine_ready = not node.schedulable, True
         await registry_.aplacement.set_schedulable(self.node_id, self._placeable())
@@ -211,7 +211,7 @@ class LinkSession:
         await database_sync_to_async(cache.set)(liveness_key(self.node_id), stats, settings.FLEET_NODE_TIMEOUT_S)
         await self.deploy.check_idle(stats["models"])
         fleet_changed()
-        if self.heads_sent is not None and (live := heads.heads_live()) != self.heads_sent:
+        if self.heads_sent is not None and (live := registry().heads.heads_live()) != self.heads_sent:
             self.heads_sent = live
             await self.send(Heads(heads=live))  # a head process started or died: the node dials the new ones
         now = time.monotonic()

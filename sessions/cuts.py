@@ -21,6 +21,7 @@ from django.core import signing
 from django.db import IntegrityError
 
 from fleet import heads, metrics
+from fleet.links import registry
 from nodes.link.messages import Cut
 from sessions.models import Generation
 from sessions.services import GenerationTrace, generation_record_async
@@ -85,7 +86,7 @@ async def settle(*, node_id: str, node: str, cut: Cut) -> Generation | None:
 
 
 async def _until(head: str) -> float | None:
-    return await asyncio.to_thread(heads.alive_until, head)
+    return await asyncio.to_thread(registry().heads.alive_until, head)
 
 
 async def _write(node_id: str, node: str, cut: Cut, payload: dict[str, Any]) -> Generation | None:

@@ -7,6 +7,7 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from fleet import heads
+from fleet.links import registry
 from nodes.link.messages import Cut
 from sessions import cuts
 from sessions.models import Generation
@@ -66,11 +67,11 @@ async def test_a_head_still_alive_records_its_own_generation(monkeypatch):
     own = cut_of(mine, signed(mine, head=heads.PROCESS_ID))
     assert await cuts.settle(node_id=str(node.pk), node=node.identity, cut=own) is None
     monkeypatch.setattr(heads, "BEAT_S", 0.05)
-    monkeypatch.setattr(heads, "alive_until", lambda head: time.time() + 0.1)  # it beats on
+    monkeypatch.setattr(registry().heads, "alive_until", lambda head: time.time() + 0.1)  # it beats on
     beating = str(uuid.uuid4())
     assert await cuts.settle(node_id=str(node.pk), node=node.identity, cut=cut_of(beating, signed(beating))) is None
     lapses = time.time() + 0.1
-    monkeypatch.setattr(heads, "alive_until", lambda head: lapses)  # its beats stopped: dead once it lapses
+    monkeypatch.setattr(registry().heads, "alive_until", lambda head: lapses)  # its beats stopped: dead once it lapses
     dead = str(uuid.uuid4())
     assert await cuts.settle(node_id=str(node.pk), node=node.identity, cut=cut_of(dead, signed(dead))) is not None
     assert [g.pk async for g in Generation.objects.all()] == [uuid.UUID(dead)]

@@ -100,3 +100,24 @@ def test_make_node_passes_accept_new_head_only_when_asked(built_cpu, flag, accep
     join = out.stdout.replace("\\\n", " ")
     assert "node_join head.example:8000 --model smollm2" in join
     assert ("--accept-new-head" in join) is accepts
+
+
+def test_a_gpu_install_checks_for_a_device_of_its_backend(built_cpu):
+    wheels, venv = built_cpu
+    (wheels / f"llama_cpp_python-{VERSION}-cuda").mkdir()
+    (wheels / f"llama_cpp_python-{VERSION}-cuda" / ".built").touch()
+    out = make(wheels, venv, "cuda", "-n", target="node")
+    assert out.returncode == 0, out.stderr
+    assert "-m nodes.agent.gpu cuda" in out.stdout and "llama_supports_gpu_offload" not in out.stdout
+
+
+def test_the_device_check_fails_a_cpu_build_in_one_line():
+    """This machine's llama.cpp is a CPU build with RPC: `llama_supports_gpu_offload()` says true, the check says no."""
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "nodes.agent.gpu", "cuda"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("make: this GPU=cuda build of llama.cpp sees no cuda device")
+    assert "make clean-wheels GPU=cuda" in lines[0]

@@ -142,6 +142,21 @@ def build_gpus(*, memory: bool = False) -> list[BuildGpu]:
     return gpus
 
 
+def build_problem(backend: str) -> str:
+    """What keeps this process's llama.cpp build from offloading to `backend` (`make ... GPU=`), in one line; ""
+    when it sees a device of that backend. `make` runs it after installing a GPU build (python -m nodes.agent.gpu)."""
+    if _ggml() is None:
+        return "llama-cpp-python is not installed, or its library has no ggml backend registry"
+    found = build_gpus()
+    if any(g.backend == backend for g in found):
+        return ""
+    seen = ", ".join(sorted({g.backend for g in found})) or "none"
+    hint = {"vulkan": "; a CPU Vulkan device (Mesa's llvmpipe) is used only when named: GGML_VK_VISIBLE_DEVICES=0",
+            "cuda": "; check `nvidia-smi` and CUDA_VISIBLE_DEVICES"}.get(backend, "")
+    return (f"this GPU={backend} build of llama.cpp sees no {backend} device (GPU devices it sees: {seen}): check "
+            f"the toolkit it was built with and the drivers{hint}; then make clean-wheels GPU={backend}")
+
+
 def _ggml() -> ctypes.CDLL | None:
     try:
         import llama_cpp
@@ -173,3 +188,8 @@ def engine_report(*, build: list[BuildGpu], gpu_layers: int, n_layer: int, host:
         return DeviceReport("cpu", [], 0, total, list(host))
     layers = total if gpu_layers < 0 else min(gpu_layers, total)
     return DeviceReport(build[0].backend, [g.memory for g in build], layers, total, list(host))
+
+
+if __name__ == "__main__":  # `python -m nodes.agent.gpu BACKEND`: exit 1 with one line when the build cannot offload
+    problem = build_problem(sys.argv[1]) if len(sys.argv) == 2 else "usage: python -m nodes.agent.gpu BACKEND"
+    sys.exit(f"make: {problem}" if problem else 0)
