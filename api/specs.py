@@ -23,7 +23,7 @@ from api.constraints import apply_constraints
 from api.errors import OpenAIError, invalid
 from api.images import IMAGE_PART_TYPES, image_part
 from api.tools import ToolPlan, tool_plan
-from fleet.aliases import aaliases, alias_resolve
+from fleet.links import registry
 from fleet.selectors import acontext_windows, model_context_window
 from fleet.waiting import DEFAULT_PRIORITY, PRIORITIES, RANKS
 from nodes.link.spec import GenerateSpec
@@ -208,7 +208,7 @@ def _base_spec(body: dict[str, Any], windows: dict[str, int] | None) -> Generate
     model = model_name(body.get("model"), "its name")
     if body.get("n") not in (None, 1):
         raise invalid("Only n=1 is supported; send several requests for several choices.", param="n")
-    spec = GenerateSpec(gen_id=uuid.uuid4().hex, model=alias_resolve(model))
+    spec = GenerateSpec(gen_id=uuid.uuid4().hex, model=registry().aliases.resolve(model))
     spec.max_tokens = _max_tokens(body, spec.model, windows)
     for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
                          ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
@@ -489,7 +489,7 @@ async def aparse(parse: Callable[..., GenerationRequest], body: Any, *, api_key=
     """
     if not parses_in_place(body):
         return await in_thread(parse)(body, api_key=api_key, user=user)
-    await aaliases()  # the model's name is resolved in place: the table is read first, off the event loop
+    await registry().aliases.atable()  # the model's name is resolved in place: the table is read first, off the loop
     asks = "max_tokens" in body or "max_completion_tokens" in body
     windows = await acontext_windows() if asks else {}
     return parse(body, api_key=api_key, user=user, windows=windows)

@@ -24,8 +24,8 @@ from api.errors import OpenAIError, invalid
 from api.generation import Run
 from api.specs import GenerationRequest, model_name
 from api.sse import OpenAIChunks, first_event, sse_response
-from fleet.aliases import alias_resolve
 from fleet.dispatch import Tokens
+from fleet.links import registry
 from nodes.link.spec import GenerateSpec
 from nodes.registry import media_put, media_ref
 
@@ -94,7 +94,8 @@ def transcription_request(request: HttpRequest) -> tuple[GenerationRequest, dict
     upload = _file(request)
     options = _options(request.POST)
     sha256, size = media_put(upload)
-    spec = GenerateSpec(gen_id=uuid.uuid4().hex, model=alias_resolve(options["model"]), prompt=options["prompt"],
+    model = registry().aliases.resolve(options["model"])
+    spec = GenerateSpec(gen_id=uuid.uuid4().hex, model=model, prompt=options["prompt"],
                         max_tokens=UNLIMITED_TOKENS, audio=media_ref(sha256=sha256, size=size),
                         transcribe={"language": options["language"], "word_timestamps": options["words"],
                                     "temperature": options["temperature"]})

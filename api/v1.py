@@ -33,7 +33,6 @@ from api.specs import GenerationRequest, aparse, chat_request, completion_reques
 from api.sse import first_event, sse_response
 from api.transcriptions import serve_transcription
 from fleet import tracing
-from fleet.aliases import aaliases
 from fleet.links import registry
 from fleet.reported import count_checked, embedding_tokens_bound
 from nodes import selectors as node_selectors
@@ -172,7 +171,7 @@ async def _listed() -> dict[str, str | None]:
     served = await served_models()
     names: dict[str, str | None] = dict.fromkeys(sorted({*served, *await sync_to_async(
         node_selectors.models_on_demand)()}))
-    for alias, target in (await aaliases()).items():
+    for alias, target in (await registry().aliases.atable()).items():
         if target in names and alias not in names:
             names[alias] = target
     return names
@@ -259,7 +258,7 @@ async def audio_transcriptions(request: HttpRequest) -> HttpResponse:
 async def embeddings(request: HttpRequest) -> HttpResponse:
     body = json_body(request)
     model, texts, encoding = _embedding_input(body)
-    model = (await aaliases()).get(model, model)
+    model = (await registry().aliases.atable()).get(model, model)
     node, vectors, prompt_tokens = "", [], 0
     for batch in _embedding_batches(texts):
         node, result = await _embedded(model, batch)

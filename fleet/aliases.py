@@ -2,7 +2,7 @@
 
 Resolving runs where a request is parsed, sometimes on the event loop (api.specs.aparse): there it never reads the
 database; `aaliases` refreshes the table first, in a thread, when it is stale. A change made in this process is
-seen at once (a signal drops the table); one made in another head process within ALIASES_TTL_S.
+seen at once (a signal drops the table: nodes.apps); one made in another head process within ALIASES_TTL_S.
 """
 
 from __future__ import annotations
@@ -14,12 +14,35 @@ from asgiref.sync import sync_to_async
 
 ALIASES_TTL_S = 5.0
 
-_table: dict[str, str] = {}
-_loaded_at: float | None = None
 
+class AliasTable:
+    """name -> target, as last loaded; one per head process (on the registry)."""
 
-def _fresh() -> bool:
-    return _loaded_at is not None and time.monotonic() - _loaded_at < ALIASES_TTL_S
+    def __init__(self) -> None:
+        self._table: dict[str, str] = {}
+        self._loaded_at: float | None = None
+
+    def _fresh(self) -> bool:
+        return self._loaded_at is not None and time.monotonic() - self._loaded_at < ALIASES_TTL_S
+
+    def table(self) -> dict[str, str]:
+        """On an event loop, the table as last loaded (`atable` loads it first); elsewhere, fresh."""
+        if not self._fresh() and not _on_loop():
+            from nodes.models import ModelAlias
+
+            self._table = dict(ModelAlias.objects.values_list("name", "target"))
+            self._loaded_at = time.monotonic()
+        return self._table
+
+    async def atable(self) -> dict[str, str]:
+        return self._table if self._fresh() else await sync_to_async(self.table)()
+
+    def resolve(self, name: str) -> str:
+        """The served model a client's `name` stands for (the name itself when it is no alias)."""
+        return self.table().get(name, name)
+
+    def changed(self) -> None:
+        self._loaded_at = None
 
 
 def _on_loop() -> bool:
@@ -28,28 +51,3 @@ def _on_loop() -> bool:
     except RuntimeError:
         return False
     return True
-
-
-def aliases() -> dict[str, str]:
-    """name -> target. On an event loop, the table as last loaded (aaliases loads it first); elsewhere, fresh."""
-    global _table, _loaded_at
-    if not _fresh() and not _on_loop():
-        from nodes.models import ModelAlias
-
-        _table = dict(ModelAlias.objects.values_list("name", "target"))
-        _loaded_at = time.monotonic()
-    return _table
-
-
-async def aaliases() -> dict[str, str]:
-    return _table if _fresh() else await sync_to_async(aliases)()
-
-
-def alias_resolve(name: str) -> str:
-    """The served model a client's `name` stands for (the name itself when it is no alias)."""
-    return aliases().get(name, name)
-
-
-def aliases_changed(**_kwargs) -> None:
-    global _loaded_at
-    _loaded_at = None

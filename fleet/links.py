@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from django.conf import settings
 
+from fleet.aliases import AliasTable
 from fleet.heads import HeadBeat
 from fleet.loading_state import LoadingState
 from fleet.running import Running
@@ -194,6 +195,7 @@ class Registry:
         self.shutdown = Shutdown()  # draining on SIGTERM: no new work, the running generations seen to their end
         self.running = Running()  # the generations placed here and not over: counts, and lanes preemption may take
         self.heads = HeadBeat(lambda: self.placement)  # where this process is served, its beat, the live heads
+        self.aliases = AliasTable()  # model aliases as every API resolves them, kept a few seconds
 
     @property
     def aplacement(self) -> Any:

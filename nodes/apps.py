@@ -8,8 +8,12 @@ class NodesConfig(AppConfig):
     def ready(self) -> None:
         from django.db.models.signals import post_delete, post_save
 
-        from fleet.aliases import aliases_changed
-
         # This process sees an alias change at once; other head processes within fleet.aliases.ALIASES_TTL_S.
-        post_save.connect(aliases_changed, sender="nodes.ModelAlias", dispatch_uid="model-alias-saved")
-        post_delete.connect(aliases_changed, sender="nodes.ModelAlias", dispatch_uid="model-alias-deleted")
+        post_save.connect(_aliases_changed, sender="nodes.ModelAlias", dispatch_uid="model-alias-saved")
+        post_delete.connect(_aliases_changed, sender="nodes.ModelAlias", dispatch_uid="model-alias-deleted")
+
+
+def _aliases_changed(**_kwargs) -> None:
+    from fleet.links import registry
+
+    registry().aliases.changed()

@@ -24,7 +24,7 @@ OVER: dict[str, int] = {
 }
 # Module-level state still outside the registry: caches, lazily built singletons and the node's tracer.
 STATE = {
-    "api/quota_counts.py:_stores", "fleet/aliases.py:_loaded_at", "fleet/aliases.py:_table",
+    "api/quota_counts.py:_stores",
     "fleet/discovery.py:_served",
     "fleet/links.py:_registry", "fleet/metric_store.py:_store", "fleet/metrics.py:_known", "fleet/timers.py:_slices",
     "fleet/tracing.py:_tasks", "nodes/agent/tracing.py:_running", "nodes/link/trace.py:ENABLED",

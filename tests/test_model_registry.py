@@ -212,15 +212,16 @@ def test_an_alias_change_is_seen_at_once_in_the_process_that_made_it(monkeypatch
     from asgiref.sync import async_to_sync
 
     from fleet import aliases
+    from fleet.links import registry
     from nodes.models import ModelAlias
 
-    on_loop = async_to_sync(aliases.aaliases)  # as the streaming endpoints read it
+    on_loop = async_to_sync(registry().aliases.atable)  # as the streaming endpoints read it
     monkeypatch.setattr(aliases, "ALIASES_TTL_S", 3600.0)
     assert on_loop().get("gpt-4o") is None  # loaded, and fresh for an hour
     row = ModelAlias.objects.create(name="gpt-4o", target="smollm2")
     assert on_loop()["gpt-4o"] == "smollm2"
     row.target = "qwen-7b"
     row.save()
-    assert aliases.alias_resolve("gpt-4o") == "qwen-7b"
+    assert registry().aliases.resolve("gpt-4o") == "qwen-7b"
     row.delete()
     assert on_loop().get("gpt-4o") is None
