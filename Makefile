@@ -20,6 +20,8 @@ CMAKE_cuda   := -DGGML_CUDA=on -DGGML_RPC=on
 CMAKE_rocm   := -DGGML_HIP=on -DGGML_RPC=on
 CMAKE_vulkan := -DGGML_VULKAN=on -DGGML_RPC=on
 CMAKE_metal  := -DGGML_METAL=on -DGGML_RPC=on
+# CMAKE_EXTRA: more flags for that build (e.g. -DVulkan_INCLUDE_DIR=DIR where the host's Vulkan headers are too old).
+CMAKE_EXTRA ?=
 TOOL_cuda    := nvcc (the CUDA toolkit)
 TOOL_rocm    := hipcc (ROCm)
 TOOL_vulkan  := glslc (the Vulkan SDK, or Debian's glslc, libvulkan-dev and spirv-headers)
@@ -35,7 +37,7 @@ $(LLAMA_WHL):
 	@tool="$(TOOL_$(GPU))"; test -z "$$tool" || command -v $${tool%% *} >/dev/null || \
 	  { echo "make: GPU=$(GPU) needs $$tool on this host, and it is not on PATH" >&2; exit 2; }
 	rm -rf $(LLAMA_DIR) && mkdir -p $(LLAMA_DIR)
-	CMAKE_ARGS="$(CMAKE_$(GPU))" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PYTHON) -m pip wheel --no-deps --no-cache-dir \
+	CMAKE_ARGS="$(strip $(CMAKE_$(GPU)) $(CMAKE_EXTRA))" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PYTHON) -m pip wheel --no-deps --no-cache-dir \
 	  --no-binary llama-cpp-python -w $(LLAMA_DIR) llama-cpp-python==$(LLAMA_VER)
 	touch $@
 

@@ -36,6 +36,9 @@ log = logging.getLogger("api")
 
 PENDING = object()  # next_event timed out; the stream goes on
 _RECORDING: set[asyncio.Task] = set()  # the records being made: held here so that none is collected half-way
+# How long an answer's end waits for its record (so the client's next read of it, or of its conversation, finds it);
+# past that (the database away: the writer retries for FLEET_RECORD_RETRY_S) the answer ends and the record follows.
+RECORD_WAIT_S = 5.0
 
 
 def share_for(request: GenerationRequest) -> Share:
@@ -197,7 +200,11 @@ class Run:
         task = asyncio.ensure_future(self._settle_and_record(status, error))
         _RECORDING.add(task)
         task.add_done_callback(_RECORDING.discard)
-        await asyncio.shield(task)
+        try:
+            await asyncio.wait_for(asyncio.shield(task), RECORD_WAIT_S)
+        except TimeoutError:  # the client has its answer; a stopping head still waits for the record (shutdown)
+            log.warning("api: generation %s: its record waits for the database; the answer ends without it",
+                        self.request.gen_id)
 
     async def _settle_and_record(self, status: str, error: str) -> None:
         request = self.request

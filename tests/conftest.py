@@ -54,7 +54,8 @@ TIERS: dict[str, set[str]] = {
         "test_soak.py", "test_tokenizers_e2e.py", "test_transcriptions_e2e.py", "test_up_e2e.py",
         "test_vision_e2e.py", "test_agents_e2e.py", "test_hardening_e2e.py", "test_tracing_e2e.py",
         "test_waiting_room_e2e.py", "test_on_demand_e2e.py", "test_redis_calls_e2e.py",
-        "test_shutdown_e2e.py", "test_agents_cli_e2e.py", "test_production_e2e.py",
+        "test_shutdown_e2e.py", "test_agents_cli_e2e.py", "test_production_e2e.py", "test_gpu_vulkan.py",
+        "test_database_outage_e2e.py",
     },
     "browser": {"test_model_admin_browser.py", "test_pages_browser.py"},
 }
@@ -65,7 +66,7 @@ TIER_NAMES = tuple(TIERS)
 # the other's "nothing announced" test).
 BACKEND_FREE = {"test_dbsweep.py", "test_heap.py", "test_json_out.py", "test_record_inline.py", "test_settings.py",
                 "test_up_e2e.py", "test_discovery.py",
-                "test_agents_cli_e2e.py"}
+                "test_agents_cli_e2e.py", "test_gpu_vulkan.py"}
 
 
 def file_tier(name: str) -> str | None:
