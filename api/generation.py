@@ -47,6 +47,14 @@ def share_for(request: GenerationRequest) -> Share:
     return Share(key=str(key.pk), label=key.prefix, priority=request.priority, weight=key.weight, max_waiting=bound)
 
 
+def cache_key_for(request: GenerationRequest) -> str:
+    """The request's prompt_cache_key, scoped to its API key: one key's name never steers another key's placement."""
+    if not request.cache_key:
+        return ""
+    owner = str(request.api_key.pk) if request.api_key is not None else "-"
+    return f"{owner}\x1f{request.cache_key}"
+
+
 class Run:
     """Iterate with `next_event`; end with `abandon()` when the client leaves. Records itself exactly once."""
 
@@ -61,7 +69,7 @@ class Run:
                                               model=request.spec.model, api_key=key, session=request.session_id,
                                               parameters=request.parameters())
         self.stream = generation_stream(request.spec, deadline=request.deadline, batch=request.batch,
-                                        share=share_for(request))
+                                        share=share_for(request), cache_key=cache_key_for(request))
         # its spans: those of the request that made it (the /v1 wrapper's, or `trace`), ended when it is recorded
         self.trace = tracing.generation_begin(self, trace)
         self._events = self.stream.__aiter__()

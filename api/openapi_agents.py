@@ -104,7 +104,9 @@ def responses_request() -> dict[str, Any]:
             "effort": _opt({"type": "string", "enum": ["none", "minimal", "low", "medium", "high", "xhigh"]},
                            "Accepted; above minimal it is left out (X-Fleet-Left-Out)."), "summary": IGNORED}}),
         "background": _opt({"type": "boolean", "enum": [False]}, "Not supported."),
-        "user": IGNORED, "service_tier": IGNORED, "safety_identifier": IGNORED, "prompt_cache_key": IGNORED,
+        "user": IGNORED, "service_tier": IGNORED, "safety_identifier": IGNORED,
+        "prompt_cache_key": _opt(STRING, "Generations of one API key with the same name go where that name's ran, "
+                                 "while that node has a free lane."),
         "stream_options": IGNORED,
     })
 

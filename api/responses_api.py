@@ -89,7 +89,8 @@ def responses_request(body: Any, *, api_key=None, user=None) -> ResponsesRequest
     tools, left_out = _tools(body.get("tools"))
     chat = {"model": body.get("model"), "messages": messages, "stream": body.get("stream"),
             "tools": tools, "tool_choice": _tool_choice(body.get("tool_choice")),
-            "priority": body.get("priority"), **_sampling(body), **_logprobs(body), **_text_format(body.get("text"))}
+            "priority": body.get("priority"), "prompt_cache_key": body.get("prompt_cache_key"),
+            **_sampling(body), **_logprobs(body), **_text_format(body.get("text"))}
     try:
         gen = chat_request({k: v for k, v in chat.items() if v is not None}, api_key=api_key, user=user)
     except OpenAIError as exc:
@@ -356,6 +357,7 @@ def response_object(req: ResponsesRequest, *, status: str, output: list[dict[str
         "tools": body.get("tools") or [], "text": {"format": text.get("format") or {"type": "text"}},
         "top_logprobs": body.get("top_logprobs"), "truncation": "disabled", "usage": usage,
         "user": body.get("user"), "metadata": body.get("metadata") or {},
+        "prompt_cache_key": body.get("prompt_cache_key"),
     }
 
 

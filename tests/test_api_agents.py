@@ -581,3 +581,32 @@ async def test_a_thinking_models_tool_call_after_its_thinking_is_a_tool_use(bear
     starts = [(d["index"], d["content_block"]["type"]) for k, d in events if k == "content_block_start"]
     assert starts == [(0, "thinking"), (1, "tool_use")]
     assert next(d for k, d in events if k == "message_delta")["delta"]["stop_reason"] == "tool_use"
+
+
+OTHER_NODE = "22222222-2222-2222-2222-222222222222"
+
+
+async def test_a_prompt_cache_key_lands_where_its_generations_ran_for_its_own_api_key_only(bearer, other_bearer):
+    """Generations that carry the same prompt_cache_key (Codex sends its conversation's id) land on the node where
+    that key's generations ran, though their prompts share no prefix and the other node is as idle (without the key
+    they take turns); the same name from another API key steers nothing of the first's."""
+    add_fake_node(FakeLink(identity="a"))
+    add_fake_node(FakeLink(node_id=OTHER_NODE, identity="b"))
+
+    async def node_of(key, path, text, cache_key=None):
+        body = {"model": "smollm2", "store": False, **({"prompt_cache_key": cache_key} if cache_key else {})}
+        body.update({"input": text} if path == "/v1/responses" else {"messages": [{"role": "user", "content": text}]})
+        ex = await request("POST", path, key=key, body=body)
+        assert ex.status == 200, ex.body
+        return ex.headers["x-fleet-node"]
+
+    unkeyed = [await node_of(bearer, "/v1/responses", f"Question {i}?") for i in range(4)]
+    assert sorted(unkeyed) == ["a", "a", "b", "b"]  # by cost alone, idle nodes share the work
+    keyed = [await node_of(bearer, path, f"Task {i}: something new.", "c0dex-1")
+             for i, path in enumerate(["/v1/responses", "/v1/responses", "/v1/chat/completions", "/v1/responses"])]
+    assert len(set(keyed)) == 1, keyed
+    others = [await node_of(other_bearer, "/v1/responses", f"Another {i}.", "c0dex-1") for i in range(2)]
+    assert others[0] != keyed[0] and len(set(others)) == 1  # the least routed node, then its own key's node
+    bad = await request("POST", "/v1/responses", key=bearer, body={"model": "smollm2", "input": "Hi",
+                                                                    "prompt_cache_key": 7})
+    assert bad.status == 400 and bad.json()["error"]["param"] == "prompt_cache_key"
