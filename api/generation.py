@@ -21,7 +21,7 @@ from api import revocation
 from api.errors import OpenAIError
 from api.quotas import Ticket, tokens_spent
 from api.specs import GenerationRequest
-from api.thinking import split_thinking
+from api.thinking import ThinkingTokens, split_thinking
 from fleet import metrics, tracing
 from fleet.dispatch import Finished, GenerationError, Started, Tokens, generation_stream
 from fleet.links import registry
@@ -78,6 +78,7 @@ class Run:
         self.finished: Finished | None = None
         self.error: OpenAIError | None = None
         self.logprobs: list[dict[str, Any]] = []
+        self.thinking = ThinkingTokens()  # a thinking model's thinking tokens (the Responses API's reasoning_tokens)
         self.seq = 0
         self.over = False
         self.recorded = False
@@ -148,6 +149,7 @@ class Run:
             self.started = event
         elif isinstance(event, Tokens):
             self.seq += 1
+            self.thinking.feed(event.pieces)
             if event.logprobs:
                 pieces = event.pieces + [""] * (len(event.logprobs) - len(event.pieces))
                 self.logprobs.extend({"token": p, **(e or {})} for p, e in zip(pieces, event.logprobs, strict=False))

@@ -610,3 +610,72 @@ async def test_a_prompt_cache_key_lands_where_its_generations_ran_for_its_own_ap
     bad = await request("POST", "/v1/responses", key=bearer, body={"model": "smollm2", "input": "Hi",
                                                                     "prompt_cache_key": 7})
     assert bad.status == 400 and bad.json()["error"]["param"] == "prompt_cache_key"
+
+
+def sdk_events(events: list[tuple[str, dict]]) -> list:
+    """The events as the official openai client reads and accumulates them (client.responses.stream does this)."""
+    from openai import omit
+    from openai._models import construct_type
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    return [out for _, data in events for out in state.handle_event(construct_type(type_=ResponseStreamEvent,
+                                                                                   value=data))]
+
+
+async def test_a_thinking_models_thinking_is_a_reasoning_item_whole_and_streamed(bearer):
+    """A thinking model's <think>...</think> is a reasoning item before the message (OpenAI's shape: reasoning_text
+    content, no summary), streamed as its own item with reasoning_text deltas, tags cut across token batches
+    included; usage counts the thinking's tokens (the four that came from <think> through </think>)."""
+    add_fake_node(FakeLink(script=lambda spec: Script(tokens=THOUGHT, per_batch=1)))
+    ask = {"model": "smollm2", "input": "Hi", "reasoning": {"summary": "auto"}}
+    body = (await request("POST", "/v1/responses", key=bearer, body=ask)).json()
+    reasoning, message = body["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_") and reasoning["summary"] == []
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "The user greets me; I greet back."}]
+    assert message["type"] == "message" and message["content"][0]["text"] == "Hello!"
+    assert body["usage"]["output_tokens"] == 5 and body["usage"]["output_tokens_details"]["reasoning_tokens"] == 4
+
+    events = sse(await request("POST", "/v1/responses", key=bearer, body={**ask, "stream": True}))
+    items = [(k.rsplit(".", 1)[1], d["output_index"], d["item"]["type"]) for k, d in events
+             if k.startswith("response.output_item.")]
+    assert items == [("added", 0, "reasoning"), ("done", 0, "reasoning"), ("added", 1, "message"),
+                     ("done", 1, "message")]
+    kinds = [k for k, _ in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    thought = "".join(d["delta"] for k, d in events if k == "response.reasoning_text.delta")
+    assert thought == "The user greets me; I greet back." == next(
+        d["text"] for k, d in events if k == "response.reasoning_text.done")
+    assert {d["output_index"] for k, d in events if k == "response.output_text.delta"} == {1}
+    assert "".join(d["delta"] for k, d in events if k == "response.output_text.delta") == "Hello!"
+    assert not any("<think>" in json.dumps(d) or "</think>" in json.dumps(d) for _, d in events)
+    final = events[-1][1]["response"]
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 4
+    completed = sdk_events(events)[-1].response
+    assert completed.output[0].content[0].text == thought and completed.output_text == "Hello!"
+
+
+async def test_a_thinking_models_call_after_its_thinking_follows_its_reasoning_item(bearer):
+    add_fake_node(FakeLink(script=lambda spec: Script(tokens=["<think>I need the weather.</think>\n", *CALL])))
+    ask = {"model": "smollm2", "input": "Weather in Paris?", "tools": [WEATHER]}
+    body = (await request("POST", "/v1/responses", key=bearer, body=ask)).json()
+    assert [(i["type"], i.get("name")) for i in body["output"]] == [("reasoning", None),
+                                                                     ("function_call", "get_weather")]
+    assert body["output"][0]["content"][0]["text"] == "I need the weather."
+    events = sse(await request("POST", "/v1/responses", key=bearer, body={**ask, "stream": True}))
+    added = [(d["output_index"], d["item"]["type"]) for k, d in events if k == "response.output_item.added"]
+    assert added == [(0, "reasoning"), (1, "function_call")]
+    assert sdk_events(events)[-1].response.output[1].arguments == '{"city": "Paris"}'
+
+
+async def test_a_model_that_does_not_think_streams_no_reasoning_item(bearer):
+    add_fake_node(FakeLink(script=lambda spec: Script(tokens=["I think", " <think> is a tag."])))
+    events = sse(await request("POST", "/v1/responses", key=bearer, body={
+        "model": "smollm2", "input": "Hi", "reasoning": {"effort": "high"}, "stream": True}))
+    assert not any(k.startswith("response.reasoning") for k, _ in events)
+    final = events[-1][1]["response"]
+    assert [i["type"] for i in final["output"]] == ["message"]
+    assert final["output"][0]["content"][0]["text"] == "I think <think> is a tag."
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
