@@ -3,13 +3,15 @@
 Models with a thinking mode in their chat template (Qwen3, DeepSeek-R1 and their kin) answer `<think>...</think>`
 then the answer. The Messages API gives that part as a `thinking` block (`thinking_delta` events when streamed), the
 Responses API as a `reasoning` item (`response.reasoning_text.delta` events) whose tokens its usage counts
-(`ThinkingTokens`), and tool calls are read from what follows it. A model that does not think answers without one:
-nothing here changes it.
+(`ThinkingTokens`, from nodes.link.thinking: the node holds a thinking budget with it), and tool calls are read from
+what follows it. A model that does not think answers without one: nothing here changes it.
 """
 
 from __future__ import annotations
 
-OPEN, CLOSE = "<think>", "</think>"
+from nodes.link.thinking import CLOSE, OPEN, ThinkingTokens
+
+__all__ = ["CLOSE", "OPEN", "Splitter", "ThinkingTokens", "split_thinking"]
 
 
 def split_thinking(text: str) -> tuple[str, str]:
@@ -80,43 +82,3 @@ def _safe_end(text: str) -> int:
             end = len(text) - size
             break
     return len(text[:end].rstrip("\n"))
-
-
-class ThinkingTokens:
-    """How many of an answer's tokens were its thinking, counted as their pieces arrive: those from the opening
-    <think> through the one that completes </think> (each of them, when it never closes); none when the answer does
-    not open with <think>. The node does not report the split: this counts the token pieces the head relays, so a
-    token that holds both the tag's end and the answer's start counts as thinking."""
-
-    def __init__(self) -> None:
-        self.tokens = 0
-        self.state = "start"  # start | thinking | over
-        self.seen = ""  # start: the text so far; thinking: its tail, where a </think> cut across tokens may begin
-
-    @property
-    def count(self) -> int:
-        """The thinking's tokens so far (none while the answer may still open with <think>: it has not yet)."""
-        return 0 if self.state == "start" else self.tokens
-
-    def feed(self, pieces: list[str]) -> None:
-        for piece in pieces:
-            if self.state == "over":
-                return
-            self.tokens += 1
-            self.seen += piece
-            if self.state == "start":
-                self._decide()
-            elif CLOSE in self.seen:
-                self.state = "over"
-            else:
-                self.seen = self.seen[1 - len(CLOSE):]
-
-    def _decide(self) -> None:
-        text = self.seen.lstrip()
-        if not text or (OPEN.startswith(text) and text != OPEN):
-            return  # white space, or what may still become <think>
-        if not text.startswith(OPEN):
-            self.tokens, self.state = 0, "over"
-            return
-        self.seen = text[len(OPEN):]
-        self.state = "over" if CLOSE in self.seen else "thinking"

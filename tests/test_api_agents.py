@@ -679,3 +679,19 @@ async def test_a_model_that_does_not_think_streams_no_reasoning_item(bearer):
     assert [i["type"] for i in final["output"]] == ["message"]
     assert final["output"][0]["content"][0]["text"] == "I think <think> is a tag."
     assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
+
+
+async def test_a_thinking_budget_is_sent_to_the_node_which_holds_a_thinking_model_to_it(bearer):
+    """Messages' thinking.budget_tokens is the generation's thinking_budget (the node closes a thinking that reaches
+    it: test_engine_mock, test_engine_llama); adaptive thinking has none; a budget that is not a count is a 400."""
+    link = add_fake_node()
+    ex = await request("POST", "/v1/messages", key=bearer, body=msg(thinking={"type": "enabled",
+                                                                          "budget_tokens": 1024}))
+    assert ex.status == 200 and link.specs[-1]["thinking_budget"] == 1024
+    assert "budget" not in ex.headers["x-fleet-left-out"]
+    await request("POST", "/v1/messages", key=bearer, body=msg(thinking={"type": "adaptive"}))
+    assert link.specs[-1]["thinking_budget"] == 0
+    for budget in (0, "many", True):
+        refused = await request("POST", "/v1/messages", key=bearer, body=msg(thinking={"type": "enabled",
+                                                                                   "budget_tokens": budget}))
+        assert refused.status == 400 and "budget_tokens" in refused.json()["error"]["message"]

@@ -1,6 +1,6 @@
-"""api.thinking: a thinking model's thinking told from its answer, and its tokens counted (no Django)."""
+"""nodes.link.thinking: a thinking model's thinking tokens counted as they come (shared by the head and the node)."""
 
-from api.thinking import ThinkingTokens
+from nodes.link.thinking import ThinkingTokens
 
 
 def counted(*batches: list[str]) -> int:
