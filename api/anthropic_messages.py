@@ -58,7 +58,7 @@ def messages_request(body: Any, *, api_key=None, user=None, counting: bool = Fal
     for name, why in REFUSED.items():
         if body.get(name):
             raise invalid(f"{name}: {why}", param=name)
-    thinking = _thinking(body.get("thinking"))
+    budget, thinking = _thinking(body.get("thinking"))
     metadata = body.get("metadata")
     if metadata is not None and (not isinstance(metadata, dict) or
                                  not isinstance(metadata.get("user_id"), str | None)):
@@ -81,6 +81,7 @@ def messages_request(body: Any, *, api_key=None, user=None, counting: bool = Fal
             exc.param, exc.message = name, exc.message.replace(exc.param, name, 1)
         raise
     gen.api = "messages"
+    gen.spec.thinking_budget = budget
     gen.left_out += thinking + capped + unknown_fields(body, KNOWN)
     return gen
 
@@ -99,17 +100,21 @@ def _within_window(max_tokens: Any, model: Any) -> tuple[Any, list[str]]:
     return window, [f"max_tokens {max_tokens}: capped to {window}, the context window of {model!r}"]
 
 
-def _thinking(thinking: Any) -> list[str]:
-    """`thinking` of any of Anthropic's types is accepted; what it asked for that the answer will not have."""
+def _thinking(thinking: Any) -> tuple[int, list[str]]:
+    """`thinking` of any of Anthropic's types is accepted: its budget (0: none), which the node holds a thinking
+    model to, and what it asked for that the answer may not have."""
     if thinking is None:
-        return []
+        return 0, []
     if not isinstance(thinking, dict) or thinking.get("type") not in THINKING:
         raise invalid('thinking: must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or '
                       '{"type": "disabled"}.', param="thinking")
+    budget = thinking.get("budget_tokens") if thinking["type"] == "enabled" else None
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise invalid("thinking.budget_tokens: must be a whole number of at least 1.", param="thinking.budget_tokens")
     if thinking["type"] == "disabled":
-        return []
-    return [f"thinking ({thinking['type']}): thinking blocks come only from a model that thinks (<think>), and "
-            "budget_tokens is not held to"]
+        return 0, []
+    return budget or 0, [f"thinking ({thinking['type']}): thinking blocks come only from a model that thinks "
+                         "(<think>)"]
 
 
 def _system_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

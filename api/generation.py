@@ -21,7 +21,7 @@ from api import revocation
 from api.errors import OpenAIError
 from api.quotas import Ticket, tokens_spent
 from api.specs import GenerationRequest
-from api.thinking import split_thinking
+from api.thinking import ThinkingTokens, split_thinking
 from fleet import metrics, tracing
 from fleet.dispatch import Finished, GenerationError, Started, Tokens, generation_stream
 from fleet.links import registry
@@ -50,6 +50,14 @@ def share_for(request: GenerationRequest) -> Share:
     return Share(key=str(key.pk), label=key.prefix, priority=request.priority, weight=key.weight, max_waiting=bound)
 
 
+def cache_key_for(request: GenerationRequest) -> str:
+    """The request's prompt_cache_key, scoped to its API key: one key's name never steers another key's placement."""
+    if not request.cache_key:
+        return ""
+    owner = str(request.api_key.pk) if request.api_key is not None else "-"
+    return f"{owner}\x1f{request.cache_key}"
+
+
 class Run:
     """Iterate with `next_event`; end with `abandon()` when the client leaves. Records itself exactly once."""
 
@@ -64,7 +72,7 @@ class Run:
                                               model=request.spec.model, api_key=key, session=request.session_id,
                                               parameters=request.parameters())
         self.stream = generation_stream(request.spec, deadline=request.deadline, batch=request.batch,
-                                        share=share_for(request))
+                                        share=share_for(request), cache_key=cache_key_for(request))
         # its spans: those of the request that made it (the /v1 wrapper's, or `trace`), ended when it is recorded
         self.trace = tracing.generation_begin(self, trace)
         self._events = self.stream.__aiter__()
@@ -73,6 +81,7 @@ class Run:
         self.finished: Finished | None = None
         self.error: OpenAIError | None = None
         self.logprobs: list[dict[str, Any]] = []
+        self.thinking = ThinkingTokens()  # a thinking model's thinking tokens (the Responses API's reasoning_tokens)
         self.seq = 0
         self.over = False
         self.recorded = False
@@ -143,6 +152,7 @@ class Run:
             self.started = event
         elif isinstance(event, Tokens):
             self.seq += 1
+            self.thinking.feed(event.pieces)
             if event.logprobs:
                 pieces = event.pieces + [""] * (len(event.logprobs) - len(event.pieces))
                 self.logprobs.extend({"token": p, **(e or {})} for p, e in zip(pieces, event.logprobs, strict=False))

@@ -102,17 +102,20 @@ def responses_request() -> dict[str, Any]:
         "truncation": _opt({"type": "string", "enum": ["disabled"]}),
         "reasoning": _opt({"type": "object", "properties": {
             "effort": _opt({"type": "string", "enum": ["none", "minimal", "low", "medium", "high", "xhigh"]},
-                           "Accepted; above minimal it is left out (X-Fleet-Left-Out)."), "summary": IGNORED}}),
+                           "Accepted; above minimal it is not held to (X-Fleet-Left-Out): a "
+                           "model that thinks answers with a reasoning item first."), "summary": IGNORED}}),
         "background": _opt({"type": "boolean", "enum": [False]}, "Not supported."),
-        "user": IGNORED, "service_tier": IGNORED, "safety_identifier": IGNORED, "prompt_cache_key": IGNORED,
+        "user": IGNORED, "service_tier": IGNORED, "safety_identifier": IGNORED,
+        "prompt_cache_key": _opt(STRING, "Generations of one API key with the same name go where that name's ran, "
+                                 "while that node has a free lane."),
         "stream_options": IGNORED,
     })
 
 
 OUTPUT_ITEM = {"type": "object", "required": ["type", "id"], "properties": {
-    "type": {"type": "string", "enum": ["message", "function_call"]}, "id": STRING, "status": STRING,
+    "type": {"type": "string", "enum": ["reasoning", "message", "function_call"]}, "id": STRING, "status": STRING,
     "role": STRING, "content": {"type": "array", "items": {"type": "object"}}, "call_id": STRING, "name": STRING,
-    "arguments": STRING}}
+    "arguments": STRING, "summary": {"type": "array", "items": {"type": "object"}}}}
 RESPONSE = _object(["id", "object", "created_at", "status", "model", "output"], **{
     "id": STRING, "object": _kind("response"), "created_at": {"type": "integer"},
     "status": {"type": "string", "enum": ["completed", "incomplete", "failed", "in_progress"]},
@@ -120,7 +123,8 @@ RESPONSE = _object(["id", "object", "created_at", "status", "model", "output"], 
     "usage": {"type": "object", "nullable": True, "properties": {
         "input_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"},
         "total_tokens": {"type": "integer"},
-        "input_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}},
+        "input_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}},
+        "output_tokens_details": {"type": "object", "properties": {"reasoning_tokens": {"type": "integer"}}}}},
 })
 DELETED = _object(["id", "object", "deleted"], id=STRING, object=_kind("response"), deleted={"type": "boolean"})
 ITEMS = _object(["object", "data", "has_more"], object=_kind("list"), has_more={"type": "boolean"},

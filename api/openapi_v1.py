@@ -128,6 +128,8 @@ def _common() -> dict[str, Any]:
         "deadline_ms": _integer(1, specs.MAX_DEADLINE_MS, "How long the request may wait for a lane and run."),
         "priority": _opt({"type": "string", "enum": list(PRIORITIES)}, "Its class when every lane is busy, at most "
                          "the key's (default: the key's)."),
+        "prompt_cache_key": _opt({"type": "string"}, "Generations of one API key with the same name go where that "
+                                 "name's ran, while that node has a free lane."),
         "user": {"description": "Accepted and ignored."},
         "metadata": {"description": "Accepted and ignored."},
     }

@@ -21,6 +21,7 @@ from api.json_out import json_bytes
 from api.responses import chat_logprobs
 from api.specs import MAX_TOP_LOGPROBS, GenerationRequest, _for_node, chat_request, shown, unknown_fields
 from api.sse import KEEPALIVE
+from api.thinking import Splitter, split_thinking
 from api.v1 import json_body, openai_view, respond
 from fleet.dispatch import Tokens
 from fleet.selectors import model_context_window
@@ -89,7 +90,8 @@ def responses_request(body: Any, *, api_key=None, user=None) -> ResponsesRequest
     tools, left_out = _tools(body.get("tools"))
     chat = {"model": body.get("model"), "messages": messages, "stream": body.get("stream"),
             "tools": tools, "tool_choice": _tool_choice(body.get("tool_choice")),
-            "priority": body.get("priority"), **_sampling(body), **_logprobs(body), **_text_format(body.get("text"))}
+            "priority": body.get("priority"), "prompt_cache_key": body.get("prompt_cache_key"),
+            **_sampling(body), **_logprobs(body), **_text_format(body.get("text"))}
     try:
         gen = chat_request({k: v for k, v in chat.items() if v is not None}, api_key=api_key, user=user)
     except OpenAIError as exc:
@@ -209,7 +211,8 @@ def _content(content: Any, param: str) -> Any:
 
 def _reasoning_left_out(reasoning: dict[str, Any] | None) -> list[str]:
     if reasoning and reasoning.get("effort") not in (None, "none", "minimal"):
-        return [f"reasoning.effort {reasoning['effort']}: the fleet's models do not reason on request"]
+        return [f"reasoning.effort {reasoning['effort']}: not held to (a model that thinks, thinks as its chat "
+                "template has it; one that does not gives no reasoning)"]
     return []
 
 
@@ -336,7 +339,8 @@ def _usage(run: Run) -> dict[str, Any]:
     usage = run.usage()
     return {"input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": run.thinking.count},
             "total_tokens": usage["total_tokens"]}
 
 
@@ -356,6 +360,7 @@ def response_object(req: ResponsesRequest, *, status: str, output: list[dict[str
         "tools": body.get("tools") or [], "text": {"format": text.get("format") or {"type": "text"}},
         "top_logprobs": body.get("top_logprobs"), "truncation": "disabled", "usage": usage,
         "user": body.get("user"), "metadata": body.get("metadata") or {},
+        "prompt_cache_key": body.get("prompt_cache_key"),
     }
 
 
@@ -369,6 +374,13 @@ def _message_item(req: ResponsesRequest, text: str, logprobs: list | None, statu
             "content": [part] if status != "in_progress" else []}
 
 
+def _reasoning_item(req: ResponsesRequest, text: str, status: str = "completed") -> dict[str, Any]:
+    """A thinking model's thinking (its <think>...</think>) as OpenAI's reasoning item: the text is its content,
+    there is no summary."""
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+    return {"type": "reasoning", "id": req.item_id("rs"), "summary": [], "content": content, "status": status}
+
+
 def _call_item(req: ResponsesRequest, index: int, call: dict[str, Any], arguments: str | None = None,
                status: str = "completed") -> dict[str, Any]:
     function = call["function"]
@@ -380,11 +392,16 @@ def _call_item(req: ResponsesRequest, index: int, call: dict[str, Any], argument
 
 
 def output_items(req: ResponsesRequest, run: Run) -> list[dict[str, Any]]:
+    """The answer's items: a thinking model's reasoning first, then its calls or its message."""
+    thought, answer = split_thinking(run.text)
+    items = [_reasoning_item(req, thought)] if thought else []
     calls = run.tool_calls()
     if calls:
-        return [_call_item(req, i, call) for i, call in enumerate(calls)]
-    logprobs = chat_logprobs(None, run.logprobs) if req.gen.spec.logprobs else None
-    return [_message_item(req, run.text, logprobs, _status(run))]
+        return items + [_call_item(req, i, call) for i, call in enumerate(calls)]
+    # the thinking's tokens are the reasoning's: the message's logprobs are the answer's own
+    logprobs = chat_logprobs(None, run.logprobs[run.thinking.count if thought else 0:]) \
+        if req.gen.spec.logprobs else None
+    return items + [_message_item(req, answer, logprobs, _status(run))]
 
 
 def finished_object(req: ResponsesRequest, run: Run) -> dict[str, Any]:
@@ -408,7 +425,8 @@ async def store_answer(req: ResponsesRequest, run: Run, body: dict[str, Any]) ->
 
 
 class ResponsesEvents:
-    """A Run's events as the Responses API streams them, each with its sequence_number (an api.sse.Sink)."""
+    """A Run's events as the Responses API streams them, each with its sequence_number (an api.sse.Sink). A thinking
+    model's thinking is a reasoning item at output index 0, streamed before the answer's items, which follow it."""
 
     keepalive = KEEPALIVE
 
@@ -421,6 +439,10 @@ class ResponsesEvents:
         self.held = ""
         self.opened = False
         self.text = ""
+        self.splitter = Splitter()  # a thinking model's <think>...</think>: the reasoning item's, not the answer's
+        self.thought = ""
+        self.reasoning = "none"  # none | open | done
+        self.first = 0  # the output index of the answer's first item: 1 after a reasoning item
 
     def event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}
@@ -432,22 +454,57 @@ class ResponsesEvents:
         return [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
 
     def tokens(self, event: Tokens) -> list[bytes]:
-        text = event.text
+        pieces = self.splitter.feed(event.text)
+        # a batch that held thinking too: its logprobs are not the answer's alone, and are left to the final item
+        whole = event if all(kind == "text" for kind, _ in pieces) else None
+        return self._pieces(pieces, whole)
+
+    def _pieces(self, pieces: list[tuple[str, str]], event: Tokens | None) -> list[bytes]:
+        out: list[bytes] = []
+        for kind, piece in pieces:
+            out += self._thought(piece) if kind == "thinking" else self._answer(piece, event)
+        return out
+
+    def _thought(self, text: str) -> list[bytes]:
+        out = []
+        if self.reasoning == "none" and not text.strip():
+            return []  # the newlines of a thinking cut short: no item of their own (split_thinking gives none)
+        if self.reasoning == "none":
+            self.reasoning, self.first = "open", 1
+            out.append(self.event("response.output_item.added", output_index=0,
+                                  item=_reasoning_item(self.req, "", "in_progress")))
+        self.thought += text
+        return out + [self.event("response.reasoning_text.delta", item_id=self.req.item_id("rs"), output_index=0,
+                                 content_index=0, delta=text)]
+
+    def _end_thought(self, item: dict[str, Any] | None = None) -> list[bytes]:
+        """The reasoning item's end: at the answer's first text, or at the stream's end with the final `item`."""
+        if self.reasoning != "open":
+            return []
+        self.reasoning = "done"
+        item = item or _reasoning_item(self.req, self.thought)
+        self.thought = item["content"][0]["text"]
+        return [self.event("response.reasoning_text.done", item_id=item["id"], output_index=0, content_index=0,
+                           text=self.thought),
+                self.event("response.output_item.done", output_index=0, item=item)]
+
+    def _answer(self, text: str, event: Tokens | None) -> list[bytes]:
+        out = self._end_thought()
         if self.holding:
             self.held += text
             if self.decided or not self.held.strip() or self.held.lstrip().startswith(("{", "[", "`")):
                 self.decided = True
-                return []
+                return out
             self.holding, text = False, self.held
-        return self._delta(text, event)
+        return out + self._delta(text, event)
 
     def _delta(self, text: str, event: Tokens | None) -> list[bytes]:
         out = self._open()
         if text:
             self.text += text
             logprobs = chat_logprobs(event.pieces, event.logprobs) if event and self.req.gen.spec.logprobs else []
-            out.append(self.event("response.output_text.delta", item_id=self.req.item_id("msg"), output_index=0,
-                                  content_index=0, delta=text, logprobs=logprobs))
+            out.append(self.event("response.output_text.delta", item_id=self.req.item_id("msg"),
+                                  output_index=self.first, content_index=0, delta=text, logprobs=logprobs))
         return out
 
     def _open(self) -> list[bytes]:
@@ -456,29 +513,35 @@ class ResponsesEvents:
         self.opened = True
         item = _message_item(self.req, "", None, "in_progress")
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [self.event("response.output_item.added", output_index=0, item=item),
-                self.event("response.content_part.added", item_id=item["id"], output_index=0, content_index=0,
-                           part=part)]
+        return [self.event("response.output_item.added", output_index=self.first, item=item),
+                self.event("response.content_part.added", item_id=item["id"], output_index=self.first,
+                           content_index=0, part=part)]
 
     async def closing(self) -> list[bytes]:
         final = finished_object(self.req, self.run)
         await store_answer(self.req, self.run, final)  # before the client hears it is done: its next turn may name it
-        calls = self.run.tool_calls()
-        out = self._calls(final["output"]) if calls else self._close_message(final["output"][0])
+        output = final["output"]
+        reasoning = output[0] if output and output[0]["type"] == "reasoning" else None
+        out = self._pieces(self.splitter.flush(), None)
+        if reasoning is not None and self.reasoning == "none":  # a thinking the splitter still held whole
+            out += self._thought(reasoning["content"][0]["text"])
+        out += self._end_thought(reasoning)
+        items = output[self.first:]
+        out += self._calls(items) if self.run.tool_calls() else self._close_message(items[0])
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return [*out, self.event(kind, response=final)]
 
     def _close_message(self, item: dict[str, Any]) -> list[bytes]:
         out = self._delta(self.held, None) if self.holding else self._open()
         part = item["content"][0]
-        ids = {"item_id": item["id"], "output_index": 0, "content_index": 0}
+        ids = {"item_id": item["id"], "output_index": self.first, "content_index": 0}
         return [*out, self.event("response.output_text.done", **ids, text=part["text"], logprobs=part["logprobs"]),
                 self.event("response.content_part.done", **ids, part=part),
-                self.event("response.output_item.done", output_index=0, item=item)]
+                self.event("response.output_item.done", output_index=self.first, item=item)]
 
     def _calls(self, items: list[dict[str, Any]]) -> list[bytes]:
         out = []
-        for index, item in enumerate(items):
+        for index, item in enumerate(items, start=self.first):
             ids = {"item_id": item["id"], "output_index": index}
             out += [self.event("response.output_item.added", output_index=index,
                                item={**item, "arguments": "", "status": "in_progress"}),

@@ -56,6 +56,7 @@ class GenerationRequest:
     priority: str = DEFAULT_PRIORITY  # its class in the waiting room (fleet.waiting): its key's, or lower if asked
     api: str = ""  # the interface that asked, where it is not `kind`'s own ("responses", "messages")
     left_out: list[str] = field(default_factory=list)  # what the request sent that the fleet accepted but cannot do
+    cache_key: str = ""  # prompt_cache_key: the client's name for its prompt's prefix (placement, api.generation)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -133,7 +134,16 @@ def _request(kind, spec, body, api_key, *, plan=None, session_id=None, new_messa
     _fits_a_link_frame(spec)
     return GenerationRequest(kind, spec, deadline, stream=stream, include_usage=stream and bool(
         options.get("include_usage")), tools=plan, session_id=session_id, new_messages=new_messages or [],
-        api_key=api_key, priority=_priority(body, api_key))
+        api_key=api_key, priority=_priority(body, api_key), cache_key=_cache_key(body))
+
+
+def _cache_key(body: dict[str, Any]) -> str:
+    """`prompt_cache_key` (OpenAI's): generations that carry the same one, from the same API key, are placed where
+    that name's generations ran."""
+    value = body.get("prompt_cache_key")
+    if value is not None and not isinstance(value, str):
+        raise invalid("prompt_cache_key must be a string.", param="prompt_cache_key")
+    return value or ""
 
 
 def _priority(body: dict[str, Any], api_key) -> str:
@@ -465,7 +475,7 @@ IN_PLACE_FIELDS = frozenset({
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "min_p", "top_k",
     "presence_penalty", "frequency_penalty", "repeat_penalty", "seed", "stop", "n", "logit_bias", "ignore_eos",
     "batch_invariant", "lora", "logprobs", "top_logprobs", "stream", "stream_options", "deadline_ms", "user",
-    "echo", "suffix", "best_of", "priority",
+    "echo", "suffix", "best_of", "priority", "prompt_cache_key",
 })
 
 

@@ -1,13 +1,17 @@
 """A model's thinking, told from its answer: the text between the `<think>` that opens an answer and its `</think>`.
 
 Models with a thinking mode in their chat template (Qwen3, DeepSeek-R1 and their kin) answer `<think>...</think>`
-then the answer. The Messages API gives that part as a `thinking` block (`thinking_delta` events when streamed), and
-tool calls are read from what follows it. A model that does not think answers without one: nothing here changes it.
+then the answer. The Messages API gives that part as a `thinking` block (`thinking_delta` events when streamed), the
+Responses API as a `reasoning` item (`response.reasoning_text.delta` events) whose tokens its usage counts
+(`ThinkingTokens`, from nodes.link.thinking: the node holds a thinking budget with it), and tool calls are read from
+what follows it. A model that does not think answers without one: nothing here changes it.
 """
 
 from __future__ import annotations
 
-OPEN, CLOSE = "<think>", "</think>"
+from nodes.link.thinking import CLOSE, OPEN, ThinkingTokens
+
+__all__ = ["CLOSE", "OPEN", "Splitter", "ThinkingTokens", "split_thinking"]
 
 
 def split_thinking(text: str) -> tuple[str, str]:

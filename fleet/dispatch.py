@@ -96,10 +96,12 @@ class Outcome:
 class GenerationStream:
     """One generation's life on the head: placement, relay, failover. Iterate it once."""
 
-    def __init__(self, spec: GenerateSpec, *, deadline: float, batch: bool = False, share: Share | None = None):
+    def __init__(self, spec: GenerateSpec, *, deadline: float, batch: bool = False, share: Share | None = None,
+                 cache_key: str = ""):
         self.spec = spec
         self.deadline = deadline
         self.batch = batch
+        self.cache_key = cache_key  # its prompt_cache_key, scoped to its API key: placed where that name ran
         self.share = share or Share()
         self.outcome = Outcome()
         self._seq = 0
@@ -280,7 +282,7 @@ class GenerationStream:
         reported = {"completion_tokens": count_checked(event.usage.get("completion_tokens"), streamed,
                                                        what="completion_tokens", node=link.identity,
                                                        gen_id=self.spec.gen_id)}
-        await registry().lifecycle.adone(link.node_id, self.spec, self.placer.keys, answer=self.outcome.text,
+        await registry().lifecycle.adone(link.node_id, self.spec, self.placer.held(), answer=self.outcome.text,
                                          usage=reported, tokenizer=self.placer.tokenizer, evicted=evicted)
         self.outcome.finish_reason = event.finish_reason
         self.outcome.timings = dict(event.timings)
@@ -408,7 +410,9 @@ def _status_for(code: str) -> int:
 
 
 def generation_stream(spec: GenerateSpec, *, deadline: float, batch: bool = False,
-                      share: Share | None = None) -> GenerationStream:
+                      share: Share | None = None, cache_key: str = "") -> GenerationStream:
     """`batch`: a batch job's line, placed after every interactive generation and within its share of lanes.
-    `share`: its key, class and weight in the waiting room (fleet.waiting); none: the default class, no key."""
-    return GenerationStream(spec, deadline=deadline, batch=batch, share=share)
+    `share`: its key, class and weight in the waiting room (fleet.waiting); none: the default class, no key.
+    `cache_key`: the name its client gave its prompt's prefix (prompt_cache_key), scoped to its API key: placed on
+    a node where generations with that name ran, when one has a free lane."""
+    return GenerationStream(spec, deadline=deadline, batch=batch, share=share, cache_key=cache_key)

@@ -391,6 +391,10 @@ class AsyncRedisPlacement:
     async def free_lanes(self, model: str) -> int:
         return sum(s.free for s in await self.nodes() if model in s.models and s.schedulable)
 
+    async def holders(self, key: str) -> set[str]:
+        r, _ = self.state._async_client()
+        return set(await r.hkeys(f"{self.state.p}k:{key}"))
+
     async def choose(self, model: str, keys: list[PrefixKey], **kwargs: Any) -> Choice | None:
         choice, slots = await self.state._arun(self.state._op_choose(model, keys, **kwargs))
         self._keep(slots)

@@ -2,7 +2,8 @@
 
 A `Placer` belongs to one `fleet.dispatch.GenerationStream` (its `gen`) and runs each of its placements (the first,
 after a failover, after a preemption). It keys the prompt (prefix keys, with the tokenizer of the nodes that serve the
-model), keeps to the key's bound on waiting generations and the batch lines' share of lanes, preempts a lower one
+model, and the key of the name its client gave the prefix, OpenAI's `prompt_cache_key`, whose holder is tried
+first), keeps to the key's bound on waiting generations and the batch lines' share of lanes, preempts a lower one
 where the rules say (fleet.running), has an on-demand model loaded, and writes the placement's evidence (queued,
 waited, loaded, failed over) into the generation's outcome.
 """
@@ -21,7 +22,7 @@ from fleet.links import registry
 from fleet.live import fleet_changed
 from fleet.waiting import BATCH, RANKS, Share, Waiter
 from nodes.agent.vocab import BUILTINS, BYTES
-from nodes.link.lifecycle import aplacement_keys
+from nodes.link.lifecycle import aplacement_keys, named_placement_key
 from nodes.link.prefix import PrefixKey
 from nodes.link.spec import GenerateSpec
 from nodes.tokenizers import fingerprint_served, tokenizer_get, tokenizer_known
@@ -47,6 +48,7 @@ class Placed(Protocol):
     spec: GenerateSpec
     deadline: float
     batch: bool
+    cache_key: str  # the prefix's name its client gave (prompt_cache_key), scoped to its API key; "" without one
     share: Share
     outcome: Any  # fleet.dispatch.Outcome: `placement` and the node it ran on are written here
     trace: Any
@@ -58,6 +60,7 @@ class Placer:
     def __init__(self, gen: Placed) -> None:
         self.gen = gen
         self.keys: list[PrefixKey] | None = None  # the prompt's, once its model's tokenizer is known (_key)
+        self.named: PrefixKey | None = None  # its cache key's (gen.cache_key), keyed with them
         self.tokenizer: Any = None
         self._tokenizer_due = ""  # the fingerprint whose file the keys wait for (they are bytes' until it is in)
         self.counted = False  # counted in registry().running (from its first placement to its end)
@@ -201,7 +204,9 @@ class Placer:
         if counting:  # counted before choosing, which may await Redis: two batch lines must not both pass the share
             self._count(1)
         place = {"only": linked, "head": heads.PROCESS_ID}
-        choice = await reg.lifecycle.achoose(gen.spec, self.keys, exclude=excluded | unable, **place)
+        choice = await _choose_named(reg, self, nodes, excluded | unable, linked)
+        if choice is None:
+            choice = await reg.lifecycle.achoose(gen.spec, self.keys, exclude=excluded | unable, **place)
         if choice is None and excluded:
             choice = await reg.lifecycle.achoose(gen.spec, self.keys, exclude=unable, **place)
         if choice is None and counting:
@@ -209,6 +214,10 @@ class Placer:
         if choice is None:  # the lanes were taken as it chose (Redis' view)
             await self._still_waiting(model)
         return choice
+
+    def held(self) -> list[PrefixKey]:
+        """What the node it ran on holds once it is done, besides its answer: the prompt's keys and its name's."""
+        return [*(self.keys or []), *([self.named] if self.named else [])]
 
     async def _still_waiting(self, model: str) -> None:
         """No lane for it this time: an on-demand model whose queue waits too long gets one more replica."""
@@ -241,6 +250,7 @@ class Placer:
         fingerprint = fingerprint_served(spec.model, [s.tokenizers for s in nodes]) or BYTES
         self.tokenizer = BUILTINS.get(fingerprint) or await asyncio.to_thread(tokenizer_get, fingerprint)
         self.keys = await aplacement_keys(spec, self.tokenizer)
+        self.named = named_placement_key(spec, self.tokenizer, self.gen.cache_key) if self.gen.cache_key else None
         # Keyed by bytes while the file of its nodes' tokenizer is on its way (a node that just joined is not
         # placed until the file is in): keyed again once it is, so the node records the keys the next turn looks up.
         self._tokenizer_due = fingerprint if self.tokenizer is BUILTINS[BYTES] and fingerprint != BYTES else ""
@@ -311,3 +321,18 @@ async def _refuse_if_held(model: str, serving) -> None:
     raise GenerationError("model_unavailable", f"Every node serving {model!r} takes no new generations: {held}. "
                           "Uncordon one (admin, Nodes) or start another node serving it.", status=503, retry_after=5,
                           kind="server_error")
+
+
+async def _choose_named(reg, placer: Placer, nodes, exclude: set[str], linked: set[str]):
+    """A generation whose client named its prefix (prompt_cache_key) goes where that name's generations ran (the
+    index holds the name's key there, as it holds a conversation's prompt), when one of those nodes has a free lane;
+    None: it is placed by cost alone."""
+    if placer.named is None:
+        return None
+    spec = placer.gen.spec
+    held = await reg.aplacement.holders(placer.named.key)
+    where = {s.node_id for s in nodes if s.node_id in held and s.node_id in linked and s.node_id not in exclude
+             and s.free > 0 and s.schedulable and spec.model in s.models}
+    if not where:
+        return None
+    return await reg.lifecycle.achoose(spec, placer.keys, exclude=exclude, only=where, head=heads.PROCESS_ID)

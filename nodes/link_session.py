@@ -49,6 +49,7 @@ from nodes.link.messages import (
     TokenizerFile,
 )
 from nodes.link.placement import NodeSlot
+from nodes.link.spec import spec_for_node
 from nodes.link_checks import heartbeat_problem, model_files, register_problem
 from nodes.link_deploy import LinkDeploy
 from nodes.link_down import REDIS_AWAY, node_down
@@ -86,6 +87,7 @@ class LinkSession:
         self.held = False  # drained or cordoned by the operator
         self.engine_ready = True  # the node's engine worker is up (heartbeats say so)
         self.heads_sent: list[str] | None = None  # the live heads last told to a node that takes `heads`
+        self.features: frozenset[str] = frozenset()  # what the node takes beyond protocol 1 (its register's)
         self.tokens_history: deque = deque(maxlen=TOKENS_HISTORY_S // max(settings.FLEET_HEARTBEAT_S, 1) + 1)
         self.last_touch = 0.0
         self.said_bye = False
@@ -121,6 +123,10 @@ class LinkSession:
 
     # --- LinkHandle, used by fleet.dispatch ---
     async def send_generate(self, gen_id: str, spec: dict[str, Any]) -> None:
+        spec, dropped = spec_for_node(spec, self.features)  # an older node would drop them unread
+        if dropped:
+            log.info("generation %s: node %r does not take %s; it runs without", gen_id, self.identity,
+                     ", ".join(dropped))
         await self.generations.start(gen_id, spec)
 
     async def send_cancel(self, gen_id: str, reason: str) -> None:
@@ -169,6 +175,7 @@ class LinkSession:
                      tokenizers=dict(reg.tokenizers)),
             cache_cleared=msg.cache_cleared, head=heads.PROCESS_ID, warm=msg.warm,
         )
+        self.features = frozenset(msg.features)
         if Feature.HEADS in msg.features:
             self.heads_sent = await asyncio.to_thread(registry().heads.heads_live)
         await self.send(Registered(node_id=self.node_id, model_names=reg.model_names,

@@ -27,7 +27,8 @@ TIERS: dict[str, set[str]] = {
         "test_dialer.py", "test_engine_llama.py", "test_engine_grammar_beside.py",
         "test_engine_lora.py", "test_engine_mock.py", "test_engine_pace.py", "test_engine_speech.py",
         "test_engine_vision.py", "test_engine_worker.py", "test_link_channel.py",
-        "test_link_noise.py", "test_media_cache.py", "test_replicas.py", "test_timers.py", "test_window.py",
+        "test_link_noise.py", "test_media_cache.py", "test_replicas.py", "test_thinking.py", "test_timers.py",
+        "test_window.py",
         "test_on_demand_node.py", "test_shutdown.py", "test_makefile_gpu.py", "test_gpu.py",
     },
     "in_process": {

@@ -581,3 +581,117 @@ async def test_a_thinking_models_tool_call_after_its_thinking_is_a_tool_use(bear
     starts = [(d["index"], d["content_block"]["type"]) for k, d in events if k == "content_block_start"]
     assert starts == [(0, "thinking"), (1, "tool_use")]
     assert next(d for k, d in events if k == "message_delta")["delta"]["stop_reason"] == "tool_use"
+
+
+OTHER_NODE = "22222222-2222-2222-2222-222222222222"
+
+
+async def test_a_prompt_cache_key_lands_where_its_generations_ran_for_its_own_api_key_only(bearer, other_bearer):
+    """Generations that carry the same prompt_cache_key (Codex sends its conversation's id) land on the node where
+    that key's generations ran, though their prompts share no prefix and the other node is as idle (without the key
+    they take turns); the same name from another API key steers nothing of the first's."""
+    add_fake_node(FakeLink(identity="a"))
+    add_fake_node(FakeLink(node_id=OTHER_NODE, identity="b"))
+
+    async def node_of(key, path, text, cache_key=None):
+        body = {"model": "smollm2", "store": False, **({"prompt_cache_key": cache_key} if cache_key else {})}
+        body.update({"input": text} if path == "/v1/responses" else {"messages": [{"role": "user", "content": text}]})
+        ex = await request("POST", path, key=key, body=body)
+        assert ex.status == 200, ex.body
+        return ex.headers["x-fleet-node"]
+
+    unkeyed = [await node_of(bearer, "/v1/responses", f"Question {i}?") for i in range(4)]
+    assert sorted(unkeyed) == ["a", "a", "b", "b"]  # by cost alone, idle nodes share the work
+    keyed = [await node_of(bearer, path, f"Task {i}: something new.", "c0dex-1")
+             for i, path in enumerate(["/v1/responses", "/v1/responses", "/v1/chat/completions", "/v1/responses"])]
+    assert len(set(keyed)) == 1, keyed
+    others = [await node_of(other_bearer, "/v1/responses", f"Another {i}.", "c0dex-1") for i in range(2)]
+    assert others[0] != keyed[0] and len(set(others)) == 1  # the least routed node, then its own key's node
+    bad = await request("POST", "/v1/responses", key=bearer, body={"model": "smollm2", "input": "Hi",
+                                                                    "prompt_cache_key": 7})
+    assert bad.status == 400 and bad.json()["error"]["param"] == "prompt_cache_key"
+
+
+def sdk_events(events: list[tuple[str, dict]]) -> list:
+    """The events as the official openai client reads and accumulates them (client.responses.stream does this)."""
+    from openai import omit
+    from openai._models import construct_type
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    return [out for _, data in events for out in state.handle_event(construct_type(type_=ResponseStreamEvent,
+                                                                                   value=data))]
+
+
+async def test_a_thinking_models_thinking_is_a_reasoning_item_whole_and_streamed(bearer):
+    """A thinking model's <think>...</think> is a reasoning item before the message (OpenAI's shape: reasoning_text
+    content, no summary), streamed as its own item with reasoning_text deltas, tags cut across token batches
+    included; usage counts the thinking's tokens (the four that came from <think> through </think>)."""
+    add_fake_node(FakeLink(script=lambda spec: Script(tokens=THOUGHT, per_batch=1)))
+    ask = {"model": "smollm2", "input": "Hi", "reasoning": {"summary": "auto"}}
+    body = (await request("POST", "/v1/responses", key=bearer, body=ask)).json()
+    reasoning, message = body["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_") and reasoning["summary"] == []
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "The user greets me; I greet back."}]
+    assert message["type"] == "message" and message["content"][0]["text"] == "Hello!"
+    assert body["usage"]["output_tokens"] == 5 and body["usage"]["output_tokens_details"]["reasoning_tokens"] == 4
+
+    events = sse(await request("POST", "/v1/responses", key=bearer, body={**ask, "stream": True}))
+    items = [(k.rsplit(".", 1)[1], d["output_index"], d["item"]["type"]) for k, d in events
+             if k.startswith("response.output_item.")]
+    assert items == [("added", 0, "reasoning"), ("done", 0, "reasoning"), ("added", 1, "message"),
+                     ("done", 1, "message")]
+    kinds = [k for k, _ in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    thought = "".join(d["delta"] for k, d in events if k == "response.reasoning_text.delta")
+    assert thought == "The user greets me; I greet back." == next(
+        d["text"] for k, d in events if k == "response.reasoning_text.done")
+    assert {d["output_index"] for k, d in events if k == "response.output_text.delta"} == {1}
+    assert "".join(d["delta"] for k, d in events if k == "response.output_text.delta") == "Hello!"
+    assert not any("<think>" in json.dumps(d) or "</think>" in json.dumps(d) for _, d in events)
+    final = events[-1][1]["response"]
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 4
+    completed = sdk_events(events)[-1].response
+    assert completed.output[0].content[0].text == thought and completed.output_text == "Hello!"
+
+
+async def test_a_thinking_models_call_after_its_thinking_follows_its_reasoning_item(bearer):
+    add_fake_node(FakeLink(script=lambda spec: Script(tokens=["<think>I need the weather.</think>\n", *CALL])))
+    ask = {"model": "smollm2", "input": "Weather in Paris?", "tools": [WEATHER]}
+    body = (await request("POST", "/v1/responses", key=bearer, body=ask)).json()
+    assert [(i["type"], i.get("name")) for i in body["output"]] == [("reasoning", None),
+                                                                     ("function_call", "get_weather")]
+    assert body["output"][0]["content"][0]["text"] == "I need the weather."
+    events = sse(await request("POST", "/v1/responses", key=bearer, body={**ask, "stream": True}))
+    added = [(d["output_index"], d["item"]["type"]) for k, d in events if k == "response.output_item.added"]
+    assert added == [(0, "reasoning"), (1, "function_call")]
+    assert sdk_events(events)[-1].response.output[1].arguments == '{"city": "Paris"}'
+
+
+async def test_a_model_that_does_not_think_streams_no_reasoning_item(bearer):
+    add_fake_node(FakeLink(script=lambda spec: Script(tokens=["I think", " <think> is a tag."])))
+    events = sse(await request("POST", "/v1/responses", key=bearer, body={
+        "model": "smollm2", "input": "Hi", "reasoning": {"effort": "high"}, "stream": True}))
+    assert not any(k.startswith("response.reasoning") for k, _ in events)
+    final = events[-1][1]["response"]
+    assert [i["type"] for i in final["output"]] == ["message"]
+    assert final["output"][0]["content"][0]["text"] == "I think <think> is a tag."
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
+
+
+async def test_a_thinking_budget_is_sent_to_the_node_which_holds_a_thinking_model_to_it(bearer):
+    """Messages' thinking.budget_tokens is the generation's thinking_budget (the node closes a thinking that reaches
+    it: test_engine_mock, test_engine_llama); adaptive thinking has none; a budget that is not a count is a 400."""
+    link = add_fake_node()
+    ex = await request("POST", "/v1/messages", key=bearer, body=msg(thinking={"type": "enabled",
+                                                                          "budget_tokens": 1024}))
+    assert ex.status == 200 and link.specs[-1]["thinking_budget"] == 1024
+    assert "budget" not in ex.headers["x-fleet-left-out"]
+    await request("POST", "/v1/messages", key=bearer, body=msg(thinking={"type": "adaptive"}))
+    assert link.specs[-1]["thinking_budget"] == 0
+    for budget in (0, "many", True):
+        refused = await request("POST", "/v1/messages", key=bearer, body=msg(thinking={"type": "enabled",
+                                                                                   "budget_tokens": budget}))
+        assert refused.status == 400 and "budget_tokens" in refused.json()["error"]["message"]

@@ -561,3 +561,27 @@ def test_a_grammar_too_costly_to_sample_fails_alone_at_once(engine, monkeypatch)
                              chat("beside", "Is the sky blue?", max_tokens=4)])
     assert out["probed"].error.code == "invalid_grammar" and "too costly" in out["probed"].error.message
     assert out["beside"].done is not None and out["beside"].text
+
+
+def test_a_thinking_past_its_budget_is_closed_and_the_model_answers_after_reading_the_close(engine, other_node):
+    """Budget forcing with the real model: a thinking that reaches thinking_budget without a </think> gets
+    "\\n</think>\\n\\n" as its next tokens, read into the lane before the model goes on, so a node reading the same
+    tokens from scratch continues token for token. (SmolLM2 has no thinking mode: its answer is resumed after a
+    "<think>", whose tokens count toward the budget as a resumed thinking's do.)"""
+    from nodes.link.thinking import THINK_END
+
+    question = "Think about the sea, then name one colour."
+    opened = engine.model.tokenize("<think>", False, False)
+    closing = engine.model.tokenize(THINK_END, False, True)
+    budget, answer = len(opened) + 5, 8
+    forced = one(engine, chat("budget", question, max_tokens=5 + len(closing) + answer, ignore_eos=True,
+                              resume_text="<think>", thinking_budget=budget))
+    cut = 5 + len(closing)
+    assert "</think>" not in "".join(forced.texts[:5]), forced.text  # it did not close by itself: it was closed
+    assert forced.ids[5:cut] == closing and "".join(forced.texts[5:cut]) == THINK_END
+    assert forced.done.usage["completion_tokens"] == len(forced.ids) == cut + answer
+    again = one(other_node, chat("again", question, max_tokens=answer, ignore_eos=True,
+                                 resume_ids=opened + forced.ids[:cut]))
+    assert again.ids == forced.ids[cut:]
+    free = one(engine, chat("free", question, max_tokens=5 + len(closing), ignore_eos=True, resume_text="<think>"))
+    assert THINK_END not in free.text

@@ -376,7 +376,28 @@ def test_a_resumed_run_completes_a_character_the_first_node_left_unfinished():
 
     star = "🌟".encode()
     run = Run(spec=GenerateSpec(gen_id="g", prompt="x"), tokens=[1], submitted_at=0.0)
-    run.continue_after(b"Look: " + star[:2])  # the last streamed token held half of the emoji
+    run.continue_after([b"Look: ", star[:2]])  # the last streamed token held half of the emoji
     run.add_token(7, star[2:], None, 0.0)
     run.release_all(0.0)
     assert run.take_batch(0.0, force=True).text == ["🌟"]
+
+
+def test_a_thinking_past_its_budget_is_closed_and_the_lane_reads_the_close_before_it_answers():
+    """Budget forcing: once a generation's thinking (from the <think> it opened with) has used thinking_budget tokens
+    without a </think>, the node streams "\\n</think>\\n\\n" as its next tokens and reads them into the lane, so the
+    model answers after them; without a budget, or with a grammar the close might not follow, nothing is forced."""
+    from nodes.agent.vocab import mock_token_id
+
+    engine = mock(lanes=1, words=["<think>"])
+    spec = GenerateSpec(gen_id="t", prompt="Think about lanes.", max_tokens=8, thinking_budget=3)
+    forced = run_local(engine, [spec])["t"]
+    assert forced.texts == [" <think>"] * 3 + ["\n</think>", "\n\n"] + [" <think>"] * 3
+    assert forced.done.usage["completion_tokens"] == 8 and forced.finish_reason == "length"
+    closing = [mock_token_id("\n</think>"), mock_token_id("\n\n")]
+    lane = engine.lanes[0].tokens
+    at = lane.index(closing[0])
+    assert lane[at:at + 2] == closing and len(lane) - at == 2 + 3 - 1  # read, then answered after (the last unread)
+    free = run_local(engine, [GenerateSpec(gen_id="f", prompt="Think about lanes.", max_tokens=8)])["f"]
+    assert "</think>" not in free.text
+    grammar = GenerateSpec(gen_id="g", prompt="Think.", max_tokens=8, thinking_budget=3, grammar='root ::= "x"')
+    assert "</think>" not in run_local(engine, [grammar])["g"].text

@@ -795,3 +795,28 @@ async def test_a_node_that_says_goodbye_is_logged_as_left_at_info_and_one_that_d
             assert not any("'gpu-7' lost" in text for _, text in said)
         else:
             assert any(level == logging.WARNING and "'gpu-7' lost" in text for level, text in said), said
+
+
+@pytest.mark.parametrize("features", [[], ["thinking_budget"]], ids=["older-node", "node-that-takes-it"])
+async def test_a_thinking_budget_goes_only_to_a_node_that_takes_it(features, caplog):
+    """A spec field an older node would drop unread (GenerateSpec.thinking_budget) is left out of its generate, and
+    the head says so in a log line; a node whose register lists the feature gets it."""
+    import logging
+    from dataclasses import replace
+
+    from nodes.link.messages import Feature
+
+    assert {feature.value for feature in Feature} >= {"thinking_budget"}
+    caplog.set_level(logging.INFO)
+    comm, channel = await joined(register=replace(REGISTER, features=features))
+    assert await placeable(1)
+    spec = GenerateSpec(gen_id=uuid.uuid4().hex, model="smollm2", prompt="Think, then answer.", thinking_budget=64)
+    stream = generation_stream(spec, deadline=time.time() + 20)
+    first = asyncio.ensure_future(stream.__aiter__().__anext__())
+    while not isinstance(sent := channel.open(await comm.receive_from(timeout=5)), Generate):
+        pass
+    assert sent.spec.get("thinking_budget") == (64 if features else None)
+    logged = any("does not take thinking_budget" in r.getMessage() for r in caplog.records)
+    assert logged is not bool(features)
+    first.cancel()
+    await stream.cancel()

@@ -10,7 +10,7 @@ import zlib
 
 from nodes.link import lifecycle as lifecycle_module
 from nodes.link import prefix
-from nodes.link.lifecycle import PlacementLifecycle
+from nodes.link.lifecycle import PlacementLifecycle, aio
 from nodes.link.placement import NodeSlot, PlacementState
 from nodes.link.spec import GenerateSpec
 
@@ -523,6 +523,24 @@ async def test_the_awaitable_steps_place_record_and_free_as_the_plain_ones():
     assert (again.node_id, again.matched_tokens) == (first.node_id, keys2[-2].tokens)
     await lifecycle.alost(again.node_id, "g2", cache_gone=True)
     assert running(state) == {"a": 0, "b": 0} and state.holders(keys2[-2].key) == set()
+
+
+async def test_a_named_prefix_is_held_where_its_generation_ran_until_that_lane_is_evicted():
+    """A prompt_cache_key's key (lifecycle.named_placement_key) is recorded with the prompt's keys where it ran, is
+    scoped by its name and space, and goes when that generation's lane is evicted (what fleet.placing looks up)."""
+    state = fleet("a", "b", load_tokens=0)
+    lifecycle = PlacementLifecycle(state)
+    spec = GenerateSpec(gen_id="g1", model=MODEL, messages=chat("Be brief.", "Hello?"))
+    named = lifecycle_module.named_placement_key(spec, TOKENIZER, "key-1\x1fconv-7")
+    assert named.tokens == 0 and named != lifecycle_module.named_placement_key(spec, TOKENIZER, "key-2\x1fconv-7")
+    assert named != lifecycle_module.named_placement_key(GenerateSpec(gen_id="g", model="other"), TOKENIZER,
+                                                         "key-1\x1fconv-7")
+    first = await lifecycle.achoose(spec, placement_keys(spec))
+    await lifecycle.adone(first.node_id, spec, [*placement_keys(spec), named], answer="Hi.", usage={},
+                          tokenizer=TOKENIZER)
+    assert await aio(state).holders(named.key) == {first.node_id}
+    await lifecycle.aaccepted(first.node_id, ["g1"])
+    assert await aio(state).holders(named.key) == set()
 
 
 def test_a_lane_is_freed_once_however_many_ends_are_reported():

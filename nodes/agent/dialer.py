@@ -418,7 +418,7 @@ class NodeAgent:
             warm=list(info.get("warm_generations", [])) if self.cache_cleared else [],
             tokenizers={info["model_name"]: info["tokenizer"]} if info.get("tokenizer") else {},
             device=dict(info.get("device") or {}),
-            features=[Feature.HEADS.value],
+            features=[Feature.HEADS.value, Feature.THINKING_BUDGET.value],
         )))
         reply = self._head_proved(channel, await asyncio.wait_for(ws.recv(), 15))
         if isinstance(reply, Refusal):

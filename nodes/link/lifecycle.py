@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from nodes.link.placement import AsyncView, Choice
-from nodes.link.prefix import PrefixKey, prefix_keys
+from nodes.link.prefix import PrefixKey, named_key, prefix_keys
 from nodes.link.spec import GenerateSpec
 
 _Call = tuple[str, tuple[Any, ...], dict[str, Any]]  # a state method's name and its arguments
@@ -39,6 +39,12 @@ def placement_keys(spec: GenerateSpec, tokenizer: Tokenizer) -> list[PrefixKey]:
     """The prompt's prefix keys: what placement matches against what nodes hold."""
     return prefix_keys(space=_space(spec, tokenizer), tokenize=tokenizer.tokenize, prompt=spec.prompt,
                        messages=spec.messages)
+
+
+def named_placement_key(spec: GenerateSpec, tokenizer: Tokenizer, name: str) -> PrefixKey:
+    """The key of the prefix name a generation carried (its client's `prompt_cache_key`, scoped to its API key), in
+    the space of the prompt's keys: recorded with them where it ran, looked up by the next generation with the name."""
+    return named_key(space=_space(spec, tokenizer), name=name)
 
 
 def held_keys(spec: GenerateSpec, keys: list[PrefixKey], answer: str, tokenizer: Tokenizer) -> list[PrefixKey]:

@@ -65,6 +65,7 @@ class Feature(StrEnum):
     BUNDLE = "bundle"  # several node -> head messages in one frame
     HEADS = "heads"  # (a node's feature, in `register`) it keeps a link to each head process a `heads` names
     CUT = "cut"  # it writes the record of a generation another head process was cut off from (`cut`)
+    THINKING_BUDGET = "thinking_budget"  # (a node's, in `register`) it holds a generate's `thinking_budget`
 
 
 class Message:

@@ -8,6 +8,9 @@ have to read again. A message is tokenized on its own (role, content and tool ca
 them), so a conversation's next turn starts with the same keys as the turn before it, answer included. The
 tokenizer's fingerprint is folded into the first key with the cache space (model and LoRA adapters): keys made
 with two tokenizers never match.
+
+A prompt may also carry a name its client gives it (OpenAI's `prompt_cache_key`): `named_key` is that name's key in
+the same index, held where generations that carried it ran, so placement can send the next one there (fleet.placing).
 """
 
 from __future__ import annotations
@@ -82,3 +85,9 @@ def prefix_keys(*, space: str, tokenize: Tokenize, prompt: str | None = None,
         tokens += len(ids)
         keys.append(PrefixKey(key, tokens))
     return keys
+
+
+def named_key(*, space: str, name: str) -> PrefixKey:
+    """The key of a prefix its client named (`prompt_cache_key`, scoped by the caller to its API key), in `space` as
+    the prompt's own keys are. It covers no tokens: it says where that name's generations ran, not what they read."""
+    return PrefixKey(_chain(_chain("", space.encode()), b"\x1bnamed\x1f" + name.encode()), 0)

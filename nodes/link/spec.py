@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+# Fields only a node that lists their feature in `register.features` (nodes.link.messages.Feature) is sent: an
+# older node would drop them unread, and the head could not tell.
+NODE_FEATURE_FIELDS = {"thinking_budget": "thinking_budget"}
+
 
 class SpecError(ValueError):
     """A spec the node cannot run as given (the head validates first; this is the node's own guard)."""
@@ -62,6 +66,10 @@ class GenerateSpec:
     # died): the node sends it back with what it made, in a `cut` to another link (nodes.link.messages.Cut). Opaque
     # to the node; empty from a head that writes no such records.
     record: dict[str, Any] = field(default_factory=dict)
+    # A thinking model's budget (Anthropic's thinking.budget_tokens; 0: none): once this many tokens came from the
+    # answer's opening <think> without its </think>, the node appends "\n</think>\n\n" and the model answers. Sent
+    # only to a node whose `register.features` lists `thinking_budget` (NODE_FEATURE_FIELDS).
+    thinking_budget: int = 0
 
     def needs(self) -> list[str]:
         """The node capabilities this generation cannot run without (placement filters on them)."""
@@ -97,3 +105,16 @@ class GenerateSpec:
         if (spec.prompt is None) == (spec.messages is None):
             raise SpecError("a generation needs exactly one of prompt or messages")
         return spec
+
+
+def spec_for_node(data: dict[str, Any], features: set[str] | frozenset[str]) -> tuple[dict[str, Any], list[str]]:
+    """A spec's `to_dict` as a node with these `register.features` takes it: each field it would drop unread is left
+    out (NODE_FEATURE_FIELDS); and the names of those left out that asked for something (not their default)."""
+    kept, dropped = dict(data), []
+    for name, feature in NODE_FEATURE_FIELDS.items():
+        if feature not in features and name in kept and kept.pop(name) != _DEFAULTS[name]:
+            dropped.append(name)
+    return kept, dropped
+
+
+_DEFAULTS = {f.name: f.default for f in fields(GenerateSpec) if f.name in NODE_FEATURE_FIELDS}

@@ -201,7 +201,7 @@ class LlamaEngine(LaneEngine):
 
     def _run_for(self, spec: GenerateSpec, prompt: list[int], submitted_at: float) -> Run:
         """The run of a tokenized prompt: the resume tokens after it, its window checked, its sampler built."""
-        resume = self._resume_tokens(spec)
+        resume = resume_tokens(self.model, spec)
         tokens = prompt + resume
         if len(tokens) + 1 > self.window:
             extra = f" ({len(resume)} of them already generated)" if resume else ""
@@ -217,7 +217,7 @@ class LlamaEngine(LaneEngine):
             sampler.free()
             raise
         run = self._new_run(spec, tokens, submitted_at, sampler)
-        run.continue_after(b"".join(self.model.piece(t) for t in resume))
+        run.continue_after([self.model.piece(t) for t in resume])
         return run
 
     def _prepare_images(self, spec: GenerateSpec, submitted_at: float, images: list[dict[str, Any]]) -> Run:
@@ -234,14 +234,10 @@ class LlamaEngine(LaneEngine):
         self._image_prompts[spec.gen_id] = prompt
         return run
 
-    def _resume_tokens(self, spec: GenerateSpec) -> list[int]:
-        """The tokens another node already generated: their exact ids when the head sends them, else the
-        resume text tokenized."""
-        if spec.resume_ids:
-            if not all(isinstance(t, int) and 0 <= t < self.model.n_vocab for t in spec.resume_ids):
-                raise EngineError(ErrorCode.INVALID_REQUEST, "resume_ids holds a token id outside the vocabulary")
-            return list(spec.resume_ids)
-        return self.model.tokenize(spec.resume_text, False, False) if spec.resume_text else []
+    def _forced(self, run: Run, text: str, room: int) -> list[int]:
+        ids = self.model.tokenize(text, False, True)  # special: a thinking model's </think> is one token of its own
+        accept_resume(run.sampler, ids if len(ids) <= room else [])  # penalties and seeded draws go on past them
+        return ids if len(ids) <= room else []
 
     def _release_run(self, run: Run) -> None:
         if isinstance(run.sampler, LaneSampler):
@@ -448,3 +444,13 @@ class LlamaEngine(LaneEngine):
         vector = np.ctypeslib.as_array(L.llama_get_embeddings_seq(self._embed_ctx, 0), shape=(self.model.n_embd,))
         norm = math.sqrt(float(np.dot(vector, vector))) or 1.0
         return [float(x) / norm for x in vector], len(tokens)
+
+
+def resume_tokens(model: LoadedModel, spec: GenerateSpec) -> list[int]:
+    """The tokens another node already generated: their exact ids when the head sends them, else the resume text
+    tokenized."""
+    if spec.resume_ids:
+        if not all(isinstance(t, int) and 0 <= t < model.n_vocab for t in spec.resume_ids):
+            raise EngineError(ErrorCode.INVALID_REQUEST, "resume_ids holds a token id outside the vocabulary")
+        return list(spec.resume_ids)
+    return model.tokenize(spec.resume_text, False, False) if spec.resume_text else []

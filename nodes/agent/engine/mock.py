@@ -194,6 +194,10 @@ class MockEngine(LaneEngine):
             logprob = {"token": piece, "logprob": -0.25, "top": top}
         return token_id, logprob
 
+    def _forced(self, run: Run, text: str, room: int) -> list[int]:
+        ids = self.tokenize(text)
+        return ids if len(ids) <= room else []
+
     def _piece(self, token_id: int) -> bytes:
         return self._pieces.get(token_id, "").encode()
 

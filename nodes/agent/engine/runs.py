@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import codecs
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from nodes.agent.engine.base import tokens_event
 from nodes.link.messages import Done, TokenBatch
 from nodes.link.spec import GenerateSpec
+from nodes.link.thinking import ThinkingTokens
 
 # (token id, text, logprob entry or None)
 Token = tuple[int, str, dict[str, Any] | None]
@@ -60,10 +62,19 @@ class Run:
     finished: bool = False
     stop_index: int | None = None  # the stop string that ended it, by its place in spec.stop
     adapters: tuple = ()  # its LoRA adapter set (an AdapterKey); lanes of other sets never share its steps
+    # its thinking so far, while a thinking budget holds it (spec.thinking_budget; never with a grammar, which the
+    # forced tokens might not follow), and the tokens that end it, read after next_token (see end_thinking)
+    thinking: ThinkingTokens | None = None
+    forced: list[int] = field(default_factory=list)
     _held: list[Token] = field(default_factory=list)  # may still become a stop string
     _out: list[Token] = field(default_factory=list)  # settled, waiting for the next flush
     _out_since: float = 0.0
     _decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+
+    def __post_init__(self) -> None:
+        spec = self.spec
+        if spec.thinking_budget > 0 and spec.grammar is None and spec.json_schema is None:
+            self.thinking = ThinkingTokens()
 
     @property
     def gen_id(self) -> str:
@@ -73,10 +84,30 @@ class Run:
     def prompt_tokens(self) -> int:
         return len(self.tokens)
 
-    def continue_after(self, resumed: bytes) -> None:
+    def continue_after(self, resumed: list[bytes]) -> None:
         """A generation resumed from another node's tokens: their bytes go through the decoder, so a character
-        they left unfinished is completed by this node's first token instead of turning into U+FFFD."""
-        self._decoder.decode(resumed)
+        they left unfinished is completed by this node's first token instead of turning into U+FFFD; and their
+        thinking counts toward its budget."""
+        for piece in resumed:
+            text = self._decoder.decode(piece)
+            if self.thinking is not None:
+                self.thinking.feed([text])
+
+    def thinking_due(self) -> bool:
+        """Its thinking has used its budget without closing: end_thinking is due."""
+        thinking = self.thinking
+        return thinking is not None and thinking.state == "thinking" and thinking.count >= self.spec.thinking_budget
+
+    def end_thinking(self, ids: list[int], piece: Callable[[int], bytes], now: float) -> bool:
+        """Budget forcing: `ids` (the engine's tokens of THINK_END, already fed to the sampler; none when they do
+        not fit the window) are streamed as its tokens and read after the next one, so the model answers from
+        there. Once only. True when a stop string ended it in them."""
+        self.thinking, self.forced = None, list(ids)
+        return any(self.add_token(token_id, piece(token_id), None, now) for token_id in ids)
+
+    def take_forced(self) -> list[int]:
+        forced, self.forced = self.forced, []
+        return forced
 
     def add_token(self, token_id: int, piece: bytes, logprob: dict[str, Any] | None, now: float) -> bool:
         """Take one sampled token; returns True when a stop string ended the generation."""
@@ -84,6 +115,8 @@ class Run:
             self.first_token_at = now
         self.completion_tokens += 1
         text = self._decoder.decode(piece)
+        if self.thinking is not None:
+            self.thinking.feed([text])
         if not self.spec.stop:
             self._settle([(token_id, text, logprob)], now)
             return False

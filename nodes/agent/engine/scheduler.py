@@ -45,6 +45,7 @@ from nodes.agent.engine.pace import Pace
 from nodes.agent.engine.runs import Run, clock
 from nodes.link.codes import ErrorCode
 from nodes.link.spec import GenerateSpec
+from nodes.link.thinking import THINK_END
 
 PREPARE_WAIT_S = 0.02  # how long an idle step waits for a preparation to end
 
@@ -93,6 +94,14 @@ class LanePick:
 def gaps(busy: set[int]) -> int:
     """How many runs of consecutive lane indices `busy` makes (one pass of the weights each, per step)."""
     return sum(1 for i in busy if i - 1 not in busy)
+
+
+def lora_asked(spec: GenerateSpec, names: set[str]) -> list[list]:
+    """The request's `lora` pairs, and the adapter its model name picks (MODEL:ADAPTER, at scale 1), of `names`."""
+    named = spec.model.rpartition(":")[2] if ":" in spec.model else ""
+    if named in names and all(name != named for name, _ in spec.lora):
+        return [*spec.lora, [named, 1.0]]
+    return spec.lora
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -180,6 +189,11 @@ class LaneEngine(ABC):
         image's tokens in a chunk of their own)."""
         return start + budget
 
+    def _forced(self, run: Run, text: str, room: int) -> list[int]:
+        """`text`'s tokens fed to `run`'s sampler as if sampled, when at most `room` (else none): a thinking budget's
+        end (Run.end_thinking). An engine without this never forces one."""
+        return []
+
     def adapter_names(self) -> set[str]:
         """The LoRA adapters a request may name here."""
         return set(self.config.adapters)
@@ -195,7 +209,7 @@ class LaneEngine(ABC):
                                 "started with node_join --batch-invariant)")]
         submitted_at = clock()
         try:
-            adapters = adapter_key(self._lora_asked(spec), self.adapter_names())
+            adapters = adapter_key(lora_asked(spec, self.adapter_names()), self.adapter_names())
             if self._prepares_beside(spec):
                 self.preparing.start(spec, adapters, lambda: self._prepare(spec, submitted_at))
                 return []
@@ -288,13 +302,6 @@ class LaneEngine(ABC):
             else:
                 events += self._enqueue(prepared.outcome, prepared.adapters)
         return events
-
-    def _lora_asked(self, spec: GenerateSpec) -> list[list]:
-        """The request's `lora` pairs, and the adapter its model name picks (MODEL:ADAPTER, at scale 1)."""
-        named = spec.model.rpartition(":")[2] if ":" in spec.model else ""
-        if named in self.adapter_names() and all(name != named for name, _ in spec.lora):
-            return [*spec.lora, [named, 1.0]]
-        return spec.lora
 
     def _find(self, gen_id: str) -> Run | None:
         for run in self.queue:
@@ -425,8 +432,8 @@ class LaneEngine(ABC):
             if len(lane.tokens) < len(run.tokens):
                 prefills.append(lane)
             elif run.next_token is not None:
-                works.append(Work(lane, [run.next_token], len(lane.tokens), True))
-        budget = self.n_batch - len(works)
+                works.append(Work(lane, [run.next_token, *run.take_forced()], len(lane.tokens), True))
+        budget = self.n_batch - sum(len(work.tokens) for work in works)
         for lane in sorted(prefills, key=lambda item: item.run.submitted_at if item.run else 0.0):
             if budget <= 0:
                 break
@@ -472,7 +479,8 @@ class LaneEngine(ABC):
         if self._is_eog(token_id):
             return self._finish(lane, FINISH_STOP, now)
         run.next_token = token_id
-        if run.add_token(token_id, self._piece(token_id), logprob, now):
+        if run.add_token(token_id, self._piece(token_id), logprob, now) or (run.thinking_due() and run.end_thinking(
+                self._forced(run, THINK_END, self.window - len(lane.tokens) - 1), self._piece, now)):
             return self._finish(lane, FINISH_STOP, now)
         # The next token would be read at position len(lane.tokens): it must fit the lane's window.
         if run.completion_tokens >= run.spec.max_tokens or len(lane.tokens) >= self.window:
