@@ -24,7 +24,7 @@ pytest_plugins = ["pytester"]  # tests/test_tiers.py runs a pytest of its own
 
 TIERS: dict[str, set[str]] = {
     "django_free": {
-        "test_dialer.py", "test_engine_llama.py", "test_engine_grammar_beside.py",
+        "test_dialer.py", "test_engine_llama.py", "test_engine_grammar_beside.py", "test_engine_kv_transfer.py",
         "test_engine_lora.py", "test_engine_mock.py", "test_engine_pace.py", "test_engine_speech.py",
         "test_engine_vision.py", "test_engine_worker.py", "test_link_channel.py",
         "test_link_noise.py", "test_media_cache.py", "test_replicas.py", "test_thinking.py", "test_timers.py",

@@ -18,7 +18,7 @@ MAX_CLASS_LINES = 250
 OVER: dict[str, int] = {
     "nodes/agent/dialer.py:NodeAgent": 419,
     "nodes/agent/engine/scheduler.py:LaneEngine": 409,
-    "nodes/agent/engine/llama.py:LlamaEngine": 355,
+    "nodes/agent/engine/llama.py:LlamaEngine": 348,
     "fleet/placement_redis.py:RedisPlacementState": 278,
     "nodes/agent/engine/worker.py:EngineWorker": 264,
 }

@@ -46,6 +46,21 @@ class FinishReason(StrEnum):
     DEADLINE = "deadline"
 
 
+class KvRefusal(StrEnum):
+    """Why a node did not export or import a prompt prefix's KV cache (nodes.agent.engine.kv_payload): the `reason` of
+    a `kv_export` or `kv_import` answer. The importer's lane is left as it was, or empty; it prefills as without."""
+
+    NOT_HELD = "not_held"  # no lane holds a whole 64-token block of that prefix (any more)
+    CORRUPT = "corrupt"  # the payload is cut, its checksum fails, or its cells disagree with its header
+    UNSUPPORTED = "unsupported"  # another payload version, or a cache layout this engine cannot cut to a prefix
+    MODEL_MISMATCH = "model_mismatch"  # computed with another model file (fingerprint) or engine
+    KV_TYPE_MISMATCH = "kv_type_mismatch"  # another K/V cache type (f16, q8_0, ...)
+    TOKENS_MISMATCH = "tokens_mismatch"  # its token ids do not give the block hashes it names
+    TOO_LONG = "too_long"  # the prefix does not fit this node's per-lane context window
+    NO_FREE_LANE = "no_free_lane"  # every lane is running a generation
+    REJECTED = "rejected"  # llama.cpp refused the cells (another KV layout: flash attention on one node only?)
+
+
 class ModelPhase(StrEnum):
     """Where a deployed model stands on a node (`model_state` on the link; the head keeps the last one per pair)."""
 

@@ -48,6 +48,12 @@ def _blocks(ids: list[int], start_key: str, start_tokens: int) -> list[PrefixKey
     return keys
 
 
+def block_keys(ids: list[int], space: str) -> list[str]:
+    """The chained keys of the whole 64-token blocks of `ids`, read as a raw prompt in `space` (the same chain
+    `prefix_keys` makes for a prompt): what a KV payload (nodes.agent.engine.kv_payload) names its blocks by."""
+    return [key.key for key in _blocks(ids, _chain("", space.encode()), 0)]
+
+
 def _message_text(message: dict[str, Any]) -> str:
     content = message.get("content") or ""
     if isinstance(content, list):

@@ -2,7 +2,8 @@
 
 While any lane is busy the loop runs `step()` and drains the pipe without blocking between steps; when idle
 it does housekeeping (parking lanes) and blocks on the pipe. Messages are plain tuples:
-agent -> child: ("submit", spec_dict), ("cancel", gen_id), ("state_op", op_id, op, args), ("stop",);
+agent -> child: ("submit", spec_dict), ("cancel", gen_id), ("state_op", op_id, op, args), ("stop",) (a state op's
+args and result may hold bytes: a KV payload, `kv_export` and `kv_import`);
 child -> agent: ("progress", f), ("ready", info), ("load_error", text), ("events", [event]), ("stats", stats),
 ("result", op_id, ok, result).
 With a speech model (`--transcribe`) a Transcriber lives here too: a spec with audio, or naming that model, goes to it,

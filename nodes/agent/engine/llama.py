@@ -23,12 +23,15 @@ from nodes.agent.engine.base import (
     EngineLoadError,
     StateOpError,
 )
+from nodes.agent.engine.kv_payload import KvHeader
+from nodes.agent.engine.kv_transfer import KV_OPS, KvTransferEngine
 from nodes.agent.engine.lora import LoraAdapters
 from nodes.agent.engine.model import LoadedModel
 from nodes.agent.engine.park import LaneParking
 from nodes.agent.engine.runs import Run
 from nodes.agent.engine.sampling import LaneSampler, accept_resume, build_sampler, token_logprobs
-from nodes.agent.engine.scheduler import Lane, LaneEngine, Sample, Work
+from nodes.agent.engine.scheduler import Lane, Sample, Work
+from nodes.agent.engine.sequences import SequenceStates
 from nodes.agent.engine.vision import ImagePrompt, Vision
 from nodes.link.codes import ErrorCode
 from nodes.link.spec import GenerateSpec
@@ -93,7 +96,7 @@ class DecodeBatch:
         return n + k - 1
 
 
-class LlamaEngine(LaneEngine):
+class LlamaEngine(KvTransferEngine):
     """Continuous batching over llama.cpp with per-lane samplers and prefix reuse."""
 
     engine_name = "llama.cpp"
@@ -126,6 +129,7 @@ class LlamaEngine(LaneEngine):
         self._unparked: set[int] = set()
         self.warm_lanes = self.parking.restore(self.lanes, self.window) if self.parking is not None else 0
         self.tokenizer = tokenizer_fingerprint(self.model.path)
+        self.sequences = SequenceStates(self.ctx, self.model, config.lanes, self.tokenizer)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -272,26 +276,16 @@ class LlamaEngine(LaneEngine):
         self._trim_lane(lane, keep)
 
     def _swap_lanes(self, a: Lane, b: Lane) -> bool:
-        # Through host memory: a cross-stream seq_cp is queued until the next decode, and two of them would
-        # overwrite one cache with the other. A lane's KV is its tokens' K and V rows, a memcpy each way here.
-        states = [self._seq_state(a), self._seq_state(b)]
-        ok = all(state is not None or not lane.tokens for lane, state in zip((a, b), states, strict=True))
-        for lane, state in ((a, states[1]), (b, states[0])):
-            L.llama_memory_seq_rm(self.mem, lane.index, -1, -1)
-            if ok and state is not None and not L.llama_state_seq_set_data(self.ctx, state, len(state), lane.index):
-                ok = False
-        if not ok:
-            for lane in (a, b):
-                L.llama_memory_seq_rm(self.mem, lane.index, -1, -1)
-        return ok
+        return self.sequences.swap(a, b)
 
-    def _seq_state(self, lane: Lane) -> ctypes.Array | None:
-        """The lane's KV as llama.cpp serializes one sequence; None for an empty lane."""
-        if not lane.tokens:
-            return None
-        size = L.llama_state_seq_get_size(self.ctx, lane.index)
-        state = (ctypes.c_uint8 * size)()
-        return state if L.llama_state_seq_get_data(self.ctx, state, size, lane.index) == size else None
+    def _kv_identity(self) -> dict[str, Any]:
+        return self.sequences.identity()
+
+    def _kv_read(self, lane: Lane, n: int) -> bytes | None:
+        return self.sequences.read_prefix(lane, n)
+
+    def _kv_write(self, lane: Lane, data: memoryview, header: KvHeader) -> dict[str, Any] | None:
+        return self.sequences.write_prefix(lane, data, header)
 
     def adapter_names(self) -> set[str]:
         return set(self.lora.loaded)
@@ -406,6 +400,8 @@ class LlamaEngine(LaneEngine):
             return self.info()["capabilities"]
         if op in ("lora_load", "lora_unload"):
             return self._adapter_op(op, args)
+        if op in KV_OPS:
+            return self.kv_state_op(op, args)
         raise StateOpError(ErrorCode.UNKNOWN_OP, f"this engine has no state operation {op!r}")
 
     def _adapter_op(self, op: str, args: dict[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 Text is deterministic (a cycle of words picked by a hash of the prompt and seed), tokens are whitespace
 words, and the configured costs are really spent: each step sleeps one decode step (1 / `decode_tps`, plus
 `decode_slowdown_ms` for each decoding lane past the first) plus `prefill_ms_per_token` for every prompt token it
-reads, so cached tokens really are cheaper and a busy node really is slower.
+reads, so cached tokens really are cheaper and a busy node really is slower. A lane's prefix exported or imported
+(nodes.agent.engine.kv_transfer) costs `kv_ms_per_token` a token each way, and its cells are `kv_bytes_per_token` a
+token (the token's id, then zeros), which an import checks as llama.cpp checks its own.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from nodes.agent.engine.base import (
     EngineError,
     StateOpError,
 )
+from nodes.agent.engine.kv_payload import KvHeader
+from nodes.agent.engine.kv_transfer import KV_OPS, KvTransferEngine, refused
 from nodes.agent.engine.runs import Run
-from nodes.agent.engine.scheduler import Lane, LaneEngine, Sample, Work
+from nodes.agent.engine.scheduler import Lane, Sample, Work
 from nodes.agent.vocab import MOCK, MOCK_PIECE, mock_token_id
-from nodes.link.codes import ErrorCode
+from nodes.link.codes import ErrorCode, KvRefusal
 from nodes.link.device import DeviceReport
 from nodes.link.spec import GenerateSpec
 
@@ -62,6 +66,8 @@ class MockParams:
     load_s: float = 0.0  # pretend loading takes this long (reports progress)
     embedding_dim: int = 8
     engine_version: str = "mock-1"
+    kv_bytes_per_token: int = 64  # a prefix's payload size (at least the 4 bytes of its id); llama.cpp's is ~23 KB
+    kv_ms_per_token: float = 0.0  # what exporting, and again importing, a prefix costs a token
     # what it says it runs on (a nodes.link.device report), standing in for a GPU node's; default: the CPU
     device: dict[str, Any] | None = None
 
@@ -74,7 +80,7 @@ class MockParams:
         return cls(**data)
 
 
-class MockEngine(LaneEngine):
+class MockEngine(KvTransferEngine):
     """Deterministic, really-timed stand-in for the llama engine."""
 
     engine_name = "mock"
@@ -204,6 +210,27 @@ class MockEngine(LaneEngine):
     def _is_eog(self, token_id: int) -> bool:
         return token_id == EOG_ID
 
+    # -- prefixes leaving and arriving -----------------------------------------------------------------
+
+    def _kv_identity(self) -> dict[str, Any]:
+        return {"model": f"mock:{self.config.model_name or 'mock'}", "engine": "mock",
+                "kv": {"type_k": "mock", "type_v": "mock"}, "engine_version": self.params.engine_version,
+                "tokenizer": MOCK, "n_layer": 0}
+
+    def _kv_read(self, lane: Lane, n: int) -> bytes | None:
+        time.sleep(n * self.params.kv_ms_per_token / 1000)
+        return self._cells(lane.tokens[:n])
+
+    def _kv_write(self, lane: Lane, data: memoryview, header: KvHeader) -> dict[str, Any] | None:
+        time.sleep(len(header.tokens) * self.params.kv_ms_per_token / 1000)
+        if data != self._cells(header.tokens):
+            return refused(KvRefusal.CORRUPT, "the payload's cells are not the mock's cells of its tokens")
+        return None
+
+    def _cells(self, tokens: list[int]) -> bytes:
+        width = max(self.params.kv_bytes_per_token, 4)
+        return b"".join(token.to_bytes(4, "little", signed=True) + bytes(width - 4) for token in tokens)
+
     # -- state operations -----------------------------------------------------------------------------
 
     def state_op(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -213,6 +240,8 @@ class MockEngine(LaneEngine):
             return {"embeddings": [self._embed(str(text)) for text in args.get("texts", [])]}
         if op == "capabilities":
             return self.info()["capabilities"]
+        if op in KV_OPS:
+            return self.kv_state_op(op, args)
         raise StateOpError(ErrorCode.UNKNOWN_OP, f"this engine has no state operation {op!r}")
 
     def _embed(self, text: str) -> list[float]:

@@ -140,7 +140,7 @@ class EngineWorker:
             await self._send(("cancel", gen_id))
 
     async def state_op(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        """Run `op` (embed, tokenize, capabilities, ...) in the worker; raises StateOpError on failure."""
+        """Run `op` (embed, tokenize, capabilities, kv_export, ...) in the worker; raises StateOpError on failure."""
         if not self._alive:
             raise StateOpError(ErrorCode.ENGINE_UNAVAILABLE, "the engine worker is not running")
         assert self._loop is not None
