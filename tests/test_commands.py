@@ -296,3 +296,23 @@ def test_fleet_token_says_its_head_address_is_a_guess_when_nothing_names_it(sett
     out, err = StringIO(), StringIO()
     call_command("fleet_token", "--name", "near", stdout=out, stderr=err)
     assert "make node HEAD=fleet.example.com:80" in out.getvalue() and "warning: FLEET" not in err.getvalue()
+
+
+def test_node_join_split_options_reach_each_engine_workers_config(monkeypatch, settings, tmp_path):
+    """`--split-mode` and `--tensor-split` (one worker over several GPUs) reach the engine's config; a share list
+    that is not one is refused by the parser."""
+    from nodes.agent import gpu
+    from nodes.agent.main import engine_configs, offload
+    from nodes.link.device import DeviceMemory
+
+    asked = []
+    monkeypatch.setattr("nodes.management.commands.node_join.run_node", lambda options: asked.append(options) or 0)
+    settings.FLEET_HOME = tmp_path
+    call_command("node_join", "127.0.0.1:1", "--model", "smollm2", "--max-context", "512", "--split-mode", "row",
+                 "--tensor-split", "3,1")
+    assert (asked[0].split_mode, asked[0].tensor_split) == ("row", (3.0, 1.0))
+    two = [gpu.BuildGpu("cuda", DeviceMemory("GPU 0")), gpu.BuildGpu("cuda", DeviceMemory("GPU 1"))]
+    configs, _, _ = engine_configs(asked[0], plan=offload(asked[0], host=[], build=two))
+    assert [(c.split_mode, c.tensor_split) for c in configs] == [("row", [3.0, 1.0])]
+    with pytest.raises(CommandError, match="is not a list of GPU shares"):
+        call_command("node_join", "127.0.0.1:1", "--model", "smollm2", "--tensor-split", "3,x")

@@ -138,3 +138,36 @@ def test_a_heartbeat_carries_the_engines_device_report():
     report = DeviceReport("cuda", [DeviceMemory("GPU 0", 10, 5)], 33, 33).to_wire()
     assert heartbeat_of({"device": report}, engine_ready=True).device == report
     assert heartbeat_of({}, engine_ready=True).device == {}  # nothing to say yet: the head keeps the registered one
+
+
+TWO_GPUS = [BUILD_CUDA, gpu.BuildGpu("cuda", DeviceMemory("NVIDIA H100 80GB HBM3"))]
+
+
+def test_a_split_over_the_builds_gpus_is_carried_in_the_plan():
+    plan = gpu.offload_plan(host=[H100, H100], build=TWO_GPUS, split_mode="row", tensor_split=(3.0, 1.0))
+    assert (plan.backend, plan.split_mode, plan.tensor_split) == ("cuda", "row", (3.0, 1.0))
+    assert gpu.offload_plan(host=[H100], build=TWO_GPUS).split_mode == ""  # llama.cpp's default: layer
+
+
+def test_a_split_the_node_cannot_make_is_refused_in_one_line():
+    with pytest.raises(gpu.GpuMismatch, match=r"^--split-mode row splits a model over GPUs, and this node runs on "):
+        gpu.offload_plan(host=[H100], build=TWO_GPUS, cpu=True, split_mode="row")
+    with pytest.raises(gpu.GpuMismatch, match=r"--tensor-split 1,1 splits"):
+        gpu.offload_plan(host=[], build=[], tensor_split=(1.0, 1.0))
+    with pytest.raises(gpu.GpuMismatch, match="gives 3 shares, and this llama.cpp build sees 2 GPU"):
+        gpu.offload_plan(host=[H100], build=TWO_GPUS, tensor_split=(1.0, 1.0, 1.0))
+    with pytest.raises(gpu.GpuMismatch, match="make node GPU=cuda"):  # a GPU the build cannot use: its fix first
+        gpu.offload_plan(host=[H100], build=[], split_mode="layer")
+
+
+def test_the_split_reaches_llamas_model_parameters():
+    import llama_cpp
+
+    from nodes.agent.engine.model import model_params
+
+    params, shares = model_params(-1, "row", (3.0, 1.0))
+    assert params.split_mode == llama_cpp.LLAMA_SPLIT_MODE_ROW
+    assert [params.tensor_split[0], params.tensor_split[1], params.tensor_split[2]] == [3.0, 1.0, 0.0]
+    assert len(shares) == llama_cpp.llama_max_devices()
+    default, none = model_params()
+    assert default.split_mode == llama_cpp.LLAMA_SPLIT_MODE_LAYER and not default.tensor_split and none is None

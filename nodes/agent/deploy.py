@@ -228,7 +228,9 @@ class Deployer:
                                                    max_context=window, batch_invariant=self.batch_invariant,
                                                    mmproj_path=str(projector) if projector else None, mock=self.mock,
                                                    gpu_layers=self.plan.gpu_layers,
-                                                   host_gpus=list(self.plan.host_gpus)))
+                                                   host_gpus=list(self.plan.host_gpus),
+                                                   split_mode=self.plan.split_mode,
+                                                   tensor_split=list(self.plan.tensor_split)))
             info = await worker.start(on_progress=self._progress(name, phase=ModelPhase.LOADING))
         except asyncio.CancelledError:
             self.held.pop(name, None)

@@ -56,17 +56,34 @@ class OffloadPlan:
     backend: str
     gpu_layers: int
     host_gpus: tuple[str, ...] = ()
+    # One worker over several GPUs (--split-mode, --tensor-split): llama.cpp's split mode ("": its default, layer)
+    # and each GPU's share of the model, in the order the build lists them (empty: by free memory).
+    split_mode: str = ""
+    tensor_split: tuple[float, ...] = ()
 
 
-def offload_plan(*, host: list[HostGpu], build: list[BuildGpu], cpu: bool = False,
-                 gpu_layers: int | None = None) -> OffloadPlan:
-    """Offload to the build's GPUs when it sees any (all layers unless `gpu_layers`); the CPU when `cpu` says so or
-    the host has no GPU. Raises GpuMismatch for a host GPU the build cannot use."""
+SPLIT_MODES = ("none", "layer", "row")
+
+
+def offload_plan(*, host: list[HostGpu], build: list[BuildGpu], cpu: bool = False, gpu_layers: int | None = None,
+                 split_mode: str = "", tensor_split: tuple[float, ...] = ()) -> OffloadPlan:
+    """Offload to the build's GPUs when it sees any (all layers unless `gpu_layers`, split over them as
+    `split_mode` and `tensor_split` say); the CPU when `cpu` says so or the host has no GPU. Raises GpuMismatch for
+    a host GPU the build cannot use, and for a split the build's GPUs cannot take."""
     names = tuple(g.name for g in host)
+    shares = ",".join(f"{share:g}" for share in tensor_split)
+    split = " ".join(f"--{flag} {value}" for flag, value in (("split-mode", split_mode), ("tensor-split", shares))
+                     if value)
+    if split and (cpu or not (build or host)):  # a host GPU the build cannot use is said below, with its fix
+        raise GpuMismatch(f"{split} splits a model over GPUs, and this node runs on the CPU; leave it out")
     if cpu:
         return OffloadPlan("cpu", 0, names)
     if build:
-        return OffloadPlan(build[0].backend, -1 if gpu_layers is None else gpu_layers, names)
+        if len(tensor_split) > len(build):
+            raise GpuMismatch(f"--tensor-split gives {len(tensor_split)} shares, and this llama.cpp build sees "
+                              f"{len(build)} GPU(s): one share a GPU, in the order the node's log lists them")
+        return OffloadPlan(build[0].backend, -1 if gpu_layers is None else gpu_layers, names, split_mode,
+                           tuple(tensor_split))
     if gpu_layers:
         raise GpuMismatch(f"--gpu-layers {gpu_layers} needs a GPU, and this llama.cpp build sees none; leave it out "
                           "to run on the CPU")

@@ -57,6 +57,8 @@ class NodeOptions:
     on_demand: bool = True  # --no-on-demand: False, the head never loads a model here on demand
     cpu: bool = False  # --cpu: run on the CPU although the host has a GPU
     gpu_layers: int | None = None  # --gpu-layers N: offload the first N layers (default: all when a GPU is used)
+    split_mode: str = ""  # --split-mode: how one worker splits its model over several GPUs (llama.cpp's)
+    tensor_split: tuple[float, ...] = ()  # --tensor-split: each GPU's share of the model
 
 
 class NodeError(Exception):
@@ -117,7 +119,8 @@ def offload(options: NodeOptions, host: list[gpu.HostGpu] | None = None,
         return gpu.OffloadPlan("cpu", 0, tuple(g.name for g in host))
     try:
         return gpu.offload_plan(host=host, build=gpu.build_gpus() if build is None else build, cpu=options.cpu,
-                                gpu_layers=options.gpu_layers)
+                                gpu_layers=options.gpu_layers, split_mode=options.split_mode,
+                                tensor_split=options.tensor_split)
     except gpu.GpuMismatch as exc:
         raise NodeError(str(exc)) from None
 
@@ -152,7 +155,7 @@ def engine_configs(options: NodeOptions, pulled: Path | None = None,
             batch_invariant=options.batch_invariant,
             speech_model_path=str(speech_path) if speech_path else None, speech_model_name=speech_name,
             adapters=options.adapters, mmproj_path=options.mmproj, gpu_layers=plan.gpu_layers,
-            host_gpus=list(plan.host_gpus),
+            host_gpus=list(plan.host_gpus), split_mode=plan.split_mode, tensor_split=list(plan.tensor_split),
         ))
     return configs, name, why
 

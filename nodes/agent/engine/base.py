@@ -58,6 +58,10 @@ class EngineConfig:
     # llama.cpp's n_gpu_layers: -1 all the model's layers on the GPUs the build sees, 0 none (`node_join --cpu`, or a
     # host without a GPU), N the first N (`--gpu-layers`). The agent sets it from nodes.agent.gpu.offload_plan.
     gpu_layers: int = -1
+    # Over several GPUs (`--split-mode`, `--tensor-split`; nodes.agent.gpu.OffloadPlan): "" llama.cpp's default
+    # (layer), and each GPU's share of the model (empty: llama.cpp splits by free memory).
+    split_mode: str = ""
+    tensor_split: list[float] = field(default_factory=list)
     # The host's GPU names (nvidia-smi, ...), for the engine's device report: a CPU engine beside them is flagged.
     host_gpus: list[str] = field(default_factory=list)
 

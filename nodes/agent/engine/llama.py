@@ -106,7 +106,8 @@ class LlamaEngine(KvTransferEngine):
 
         if not config.model_path:
             raise ValueError("the llama.cpp engine needs a model_path")
-        self.model = LoadedModel(config.model_path, on_progress, config.gpu_layers)
+        self.model = LoadedModel(config.model_path, on_progress, config.gpu_layers, config.split_mode,
+                                 config.tensor_split)
         # the GPUs this worker's build sees (CUDA_VISIBLE_DEVICES applied): asked here, where the engine holds them
         self.gpus = gpu.build_gpus() if config.gpu_layers else []
         window = config.max_context or min(self.model.n_ctx_train or DEFAULT_WINDOW, DEFAULT_WINDOW)

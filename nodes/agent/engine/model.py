@@ -23,20 +23,34 @@ from nodes.link.codes import ErrorCode
 logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
 
 _META_BUF = 1 << 16
+SPLIT_MODES = {"none": L.LLAMA_SPLIT_MODE_NONE, "layer": L.LLAMA_SPLIT_MODE_LAYER, "row": L.LLAMA_SPLIT_MODE_ROW}
+
+
+def model_params(gpu_layers: int = -1, split_mode: str = "", tensor_split: tuple[float, ...] | list[float] = ()):
+    """llama.cpp's model parameters for a load, and the ctypes array they point into (keep it while they live)."""
+    params = L.llama_model_default_params()
+    # The CPU backend repacks weights into AMX tiles when the CPU reports AMX, but VMs that do not grant
+    # the tile state (XTILEDATA) then die on SIGILL at the first decode. Plain buffers work everywhere.
+    params.use_extra_bufts = False
+    params.n_gpu_layers = gpu_layers  # -1: all (llama.cpp's default), 0: none
+    if split_mode:
+        params.split_mode = SPLIT_MODES[split_mode]
+    shares = None
+    if tensor_split:
+        shares = (ctypes.c_float * L.llama_max_devices())(*tensor_split)
+        params.tensor_split = shares
+    return params, shares
 
 
 class LoadedModel:
     """One GGUF model and its vocabulary, with the helpers the engine needs around them."""
 
-    def __init__(self, path: str, on_progress: Callable[[float], Any] | None = None, gpu_layers: int = -1) -> None:
+    def __init__(self, path: str, on_progress: Callable[[float], Any] | None = None, gpu_layers: int = -1,
+                 split_mode: str = "", tensor_split: tuple[float, ...] | list[float] = ()) -> None:
         if not os.path.isfile(path):
             raise EngineLoadError(f"could not load the model: no file at {path!r}")
         L.llama_backend_init()
-        params = L.llama_model_default_params()
-        # The CPU backend repacks weights into AMX tiles when the CPU reports AMX, but VMs that do not grant
-        # the tile state (XTILEDATA) then die on SIGILL at the first decode. Plain buffers work everywhere.
-        params.use_extra_bufts = False
-        params.n_gpu_layers = gpu_layers  # -1: all (llama.cpp's default), 0: none
+        params, self._shares = model_params(gpu_layers, split_mode, tensor_split)
         if on_progress is not None:
             # Kept on self: ctypes must not collect the callback while llama.cpp still holds it.
             self._progress_cb = L.llama_progress_callback(lambda p, _data: _report(on_progress, p))

@@ -49,6 +49,18 @@ def _layers(value: str) -> int:
     return int(value)
 
 
+def _shares(value: str) -> tuple[float, ...]:
+    import argparse
+
+    try:
+        shares = tuple(float(part) for part in value.split(","))
+    except ValueError:
+        shares = ()
+    if not shares or any(not share >= 0 for share in shares) or not any(shares):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a list of GPU shares such as 3,1 (numbers, 0 or more)")
+    return shares
+
+
 def _label(value: str) -> tuple[str, str]:
     import argparse
     import re
@@ -138,6 +150,13 @@ class Command(BaseCommand):
         parser.add_argument("--gpu-layers", type=_layers, metavar="N",
                             help="offload the model's first N layers to the GPU, the rest on the CPU (default: all "
                                  "when the build sees a GPU; llama.cpp counts the output layer as one)")
+        parser.add_argument("--split-mode", choices=["none", "layer", "row"], default="",
+                            help="one engine worker over several GPUs: layer (llama.cpp's default) spreads layers and "
+                                 "KV cache over them, row splits each layer's tensors too, none keeps the model on one "
+                                 "GPU (docs/operations.md, *Several GPUs*)")
+        parser.add_argument("--tensor-split", type=_shares, default=(), metavar="SHARES",
+                            help="each GPU's share of the model, in the build's order, e.g. 3,1 (default: by free "
+                                 "memory)")
         parser.add_argument("--transcribe", metavar="SPEECH_MODEL",
                             help="also serve /v1/audio/transcriptions with this speech model: whisper-tiny.en (the "
                                  "bundled one) or a CTranslate2 Whisper model folder; run by faster-whisper in the "
@@ -182,7 +201,8 @@ class Command(BaseCommand):
             replicas=options["replicas"], gpus=options["gpus"], accept_new_head=options["accept_new_head"],
             batch_invariant=options["batch_invariant"], home=settings.FLEET_HOME, transcribe=options["transcribe"],
             mmproj=options["mmproj"], memory_budget=options["memory_budget"], on_demand=not options["no_on_demand"],
-            cpu=options["cpu"], gpu_layers=options["gpu_layers"],
+            cpu=options["cpu"], gpu_layers=options["gpu_layers"], split_mode=options["split_mode"],
+            tensor_split=options["tensor_split"],
         ))
         if code:
             sys.exit(code)
