@@ -1,10 +1,10 @@
 """Routes of the OpenAI-compatible /v1 API and the management /api."""
 
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
-from api import anthropic_messages, deployments, docs, model_registry, openapi_v1, responses_api, v1, v1_batches, views
+from api import anthropic_messages, deployments, model_registry, openapi_v1, responses_api, v1, v1_batches, views
 
 # No `.json` suffix routes: `?format=` does the same, and the actions (drain, revoke, messages) take no `format`.
 router = DefaultRouter()
@@ -31,6 +31,7 @@ v1_patterns = [
     path("responses/<str:response_id>/input_items", responses_api.response_input_items,
          name="v1-response-input-items"),
     path("openapi.json", openapi_v1.openapi_v1, name="v1-openapi"),
+    path("docs/", SpectacularSwaggerView.as_view(url_name="v1-openapi"), name="v1-docs"),
 
     path("models", v1.models, name="v1-models"),
     path("models/<path:model>", v1.model_detail, name="v1-model"),
@@ -48,6 +49,6 @@ urlpatterns = [
     path("v1/", include(v1_patterns)),
     path("api/fleet/", views.FleetStatusView.as_view(), name="api-fleet"),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
-    path("api/docs/", docs.api_docs, name="api-docs"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     path("api/", include(router.urls)),
 ]

@@ -72,6 +72,7 @@ INSTALLED_APPS = [
     "channels",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "fleet",
     "nodes",
     "sessions.apps.InferenceSessionsConfig",
@@ -224,6 +225,10 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "api.schema.document_errors"],
     # The API speaks JSON (form data is accepted, for DRF's browsable forms, but not documented).
     "PARSER_WHITELIST": ["rest_framework.parsers.JSONParser", "api.json_in.ClientJSONParser"],
+    # The docs pages' scripts and styles come from the head itself (drf-spectacular-sidecar), never from a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # The fleet's own knobs.

@@ -247,6 +247,7 @@ NAMED: dict[str, list[Case]] = {
     "fleet-overview": [Case("GET", ADMIN)],
     "fleet-playground": [Case("GET", ADMIN)],
     "v1-openapi": [Case("GET", PUBLIC)],
+    "v1-docs": [Case("GET", PUBLIC)],
     "v1-models": [Case("GET", KEYS_ONLY)],
     "v1-model": [Case("GET", KEYS_ONLY, kwargs=lambda w: {"model": "smollm2"})],
     "v1-chat-completions": [

@@ -77,7 +77,7 @@ class Command(BaseCommand):
             + f"  try:       curl {base}/v1/chat/completions -H \"Authorization: Bearer $KEY\" "
             "-H 'Content-Type: application/json' "
             f"-d '{{\"model\":\"{options['model']}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hi\"}}]}}'\n"
-            f"  API docs:  {base}/api/docs/\n\n"
+            f"  API docs:  {base}/v1/docs/ (the /v1 API), {base}/api/docs/ (management)\n\n"
         )
 
     def _start(self, options) -> dict[str, subprocess.Popen]:
