@@ -22,6 +22,7 @@ from django.db import DatabaseError, transaction
 from django.utils import timezone
 
 from api.models import ApiKey
+from fleet.links import registry
 
 KEY_PREFIX = "fk-"
 
@@ -100,7 +101,9 @@ def first_admin_create(*, username: str = "admin") -> FirstAdmin:
 STAMP_KEY = "api-keys:stamp"
 VERIFIED_TTL_S = 30.0
 STAMP_READ_S = 0.5
-_verified: TTLCache[str, tuple[ApiKey, str | None]] = TTLCache(maxsize=10_000, ttl=VERIFIED_TTL_S)
+def _verified() -> TTLCache[str, tuple[ApiKey, str | None]]:
+    """This process's verified keys (by hash), on the registry."""
+    return registry().own("verified-keys", lambda: TTLCache(maxsize=10_000, ttl=VERIFIED_TTL_S))
 _verified_lock = threading.Lock()  # the event loop reads, sync threads write; cachetools caches are not thread-safe
 
 
@@ -172,7 +175,7 @@ async def api_key_verified(*, key: str) -> ApiKey | None:
     """The key's row when this process verified it within VERIFIED_TTL_S and no key changed since; else None
     (then verify it with api_key_authenticate). One cache read, no database access."""
     with _verified_lock:
-        entry = _verified.get(_hash(key))
+        entry = _verified().get(_hash(key))
     if entry is None:
         return None
     row, stamp = entry
@@ -205,5 +208,5 @@ def api_key_authenticate(*, key: str) -> ApiKey | None:
             log.warning("api: could not stamp key %s as used: %s", row.prefix, exc)
     if row.owner.is_active:
         with _verified_lock:
-            _verified[_hash(key)] = (row, stamp)
+            _verified()[_hash(key)] = (row, stamp)
     return row

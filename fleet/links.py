@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from django.conf import settings
 
@@ -27,6 +28,7 @@ from fleet.waiting import ModelQueue, Waiter, WaitingRoom
 from nodes.link.lifecycle import PlacementLifecycle, aio
 from nodes.link.placement import PlacementState
 
+T = TypeVar("T")
 log = logging.getLogger("fleet")
 
 RELAY_CAPACITY = 4096  # token batches; a generation whose client falls this far behind is cancelled
@@ -196,6 +198,16 @@ class Registry:
         self.running = Running()  # the generations placed here and not over: counts, and lanes preemption may take
         self.heads = HeadBeat(lambda: self.placement)  # where this process is served, its beat, the live heads
         self.aliases = AliasTable()  # model aliases as every API resolves them, kept a few seconds
+        self._owned: dict[str, Any] = {}  # what modules keep for the process (caches, stores): `own`
+        self._owned_lock = threading.Lock()
+
+    def own(self, name: str, make: Callable[[], T]) -> T:
+        """A piece of process state a module keeps (a cache, a store), made by `make` on first use, once, and gone
+        with this registry: the module holds no state of its own, and a test's fresh registry starts it anew."""
+        with self._owned_lock:
+            if name not in self._owned:
+                self._owned[name] = make()
+            return self._owned[name]
 
     @property
     def aplacement(self) -> Any:

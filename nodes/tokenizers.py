@@ -23,6 +23,7 @@ from pathlib import Path
 from cachetools import TTLCache
 from django.conf import settings
 
+from fleet.links import registry
 from nodes.agent.vocab import BUILTINS, BYTES, Builtin, Vocab, VocabError, tokenizer_fingerprint, vocab_gguf
 from nodes.blobs import blob_path
 from nodes.models import Model
@@ -33,8 +34,16 @@ FINGERPRINT_RE = re.compile(r"[0-9a-f]{64}")
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024  # a metadata-only GGUF: a 256k vocabulary is some 10 MB
 
 _lock = threading.Lock()
-_loaded: dict[str, Vocab] = {}  # by file path
-_registry_fingerprints: TTLCache = TTLCache(maxsize=1024, ttl=30)
+
+
+def _loaded() -> dict[str, Vocab]:
+    """The tokenizers this process loaded, by file path (on the registry)."""
+    return registry().own("tokenizers", dict)
+
+
+def _registry_fingerprints() -> TTLCache:
+    """Registry models' tokenizer fingerprints, by name, as read in the last 30 s (on the registry)."""
+    return registry().own("registry-fingerprints", lambda: TTLCache(maxsize=1024, ttl=30))
 
 
 class TokenizerRefused(Exception):
@@ -106,7 +115,7 @@ def model_tokenizer(model: Model) -> str:
 
 def registry_fingerprint(name: str) -> str:
     """The tokenizer of the registry model `name` ("" when the registry has no such model), cached a while."""
-    found = _registry_fingerprints.get(name)
+    found = _registry_fingerprints().get(name)
     if found is None:
         model = Model.objects.filter(name=name).first()
         try:
@@ -114,7 +123,7 @@ def registry_fingerprint(name: str) -> str:
         except VocabError as exc:  # its blob is gone or unreadable: its prompts are keyed as its nodes report
             log.warning("fleet cannot read the tokenizer of registry model %r: %s", name, exc)
             found = ""
-        _registry_fingerprints[name] = found
+        _registry_fingerprints()[name] = found
     return found
 
 
@@ -124,12 +133,13 @@ def tokenizer_get(fingerprint: str) -> Builtin | Vocab:
         return BUILTINS[fingerprint]
     path = tokenizer_path(fingerprint)
     with _lock:
-        vocab = _loaded.get(str(path))
+        loaded = _loaded()
+        vocab = loaded.get(str(path))
         if vocab is None:
             if not path.exists():
                 log.warning("fleet has no tokenizer file %s; keying its prompts by bytes", fingerprint[:12])
                 return BUILTINS[BYTES]
-            vocab = _loaded[str(path)] = Vocab(path, fingerprint)
+            vocab = loaded[str(path)] = Vocab(path, fingerprint)
         return vocab
 
 

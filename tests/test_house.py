@@ -24,12 +24,11 @@ OVER: dict[str, int] = {
 }
 # Module-level state still outside the registry: caches, lazily built singletons and the node's tracer.
 STATE = {
-    "api/quota_counts.py:_stores", "api/services.py:_verified", "nodes/tokenizers.py:_registry_fingerprints",
-    "fleet/discovery.py:_served",
+    "api/quota_counts.py:_stores", "fleet/discovery.py:_served",
     "fleet/links.py:_registry", "fleet/metric_store.py:_store", "fleet/metrics.py:_known", "fleet/timers.py:_slices",
     "fleet/tracing.py:_tasks", "nodes/agent/tracing.py:_running", "nodes/link/trace.py:ENABLED",
     "nodes/link/trace.py:_provider", "nodes/link/trace.py:_tracer", "nodes/link/trace.py:spans",
-    "nodes/services.py:_head_key", "nodes/tokenizers.py:_loaded", "sessions/writer.py:_writers",
+    "nodes/services.py:_head_key", "sessions/writer.py:_writers",
 }
 ROUTES = {"urlpatterns", "v1_patterns", "websocket_urlpatterns"}  # Django's and Channels' URL tables
 MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "deque", "OrderedDict", "Counter", "TTLCache", "LRUCache",
