@@ -111,17 +111,22 @@ class Counts:
 OTHER_MODEL = "other"  # the model label of every name the fleet does not know (a client may send any name)
 KNOWN_TTL_S = 5.0  # how long the known names are trusted; a miss looks again after MISS_RECHECK_S
 MISS_RECHECK_S = 1.0
-_known: dict[str, Any] = {"at": -1e9, "names": frozenset()}
+
+
+def _known() -> dict[str, Any]:
+    """The model names the fleet knows, and when they were read (on the registry)."""
+    return registry().own("known-models", lambda: {"at": -1e9, "names": frozenset()})
 
 
 async def amodel_label(model: str) -> str:
     """`model` as a metric label: itself when the fleet knows it (a node serves it, or the registry holds it), else
     OTHER_MODEL, so a client naming made-up models cannot grow the scrape without bound. The known names are read
     at most every MISS_RECHECK_S however many unknown names arrive."""
-    age = time.monotonic() - _known["at"]
-    if age >= KNOWN_TTL_S or (model not in _known["names"] and age >= MISS_RECHECK_S):
-        _known["names"], _known["at"] = await _aknown_models(), time.monotonic()
-    return model if model in _known["names"] else OTHER_MODEL
+    known = _known()
+    age = time.monotonic() - known["at"]
+    if age >= KNOWN_TTL_S or (model not in known["names"] and age >= MISS_RECHECK_S):
+        known["names"], known["at"] = await _aknown_models(), time.monotonic()
+    return model if model in known["names"] else OTHER_MODEL
 
 
 async def _aknown_models() -> frozenset[str]:
@@ -139,7 +144,7 @@ async def _aknown_models() -> frozenset[str]:
     try:
         return served | frozenset(await sync_to_async(recorded)())
     except DatabaseError:  # the database away: the names the links serve (a stream's end never fails on it)
-        return served | _known["names"]
+        return served | _known()["names"]
 
 
 def generation_ended(*, model: str, status: str, code: str, outcome: Any, finished_at: float, api: str = "") -> None:

@@ -25,7 +25,7 @@ OVER: dict[str, int] = {
 # Module-level state still outside the registry: caches, lazily built singletons and the node's tracer.
 STATE = {
     "api/quota_counts.py:_stores", "fleet/discovery.py:_served",
-    "fleet/links.py:_registry", "fleet/metric_store.py:_store", "fleet/metrics.py:_known", "fleet/timers.py:_slices",
+    "fleet/links.py:_registry", "fleet/metric_store.py:_store", "fleet/timers.py:_slices",
     "fleet/tracing.py:_tasks", "nodes/agent/tracing.py:_running", "nodes/link/trace.py:ENABLED",
     "nodes/link/trace.py:_provider", "nodes/link/trace.py:_tracer", "nodes/link/trace.py:spans",
     "nodes/services.py:_head_key", "sessions/writer.py:_writers",

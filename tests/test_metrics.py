@@ -358,8 +358,8 @@ def test_a_node_serving_several_models_shows_each_models_own_lanes_and_kv(scrape
 
 
 def _reset_known(monkeypatch):
-    monkeypatch.setitem(metrics._known, "at", -1e9)
-    monkeypatch.setitem(metrics._known, "names", frozenset())
+    monkeypatch.setitem(metrics._known(), "at", -1e9)
+    monkeypatch.setitem(metrics._known(), "names", frozenset())
 
 
 def test_a_thousand_made_up_model_names_are_one_series_other(scraper, monkeypatch):
