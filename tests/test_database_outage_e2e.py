@@ -1,8 +1,8 @@
 """PostgreSQL away under streams (issue 50 item 3), with real processes: a daphne head on PostgreSQL and Redis, a
 node on the bundled model, and the database behind a TCP relay this test cuts (every connection closed, new ones
 refused) and then lets through again. Streams begun before go on to their last token, one that ends meanwhile has its
-record written once the database is back, a new request meanwhile is a clear 503, and the fleet serves new requests
-within seconds of the database's return, with no restart. Runs in the PostgreSQL + Redis pass (it needs
+record written once the database is back, a new request meanwhile is answered or a clear 503, and the fleet serves
+new requests within seconds of the database's return, with no restart. Runs in the PostgreSQL + Redis pass (it needs
 DATABASE_URL's server and REDIS_URL)."""
 
 from __future__ import annotations
@@ -134,9 +134,10 @@ def test_streams_outlive_a_database_outage_their_records_land_and_the_fleet_serv
         wait_for(lambda: all(s.chunks >= 2 for s in [*streams, short]), 120, "the streams did not begin")
         relay.cut()
         at_cut = [s.chunks for s in streams]
-        with pytest.raises(openai.InternalServerError) as refused:  # a new one needs the database: a clear 503
-            _answer(client)
-        assert refused.value.status_code == 503 and refused.value.response.headers["Retry-After"] == "5"
+        try:  # a new one: served when its key was verified in the last 30 s (the cache), else a clear 503
+            assert _answer(client)
+        except openai.InternalServerError as refused:
+            assert refused.status_code == 503 and refused.response.headers["Retry-After"] == "5"
         time.sleep(OUTAGE_S)
         short.thread.join(60)
         assert not short.thread.is_alive(), "an answer that ended with the database away waited for its record"
