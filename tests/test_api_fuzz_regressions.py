@@ -142,7 +142,7 @@ def _v1_routes() -> dict[str, set[str]]:
 
     routes = {}
     for route, view in walk(get_resolver()):
-        if route.startswith("/v1/"):
+        if route.startswith("/v1/") and route != "/v1/docs/":  # the page that renders the description, not the API
             path = re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", route)
             routes[path] = set(getattr(view, "methods", None) or ("GET",))
     return routes

@@ -370,7 +370,8 @@ async def test_the_database_away_ends_no_link_and_no_streams_metrics(monkeypatch
     assert await comm.receive_nothing(timeout=2.5)  # two watchdog ticks, a heartbeat: the link stays up
     node_id = str((await Node.objects.aget(identity="gpu-7")).pk)
     assert node_id in registry().links
-    monkeypatch.setattr(metrics, "_known", {"names": frozenset(), "at": -1e9})
+    monkeypatch.setitem(metrics._known(), "at", -1e9)  # the known names are read again: from a database away
+    monkeypatch.setitem(metrics._known(), "names", frozenset())
     class Away:
         def values_list(self, *args, **kwargs):
             raise OperationalError("could not connect to server: Connection refused")
